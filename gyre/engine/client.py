@@ -1,0 +1,148 @@
+"""One client for every rollout engine that speaks SGLang's native HTTP protocol.
+
+The embedded CPU engine (gyre.engine.server) and production SGLang servers are driven by this
+same class; payloads follow sglang/srt/managers/io_struct.py (GenerateReqInput).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+
+class EngineError(RuntimeError):
+    """The engine answered with an error or could not be reached."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+    def to_payload(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "max_new_tokens": self.max_new_tokens,
+            "stop_token_ids": list(self.stop_token_ids),
+            "skip_special_tokens": False,
+            "no_stop_trim": True,
+        }
+        if self.seed is not None:
+            out["sampling_seed"] = self.seed
+        return out
+
+
+@dataclass
+class GenerateResult:
+    rid: str
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"
+    prompt_tokens: int
+    cached_tokens: int
+    weight_version: str
+
+    @classmethod
+    def from_response(cls, body: dict[str, Any]) -> GenerateResult:
+        meta = body["meta_info"]
+        finish = meta.get("finish_reason") or {}
+        lps = meta.get("output_token_logprobs") or []
+        ids = body.get("output_ids")
+        if ids is None:
+            ids = [int(tok) for _, tok, *_ in lps]
+        return cls(
+            rid=str(meta.get("id", "")),
+            output_ids=[int(i) for i in ids],
+            output_logprobs=[float(lp) for lp, *_ in lps],
+            finish_reason=str(finish.get("type", "stop")) if isinstance(finish, dict) else str(finish),
+            prompt_tokens=int(meta.get("prompt_tokens", 0)),
+            cached_tokens=int(meta.get("cached_tokens", 0)),
+            weight_version=str(meta.get("weight_version", "")),
+        )
+
+
+class EngineClient:
+    """Async client; create inside a running event loop, close with `await client.close()`."""
+
+    def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def _request(self, method: str, path: str, payload: dict[str, Any] | None = None) -> Any:
+        session = await self._http()
+        try:
+            async with session.request(method, f"{self.base_url}{path}", json=payload) as resp:
+                text = await resp.text()
+                if resp.status >= 400:
+                    raise EngineError(f"{method} {path} -> {resp.status}: {text[:500]}", resp.status)
+                if resp.content_type == "application/json":
+                    return await resp.json()
+                return text
+        except aiohttp.ClientError as e:
+            raise EngineError(f"{method} {path} failed: {e}") from e
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None) -> GenerateResult:
+        payload: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": sampling.to_payload(),
+            "return_logprob": True,
+            "stream": False,
+        }
+        if rid is not None:
+            payload["rid"] = rid
+        return GenerateResult.from_response(await self._request("POST", "/generate", payload))
+
+    async def health(self) -> bool:
+        try:
+            await self._request("GET", "/health")
+            return True
+        except EngineError:
+            return False
+
+    async def server_info(self) -> dict[str, Any]:
+        return await self._request("GET", "/get_server_info")
+
+    async def abort(self, rid: str) -> None:
+        await self._request("POST", "/abort_request", {"rid": rid})
+
+    async def pause_generation(self) -> None:
+        await self._request("POST", "/pause_generation", {})
+
+    async def continue_generation(self) -> None:
+        await self._request("POST", "/continue_generation", {})
+
+    async def flush_cache(self) -> None:
+        await self._request("POST", "/flush_cache", {})
+
+    async def release_memory(self) -> None:
+        await self._request("POST", "/release_memory_occupation", {})
+
+    async def resume_memory(self) -> None:
+        await self._request("POST", "/resume_memory_occupation", {})
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str) -> dict[str, Any]:
+        payload = {"model_path": model_path, "weight_version": weight_version, "abort_all_requests": False}
+        body = await self._request("POST", "/update_weights_from_disk", payload)
+        if isinstance(body, dict) and body.get("success") is False:
+            raise EngineError(f"weight update failed: {body.get('message')}")
+        return body
