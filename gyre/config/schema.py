@@ -104,7 +104,7 @@ class RunConfig:
     steps: int = 16
     seed: int = 0
     scheduler: str = "colocate"
-    output_dir: str = "outputs/${now:%Y-%m-%d_%H-%M-%S}"
+    output_dir: str = ""  # empty: Hydra's run directory (outputs/<date>_<time>)
     checkpoint_every: int = 4
     model: ModelConfig = field(default_factory=ModelConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)

@@ -1,0 +1,31 @@
+# Two commands on a fresh machine: `make run` (the main job, embedded default) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.gyre-installed
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: run test setup lint format clean
+
+run: $(STAMP)
+	$(PY) -m launch.run $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml tools/setup_env.sh
+	PYTHON=$(PYTHON) VENV=$(VENV) bash tools/setup_env.sh
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check gyre launch tools tests
+	$(VENV)/bin/ruff format --check gyre launch tools tests
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format gyre launch tools tests
+
+clean:
+	rm -rf outputs multirun .pytest_cache .ruff_cache

@@ -1,0 +1,55 @@
+"""Per-step metrics: one JSON object per line in metrics.jsonl, and a PNG of the learning curve."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+class MetricsWriter:
+    def __init__(self, output_dir: str | Path) -> None:
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.rows: list[dict[str, Any]] = []
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        with self.path.open("a") as f:
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_learning_curve(rows: list[dict[str, Any]], png_path: str | Path) -> Path:
+    """Reward and success rate per step (with a 3-step moving average of success)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    ax.plot(steps, [r["reward_mean"] for r in rows], "o-", label="reward (partial credit)")
+    ax.plot(steps, [r["success_rate"] for r in rows], "s-", label="success rate")
+    if len(rows) >= 3:
+        sr = [r["success_rate"] for r in rows]
+        avg = [sum(sr[max(0, i - 2) : i + 1]) / len(sr[max(0, i - 2) : i + 1]) for i in range(len(sr))]
+        ax.plot(steps, avg, "--", color="gray", label="success, 3-step mean")
+    ax.set_xlabel("RL step")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    n = rows[-1].get("n_rollouts", "?") if rows else "?"
+    ax.set_title(f"Gyre embedded run: {len(rows)} steps, {n} rollouts/step")
+    fig.tight_layout()
+    fig.savefig(png_path)
+    plt.close(fig)
+    return Path(png_path)
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
