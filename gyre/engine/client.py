@@ -125,8 +125,10 @@ class EngineClient:
     async def abort(self, rid: str) -> None:
         await self._request("POST", "/abort_request", {"rid": rid})
 
-    async def pause_generation(self) -> None:
-        await self._request("POST", "/pause_generation", {})
+    async def pause_generation(self, mode: str = "in_place") -> None:
+        """SGLang modes: "in_place" keeps requests and their KV; "retract" re-queues them (KV may be
+        recomputed); "abort" finishes them. SGLang's own default is "abort", so always send one."""
+        await self._request("POST", "/pause_generation", {"mode": mode})
 
     async def continue_generation(self) -> None:
         await self._request("POST", "/continue_generation", {})

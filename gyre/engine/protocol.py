@@ -1,0 +1,196 @@
+"""SGLang's native `/generate` payloads: validation of requests and the shape of responses.
+
+Field names follow sglang/srt/managers/io_struct.py (GenerateReqInput) and the meta_info built by
+its TokenizerManager. Streaming is SGLang's default non-incremental form: every chunk carries the
+whole text, output_ids and logprobs so far.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from gyre.engine.batcher import Delta
+from gyre.engine.sampling import SamplingSpec, parse_sampling_params
+from gyre.model.tokenizer import Tokenizer
+
+# GenerateReqInput fields that change what must be computed; accepted only at these values.
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "input_embeds": (None,),
+    "image_data": (None,),
+    "video_data": (None,),
+    "audio_data": (None,),
+    "lora_path": (None,),
+    "top_logprobs_num": (None, 0),
+    "token_ids_logprob": (None,),
+    "logprob_start_len": (None, -1),
+    "return_hidden_states": (None, False),
+    "return_routed_experts": (None, False),
+    "custom_logit_processor": (None,),
+    "session_params": (None,),
+}
+
+
+class ProtocolError(ValueError):
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class GenerateItem:
+    rid: str
+    input_ids: list[int]
+    spec: SamplingSpec
+    return_logprob: bool
+    return_text_in_logprobs: bool
+
+
+@dataclass
+class GenerateRequest:
+    items: list[GenerateItem]
+    is_batch: bool
+    stream: bool
+
+
+def _per_item(value: Any, n: int, name: str, is_batch: bool) -> list[Any]:
+    if is_batch and isinstance(value, list):
+        if len(value) != n:
+            raise ProtocolError(f"{name} has {len(value)} entries for a batch of {n} prompts")
+        return value
+    return [value] * n
+
+
+def _token_list(ids: Any, vocab_size: int) -> list[int]:
+    if not isinstance(ids, list) or not ids:
+        raise ProtocolError("input_ids must be a non-empty list of token ids")
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise ProtocolError(f"input_ids contains {t!r}, not a token id in [0, {vocab_size})")
+    return ids
+
+
+def parse_generate(body: Any, tokenizer: Tokenizer | None, vocab_size: int, max_context_tokens: int) -> GenerateRequest:
+    """Validate a GenerateReqInput body; raises ProtocolError (HTTP 400) naming the problem."""
+    if not isinstance(body, dict):
+        raise ProtocolError("the request body must be a JSON object")
+    for name, allowed in _UNSUPPORTED.items():
+        if body.get(name) not in allowed:
+            raise ProtocolError(f"{name}={body[name]!r} is not supported by the embedded engine")
+    ids, text = body.get("input_ids"), body.get("text")
+    if ids is None and text is None:
+        raise ProtocolError("provide input_ids (a list of token ids) or text")
+    if ids is not None and text is not None:
+        raise ProtocolError("provide either input_ids or text, not both")
+    if ids is not None:
+        is_batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+        prompts = [_token_list(p, vocab_size) for p in (ids if is_batch else [ids])]
+    else:
+        if tokenizer is None:
+            raise ProtocolError("this engine has no tokenizer (none in the model directory); send input_ids")
+        is_batch = isinstance(text, list)
+        texts = text if is_batch else [text]
+        if not texts or not all(isinstance(t, str) and t for t in texts):
+            raise ProtocolError("text must be a non-empty string or a list of them")
+        prompts = [tokenizer.encode(t) for t in texts]
+    n = len(prompts)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ProtocolError(f"stream must be true or false, got {stream!r}")
+    if stream and is_batch:
+        raise ProtocolError("streaming a batch of prompts is not supported; send one request per prompt")
+
+    rid = body.get("rid")
+    if rid is None:
+        rids = [uuid.uuid4().hex for _ in range(n)]
+    elif isinstance(rid, str) and rid:
+        rids = [f"{rid}_{i}" for i in range(n)] if is_batch else [rid]
+    elif is_batch and isinstance(rid, list) and len(rid) == n and all(isinstance(r, str) and r for r in rid):
+        rids = list(rid)
+    else:
+        raise ProtocolError(f"rid must be a non-empty string (or one per prompt in a batch), got {rid!r}")
+
+    try:
+        raw_params = _per_item(body.get("sampling_params"), n, "sampling_params", is_batch)
+        specs = [parse_sampling_params(p, vocab_size) for p in raw_params]
+    except ValueError as e:
+        raise ProtocolError(str(e)) from e
+    logprob_flags = _per_item(body.get("return_logprob") or False, n, "return_logprob", is_batch)
+    text_in_lp = body.get("return_text_in_logprobs", False)
+    if not all(isinstance(f, bool) for f in [*logprob_flags, text_in_lp]):
+        raise ProtocolError("return_logprob and return_text_in_logprobs must be true or false")
+
+    items = []
+    for prompt, r, spec, lp in zip(prompts, rids, specs, logprob_flags, strict=True):
+        if len(prompt) + spec.max_new_tokens > max_context_tokens:
+            raise ProtocolError(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({spec.max_new_tokens}) exceeds the context "
+                f"limit of {max_context_tokens} tokens; shorten the prompt or lower max_new_tokens"
+            )
+        items.append(GenerateItem(r, prompt, spec, lp, text_in_lp))
+    return GenerateRequest(items, is_batch, stream)
+
+
+@dataclass
+class RequestOutput:
+    """Server-side accumulation of one request's deltas, rendered as SGLang responses."""
+
+    item: GenerateItem
+    created: float = field(default_factory=time.perf_counter)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    last: Delta | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.last is not None and self.last.finish is not None
+
+    def add(self, delta: Delta) -> None:
+        self.output_ids.extend(delta.output_ids)
+        self.logprobs.extend(delta.logprobs)
+        self.last = delta
+
+    def text(self, tokenizer: Tokenizer | None) -> str:
+        if tokenizer is None:
+            return ""
+        spec = self.item.spec
+        finish = self.last.finish if self.last is not None else None
+        matched = (finish or {}).get("matched")
+        ids = self.output_ids
+        if isinstance(matched, int) and not spec.no_stop_trim and ids and ids[-1] == matched:
+            ids = ids[:-1]
+        text = tokenizer.decode(ids, skip_special_tokens=spec.skip_special_tokens)
+        if isinstance(matched, str) and (pos := text.find(matched)) >= 0:
+            text = text[: pos + len(matched)] if spec.no_stop_trim else text[:pos]
+        return text
+
+    def response(self, tokenizer: Tokenizer | None) -> dict[str, Any]:
+        last = self.last
+        finish = last.finish if last is not None else None
+        meta: dict[str, Any] = {
+            "id": self.item.rid,
+            "finish_reason": finish,
+            "prompt_tokens": len(self.item.input_ids),
+            "weight_version": last.weight_version if last is not None else "",
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": last.cached_tokens if last is not None else 0,
+        }
+        if self.item.return_logprob:
+            meta["output_token_logprobs"] = [
+                [lp, tok, self._token_text(tokenizer, tok)]
+                for lp, tok in zip(self.logprobs, self.output_ids, strict=True)
+            ]
+            meta["output_token_logprobs_length"] = len(self.logprobs)
+        if finish is not None:
+            if last.weight_versions:
+                meta["weight_versions"] = last.weight_versions
+                meta["weight_version"] = last.weight_versions[-1]["version"]
+            meta["e2e_latency"] = time.perf_counter() - self.created
+        return {"text": self.text(tokenizer), "output_ids": list(self.output_ids), "meta_info": meta}
+
+    def _token_text(self, tokenizer: Tokenizer | None, token: int) -> str | None:
+        if not self.item.return_text_in_logprobs or tokenizer is None:
+            return None
+        return tokenizer.decode([token], skip_special_tokens=False)

@@ -1,0 +1,114 @@
+"""The training-side model: a megatron-core GPTModel with the architecture of gyre/model/llama.py.
+
+RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases, untied embeddings, fp32, megatron's
+local layer spec (no Transformer Engine). On a machine without CUDA the CPU shim is applied first.
+"""
+
+from __future__ import annotations
+
+import socket
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from gyre.config.schema import ModelConfig
+from gyre.train.cpu_shim import apply_cpu_shim
+
+# Without Apex / Transformer Engine megatron-core warns on import and when building the local spec;
+# that is the expected setup here (local spec, torch norms), so those notices are silenced.
+_NO_APEX_TE = r".*(Apex|Transformer Engine).*"
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=_NO_APEX_TE)
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def _free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_megatron_single_process() -> None:
+    """A one-process gloo world and tensor/pipeline parallel size 1. Idempotent.
+
+    If torch.distributed is already initialized (e.g. by a launcher) that world is reused.
+    """
+    apply_cpu_shim()
+    if not torch.distributed.is_initialized():
+        port = _free_loopback_port()
+        torch.distributed.init_process_group(
+            backend="gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            world_size=1,
+            rank=0,
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+
+
+def transformer_config(cfg: ModelConfig) -> TransformerConfig:
+    if cfg.hidden_size % cfg.num_attention_heads:
+        raise ValueError(
+            f"hidden_size {cfg.hidden_size} must be divisible by num_attention_heads {cfg.num_attention_heads}"
+        )
+    if cfg.num_attention_heads % cfg.num_query_groups:
+        raise ValueError(
+            f"num_attention_heads {cfg.num_attention_heads} must be divisible by "
+            f"num_query_groups {cfg.num_query_groups}"
+        )
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        kv_channels=cfg.hidden_size // cfg.num_attention_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=cfg.init_std,
+        params_dtype=torch.float32,
+        bf16=False,
+        fp16=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        use_cpu_initialization=True,
+        pipeline_dtype=torch.float32,
+        cuda_graph_scope=[],
+    )
+
+
+def build_gpt_model(cfg: ModelConfig) -> GPTModel:
+    """A fresh GPTModel on CPU, its weights drawn from cfg.seed."""
+    init_megatron_single_process()
+    torch.manual_seed(cfg.seed)
+    model_parallel_cuda_manual_seed(cfg.seed)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_APEX_TE)
+        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    return GPTModel(
+        config=transformer_config(cfg),
+        transformer_layer_spec=layer_spec,
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        parallel_output=False,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=cfg.rope_theta,
+    )

@@ -1,0 +1,171 @@
+"""Exact conversion between megatron-core GPTModel state_dicts and the HF names of gyre/model/llama.py.
+
+Layouts that are not a plain rename:
+- `linear_qkv.weight` holds q, k and v interleaved per query group: for each of the
+  `num_query_groups` groups, its `heads_per_group` query heads, then its key head, then its value head.
+- `linear_fc1.weight` is the gate projection stacked over the up projection (megatron's GLU chunks
+  the output in two and applies the activation to the first half).
+- With the Transformer Engine spec the two per-layer norms live inside the following linear
+  (`linear_qkv.layer_norm_weight`, `mlp.linear_fc1.layer_norm_weight`); the local spec keeps them as
+  `input_layernorm.weight` and `pre_mlp_layernorm.weight`. Both are read; `fused_norms` picks which
+  one is written.
+Megatron's `_extra_state` entries carry no weights and are skipped. Returned tensors may share
+storage with the input; clone them if the source keeps training.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gyre.config.schema import ModelConfig
+
+_MEGATRON_GLOBAL = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
+# megatron per-layer suffix -> HF per-layer suffix, for the plain renames.
+_MEGATRON_LAYER = {
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+_LOCAL_NORMS = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+}
+_FUSED_NORMS = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+}
+_QKV = "self_attention.linear_qkv.weight"
+_FC1 = "mlp.linear_fc1.weight"
+
+
+def _head_dims(cfg: ModelConfig) -> tuple[int, int, int]:
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_query_groups, cfg.num_attention_heads // cfg.num_query_groups, head_dim
+
+
+def _expected_shapes_hf(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    groups, per_group, head_dim = _head_dims(cfg)
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    shapes = {
+        "model.embed_tokens.weight": (cfg.vocab_size, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (cfg.vocab_size, h),
+    }
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (groups * per_group * head_dim, h),
+            p + "self_attn.k_proj.weight": (groups * head_dim, h),
+            p + "self_attn.v_proj.weight": (groups * head_dim, h),
+            p + "self_attn.o_proj.weight": (h, groups * per_group * head_dim),
+            p + "mlp.gate_proj.weight": (f, h),
+            p + "mlp.up_proj.weight": (f, h),
+            p + "mlp.down_proj.weight": (h, f),
+        }
+    return shapes
+
+
+def _check_keys(kind: str, got: set[str], expected: set[str], hint: str) -> None:
+    missing, unexpected = sorted(expected - got), sorted(got - expected)
+    if missing or unexpected:
+        raise KeyError(
+            f"{kind} state_dict does not match the ModelConfig: missing {missing}, unexpected {unexpected}. {hint}"
+        )
+
+
+def _check_shapes(state: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], kind: str) -> None:
+    for name, shape in shapes.items():
+        if tuple(state[name].shape) != shape:
+            raise ValueError(
+                f"{kind} tensor {name} has shape {tuple(state[name].shape)}, the ModelConfig implies {shape}"
+            )
+
+
+def split_qkv(qkv: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """megatron's per-group interleaved [groups*(per_group+2)*head_dim, h] -> HF q, k, v weights."""
+    groups, per_group, head_dim = _head_dims(cfg)
+    grouped = qkv.reshape(groups, per_group + 2, head_dim, qkv.shape[-1])
+    q = grouped[:, :per_group].reshape(groups * per_group * head_dim, -1)
+    k = grouped[:, per_group].reshape(groups * head_dim, -1)
+    v = grouped[:, per_group + 1].reshape(groups * head_dim, -1)
+    return q, k, v
+
+
+def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """HF q, k, v weights -> megatron's per-group interleaved linear_qkv weight."""
+    groups, per_group, head_dim = _head_dims(cfg)
+    h = q.shape[-1]
+    grouped = torch.cat(
+        [
+            q.reshape(groups, per_group, head_dim, h),
+            k.reshape(groups, 1, head_dim, h),
+            v.reshape(groups, 1, head_dim, h),
+        ],
+        dim=1,
+    )
+    return grouped.reshape(groups * (per_group + 2) * head_dim, h)
+
+
+def megatron_to_hf(state: dict[str, torch.Tensor | None], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """GPTModel.state_dict() (local or Transformer Engine spec) -> LlamaForCausalLM state_dict."""
+    weights = {k: v for k, v in state.items() if not k.endswith("._extra_state")}
+    fused = any(k.endswith(".linear_qkv.layer_norm_weight") for k in weights)
+    norms = _FUSED_NORMS if fused else _LOCAL_NORMS
+    expected = set(_MEGATRON_GLOBAL)
+    for i in range(cfg.num_layers):
+        expected |= {f"decoder.layers.{i}.{s}" for s in [*_MEGATRON_LAYER, *norms, _QKV, _FC1]}
+    _check_keys(
+        "megatron",
+        set(weights),
+        expected,
+        "Build the GPTModel from the same ModelConfig (see gyre/model/megatron_gpt.py).",
+    )
+
+    out = {hf: weights[mc] for mc, hf in _MEGATRON_GLOBAL.items()}
+    for i in range(cfg.num_layers):
+        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+        for mc, hf in (_MEGATRON_LAYER | norms).items():
+            out[dst + hf] = weights[src + mc]
+        q, k, v = split_qkv(weights[src + _QKV], cfg)
+        out[dst + "self_attn.q_proj.weight"] = q
+        out[dst + "self_attn.k_proj.weight"] = k
+        out[dst + "self_attn.v_proj.weight"] = v
+        gate, up = torch.chunk(weights[src + _FC1], 2, dim=0)
+        out[dst + "mlp.gate_proj.weight"] = gate
+        out[dst + "mlp.up_proj.weight"] = up
+    out = {k: v.detach().contiguous() for k, v in out.items()}
+    _check_shapes(out, _expected_shapes_hf(cfg), "converted HF")
+    return out
+
+
+def hf_to_megatron(
+    state: dict[str, torch.Tensor], cfg: ModelConfig, fused_norms: bool = False
+) -> dict[str, torch.Tensor]:
+    """LlamaForCausalLM state_dict -> GPTModel state_dict (load it with strict=False: no _extra_state).
+
+    fused_norms=True writes the Transformer Engine spec's norm names instead of the local spec's.
+    """
+    shapes = _expected_shapes_hf(cfg)
+    _check_keys(
+        "HF", set(state), set(shapes), "Convert a checkpoint of gyre/model/llama.py built from the same ModelConfig."
+    )
+    _check_shapes(state, shapes, "HF")
+    norms = _FUSED_NORMS if fused_norms else _LOCAL_NORMS
+    out = {mc: state[hf] for mc, hf in _MEGATRON_GLOBAL.items()}
+    for i in range(cfg.num_layers):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+        for mc, hf in (_MEGATRON_LAYER | norms).items():
+            out[dst + mc] = state[src + hf]
+        out[dst + _QKV] = merge_qkv(
+            state[src + "self_attn.q_proj.weight"],
+            state[src + "self_attn.k_proj.weight"],
+            state[src + "self_attn.v_proj.weight"],
+            cfg,
+        )
+        out[dst + _FC1] = torch.cat([state[src + "mlp.gate_proj.weight"], state[src + "mlp.up_proj.weight"]], dim=0)
+    return {k: v.detach().contiguous() for k, v in out.items()}

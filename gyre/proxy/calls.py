@@ -1,0 +1,127 @@
+"""One model call, independent of the API dialect: render (TITO), fit the context, generate, parse, record."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gyre.config.schema import ProxyConfig
+from gyre.engine.client import SamplingParams
+from gyre.model.chat_template import TemplateError, parse_assistant_text
+from gyre.model.tokenizer import Tokenizer
+from gyre.proxy.call_log import CallLog, CallRecord
+from gyre.proxy.dispatch import EngineDispatcher
+from gyre.proxy.errors import context_length_exceeded, invalid_request
+from gyre.proxy.tito import RenderedPrompt, TitoRenderer
+
+
+@dataclass
+class GenParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+
+def cut_at_stop(tokenizer: Tokenizer, output_ids: list[int], stops: list[str]) -> tuple[int, str] | None:
+    """(tokens kept, text before the stop string) for the earliest stop string in the output, if any.
+
+    The kept tokens end with the token that completes the stop string: they are what the model
+    actually generated up to the stop, so they are what later turns splice back in.
+    """
+    text = tokenizer.decode(output_ids)
+    hits = [(text.find(s), s) for s in stops if s in text]
+    if not hits:
+        return None
+    pos, stop = min(hits)
+    end = pos + len(stop)
+    lo, hi = 1, len(output_ids)  # smallest prefix whose text reaches past the stop string
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(tokenizer.decode(output_ids[:mid])) >= end and tokenizer.decode(output_ids[:mid])[pos:end] == stop:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo, text[:pos]
+
+
+class CallRunner:
+    def __init__(self, tokenizer: Tokenizer, call_log: CallLog, dispatcher: EngineDispatcher, cfg: ProxyConfig) -> None:
+        self.tokenizer = tokenizer
+        self.call_log = call_log
+        self.dispatcher = dispatcher
+        self.cfg = cfg
+        self.renderer = TitoRenderer(tokenizer, call_log)
+        self.spliced_turns = 0
+        self.retokenized_turns = 0
+
+    async def render(
+        self, rollout_id: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> RenderedPrompt:
+        try:
+            return await asyncio.to_thread(self.renderer.render, rollout_id, messages, tools)
+        except TemplateError as e:
+            raise invalid_request(str(e), "messages") from e
+
+    def max_new_tokens(self, prompt_tokens: int, requested: int | None) -> int:
+        limit = self.cfg.max_context_tokens
+        if prompt_tokens >= limit:
+            raise context_length_exceeded(limit, prompt_tokens)
+        wanted = requested if requested is not None else self.cfg.default_max_tokens
+        return min(wanted, limit - prompt_tokens)
+
+    async def run(
+        self,
+        rollout_id: str,
+        api: str,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        params: GenParams,
+        tool_names: list[str] | None = None,
+    ) -> CallRecord:
+        t_start = time.time()
+        prompt = await self.render(rollout_id, messages, tools)
+        sampling = SamplingParams(
+            temperature=params.temperature,
+            top_p=params.top_p,
+            max_new_tokens=self.max_new_tokens(len(prompt.input_ids), params.max_tokens),
+            stop_token_ids=[self.tokenizer.eos_id],
+            seed=params.seed,
+        )
+        call_id = self.call_log.next_call_id()
+        url, result = await self.dispatcher.generate(prompt.input_ids, sampling, call_id, rollout_id)
+        output_ids, logprobs, finish = result.output_ids, result.output_logprobs, result.finish_reason
+        cut = cut_at_stop(self.tokenizer, output_ids, params.stop) if params.stop else None
+        if cut is not None:
+            n, text = cut
+            output_ids, logprobs, finish = output_ids[:n], logprobs[:n], "stop"
+        else:
+            text = self.tokenizer.decode(output_ids)
+        content, calls = parse_assistant_text(text)
+        record = CallRecord(
+            rollout_id=rollout_id,
+            call_id=call_id,
+            api=api,
+            input_ids=prompt.input_ids,
+            output_ids=output_ids,
+            output_logprobs=logprobs,
+            spliced=prompt.spliced,
+            finish_reason="tool_calls" if calls and finish == "stop" else finish,
+            weight_version=result.weight_version,
+            engine_url=url,
+            prompt_tokens=len(prompt.input_ids),
+            cached_tokens=result.cached_tokens,
+            t_start=t_start,
+            t_end=time.time(),
+            tool_names=list(tool_names or []),
+            retokenized_turns=prompt.retokenized_turns,
+            content=content,
+            tool_calls=calls,
+        )
+        self.call_log.add(record)
+        self.spliced_turns += len(prompt.spliced)
+        self.retokenized_turns += prompt.retokenized_turns
+        return record

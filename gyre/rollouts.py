@@ -1,0 +1,117 @@
+"""Serving rollouts for one cell: its engine, the proxy in front of it, and the harness processes.
+
+`collect(step)` runs `groups_per_step` groups of `group_size` rollouts of the same task through
+the black-box harness, grades each preserved workspace, and turns each rollout's recorded calls
+into context paths for training.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gyre.config.schema import RunConfig
+from gyre.engine.client import EngineClient
+from gyre.engine.launcher import start_engine_from_config
+from gyre.harness.runner import RolloutOutcome, run_rollouts
+from gyre.metrics import mean
+from gyre.model.hf_io import save_hf_checkpoint
+from gyre.proxy.call_log import CallLog
+from gyre.proxy.server import ProxyServer
+from gyre.tasks.suite import sample_tasks
+from gyre.train.rl_batch import ScoredRollout
+from gyre.train.warm_start import Policy
+from gyre.traj.paths import build_paths
+
+
+@dataclass
+class StepRollouts:
+    outcomes: list[RolloutOutcome]
+    scored: list[ScoredRollout]
+    pad_id: int
+    n_calls: int
+    policy_tokens: int
+
+    def summary(self) -> dict[str, Any]:
+        graded = [o for o in self.outcomes if o.grade.status != "failed"]
+        return {
+            "n_rollouts": len(self.outcomes),
+            "n_scored": len(graded),
+            "n_excluded": len(self.outcomes) - len(graded),
+            "n_timeouts": sum(1 for o in self.outcomes if o.grade.status == "timeout"),
+            "reward_mean": mean([o.grade.score for o in graded]),
+            "success_rate": mean([1.0 if o.grade.success else 0.0 for o in graded]),
+            "turns_mean": mean([float(o.turns) for o in self.outcomes]),
+            "turns_max": max((o.turns for o in self.outcomes), default=0),
+            "rollout_wall_max_s": max((o.wall_s for o in self.outcomes), default=0.0),
+            "n_calls": self.n_calls,
+            "policy_tokens": self.policy_tokens,
+            "excluded_reasons": sorted({o.grade.reason for o in self.outcomes if o.grade.status == "failed"}),
+        }
+
+
+class RolloutService:
+    def __init__(self, cfg: RunConfig, policy: Policy, output_dir: Path) -> None:
+        self.cfg = cfg
+        self.policy = policy
+        self.out = output_dir
+        self.tokenizer = policy.tokenizer()
+        self.call_log = CallLog(output_dir / "calls.jsonl")
+        self.weights_dir = output_dir / "weights"
+        self.engine = None
+        self.proxy = None
+
+    def __enter__(self) -> RolloutService:
+        self.engine = start_engine_from_config(
+            self.policy.checkpoint_dir, self.cfg.engine, log_path=self.out / "engine.log"
+        )
+        self.proxy = ProxyServer(self.tokenizer, [self.engine.url], self.cfg.proxy, self.call_log)
+        self.proxy_url = self.proxy.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proxy is not None:
+            self.proxy.stop()
+        if self.engine is not None:
+            self.engine.stop()
+
+    def collect(self, step: int) -> StepRollouts:
+        rl = self.cfg.rl
+        tasks = sample_tasks(self.cfg.tasks.families, rl.groups_per_step, seed=self.cfg.seed * 100_003 + step)
+        jobs = [(g, task, f"s{step}-g{g}-r{i}") for g, task in enumerate(tasks) for i in range(rl.group_size)]
+        workdir = self.out / "rollouts" / f"step{step:04d}"
+        outcomes = asyncio.run(
+            run_rollouts([(t, rid) for _, t, rid in jobs], self.proxy_url, workdir, self.cfg.harness, self.cfg.tasks)
+        )
+        scored, n_calls, policy_tokens = [], 0, 0
+        for (group, _, rid), outcome in zip(jobs, outcomes, strict=True):
+            calls = self.call_log.pop_rollout(rid)
+            paths = build_paths(calls)
+            n_calls += len(calls)
+            policy_tokens += sum(p.n_policy_tokens for p in paths)
+            reward = None if outcome.grade.status == "failed" else outcome.grade.score
+            scored.append(ScoredRollout(rid, group, reward, paths))
+        if not self.cfg.harness.keep_workspaces:
+            shutil.rmtree(workdir, ignore_errors=True)
+        return StepRollouts(outcomes, scored, self.tokenizer.pad_id, n_calls, policy_tokens)
+
+    def release_engines(self) -> None:
+        """Colocate: the engine gives its memory to training until the next weights arrive."""
+        asyncio.run(self._engine_call("release_memory"))
+
+    def sync_weights(self, hf_state: dict[str, torch.Tensor], version: int) -> None:
+        path = save_hf_checkpoint(self.weights_dir, hf_state, self.policy.model_cfg, self.policy.tokenizer_dir)
+        asyncio.run(self._engine_call("resume_memory"))
+        asyncio.run(self._engine_call("update_weights_from_disk", str(path), str(version)))
+
+    async def _engine_call(self, name: str, *args: str) -> Any:
+        client = EngineClient(self.engine.url)
+        try:
+            return await getattr(client, name)(*args)
+        finally:
+            await client.close()

@@ -1,0 +1,156 @@
+"""A single training replica: megatron-core GPTModel plus a torch AdamW optimizer.
+
+megatron's own optimizer and grad clipping hard-code CUDA, so the optimizer is torch's; the model,
+its layers and its parameter layout are megatron-core's. Weights leave and enter in the HF layout of
+gyre/model/llama.py (see gyre/model/weights.py), which is what the rollout engines serve.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gyre.config.schema import ModelConfig, TrainConfig
+from gyre.model.megatron_gpt import build_gpt_model
+from gyre.model.weights import hf_to_megatron, megatron_to_hf
+
+LossFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor, dict[str, float]]]
+
+
+def causal_mask(seq_len: int) -> torch.Tensor:
+    """[1, 1, T, T] bool, True = masked (megatron's convention, the inverse of llama.py's)."""
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)[None, None]
+
+
+def _architecture(model_config: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in model_config.items() if k not in ("seed", "init_std")}
+
+
+class MegatronTrainer:
+    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig) -> None:
+        torch.set_num_threads(train_cfg.num_threads)
+        self.model_cfg = model_cfg
+        self.train_cfg = train_cfg
+        # The CPU shim only applies without CUDA; with CUDA megatron's layers expect CUDA tensors.
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = build_gpt_model(model_cfg).to(self.device)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=train_cfg.lr, weight_decay=train_cfg.weight_decay
+        )
+        self.step = 0
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def logits(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, T] -> fp32 logits [B, T, V]. attention_mask [B or 1, 1, T, T] bool, True = masked;
+        causal when None."""
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
+        if attention_mask is None:
+            attention_mask = causal_mask(tokens.shape[1])
+        return self.model(tokens.to(self.device), None, attention_mask.to(self.device)).float()
+
+    def token_logprobs(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """log p(tokens[:, t+1] | tokens[:, :t+1]) as [B, T-1] fp32, under the current weights.
+
+        Differentiable; wrap in torch.no_grad() for behaviour/reference logprobs. Right padding leaves
+        the real tokens' logprobs unchanged (causal attention); callers ignore the pad positions.
+        """
+        tokens = tokens.to(self.device)
+        logits = self.logits(tokens, attention_mask)[:, :-1]
+        return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def forward_backward(self, micro_batches: Sequence[Any], loss_fn: LossFn) -> dict[str, float]:
+        """Accumulate gradients of each micro-batch's loss (already scaled for its share of the step).
+
+        Returns the loss_fn metrics averaged over the micro-batches.
+        """
+        if not micro_batches:
+            raise ValueError("forward_backward needs at least one micro-batch")
+        self.model.train()
+        sums: dict[str, float] = defaultdict(float)
+        for mb in micro_batches:
+            loss, metrics = loss_fn(self.token_logprobs(mb.tokens), mb)
+            loss.backward()
+            for name, value in metrics.items():
+                sums[name] += float(value)
+        return {name: total / len(micro_batches) for name, total in sums.items()}
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip the accumulated gradients to train_cfg.grad_clip and step; a non-finite norm skips the step."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.train_cfg.grad_clip if self.train_cfg.grad_clip > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
+            self.step += 1
+        self.zero_grad()
+        return {"grad_norm": grad_norm, "lr": self.lr, "skipped_step": float(skipped)}
+
+    def train_step(self, micro_batches: Sequence[Any], loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step over the micro-batches (each with a `.tokens` LongTensor [B, T])."""
+        self.zero_grad()
+        metrics = self.forward_backward(micro_batches, loss_fn)
+        return metrics | self.optimizer_step()
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """A snapshot of the weights in HF names and layout (cloned: training may continue)."""
+        return {k: v.clone() for k, v in megatron_to_hf(self.model.state_dict(), self.model_cfg).items()}
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load HF-named weights into the model. The optimizer state is left as it is."""
+        result = self.model.load_state_dict(hf_to_megatron(state, self.model_cfg), strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
+        if missing or result.unexpected_keys:
+            raise KeyError(
+                f"GPTModel rejected converted weights: missing {missing}, unexpected {result.unexpected_keys}"
+            )
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Model, optimizer and step counter in one torch.save file, written atomically."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        weights = {k: v for k, v in self.model.state_dict().items() if not k.endswith("._extra_state")}
+        payload = {
+            "model": weights,
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "model_config": asdict(self.model_cfg),
+        }
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(payload, tmp)
+        os.replace(tmp, path)
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Restore what save() wrote; the checkpoint must come from the same ModelConfig."""
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+        if _architecture(payload["model_config"]) != _architecture(asdict(self.model_cfg)):
+            raise ValueError(
+                f"checkpoint {path} was written for model config {payload['model_config']}, "
+                f"this trainer has {asdict(self.model_cfg)}; build the trainer from the checkpoint's config"
+            )
+        result = self.model.load_state_dict(payload["model"], strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
+        if missing or result.unexpected_keys:
+            raise KeyError(
+                f"checkpoint {path} does not fit the model: missing {missing}, unexpected {result.unexpected_keys}"
+            )
+        self.optimizer.load_state_dict(payload["optimizer"])
+        self.step = int(payload["step"])

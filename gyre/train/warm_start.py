@@ -1,0 +1,160 @@
+"""The starting policy: a tokenizer trained on the task suite's text and a short SFT on demonstrations.
+
+Both are cached under `warm_start.cache_dir`, keyed by everything that shapes them, so a second
+run starts at once. The cache entry is written to a temp directory and renamed into place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gyre.config.schema import ModelConfig, RunConfig
+from gyre.model.chat_template import AssistantTurn, assistant_body, render_segments
+from gyre.model.hf_io import load_hf_state, save_hf_checkpoint
+from gyre.model.tokenizer import Tokenizer
+from gyre.tasks.demos import demonstration, tokenizer_corpus
+from gyre.tasks.suite import sample_tasks
+from gyre.train.megatron_trainer import MegatronTrainer
+
+WARM_START_VERSION = 1
+SFT_SEED_OFFSET = 1_000_003  # demonstrations come from other task instances than RL's
+
+
+@dataclass
+class Policy:
+    model_cfg: ModelConfig
+    tokenizer_dir: Path
+    checkpoint_dir: Path
+
+    def load_state(self) -> dict[str, torch.Tensor]:
+        return load_hf_state(self.checkpoint_dir)[1]
+
+    def tokenizer(self) -> Tokenizer:
+        return Tokenizer.load(self.tokenizer_dir)
+
+
+@dataclass
+class SFTBatch:
+    tokens: torch.Tensor  # [B, T]
+    loss_mask: torch.Tensor  # [B, T-1], 1 where tokens[:, 1:] is an assistant token
+
+
+def cache_key(cfg: RunConfig) -> str:
+    ws = dataclasses.asdict(cfg.warm_start)
+    ws.pop("cache_dir")
+    blob = {
+        "v": WARM_START_VERSION,
+        "model": dataclasses.asdict(cfg.model),
+        "tokenizer": dataclasses.asdict(cfg.tokenizer),
+        "families": list(cfg.tasks.families),
+        "warm_start": ws,
+        "lr_clip": [cfg.train.grad_clip],
+    }
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def prepare_policy(cfg: RunConfig, log: Callable[[str], None] = print) -> Policy:
+    root = Path(os.path.expanduser(cfg.warm_start.cache_dir)) / f"policy-{cache_key(cfg)}"
+    if (root / "meta.json").exists():
+        log(f"gyre: reusing cached warm start {root}")
+        return _policy_at(root)
+    tmp = root.with_name(root.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    log(f"gyre: building tokenizer and warm start in {root}")
+    tokenizer = Tokenizer.train(
+        tokenizer_corpus(cfg.tokenizer.corpus_tasks, cfg.model.seed, cfg.tasks.families), cfg.tokenizer.vocab_size
+    )
+    tokenizer.save(tmp / "tokenizer")
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
+    trainer = MegatronTrainer(model_cfg, dataclasses.replace(cfg.train, lr=cfg.warm_start.lr))
+    losses: list[float] = []
+    if cfg.warm_start.enabled and cfg.warm_start.steps > 0:
+        examples = sft_examples(cfg, tokenizer)
+        losses = run_sft(trainer, examples, cfg, tokenizer.pad_id, log)
+    save_hf_checkpoint(tmp / "checkpoint", trainer.hf_state_dict(), model_cfg, tmp / "tokenizer")
+    meta = {"model": dataclasses.asdict(model_cfg), "sft_losses": losses[-20:], "key": cache_key(cfg)}
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+    shutil.rmtree(root, ignore_errors=True)
+    tmp.rename(root)
+    return _policy_at(root)
+
+
+def _policy_at(root: Path) -> Policy:
+    meta = json.loads((root / "meta.json").read_text())
+    return Policy(ModelConfig(**meta["model"]), root / "tokenizer", root / "checkpoint")
+
+
+def encode_conversation(
+    messages: list[dict], tools: list[dict] | None, tokenizer: Tokenizer
+) -> tuple[list[int], list[int]]:
+    """Token ids of a whole conversation and a mask that is 1 on assistant-generated tokens."""
+    ids: list[int] = []
+    mask: list[int] = []
+    for seg in render_segments(messages, tools, add_generation_prompt=False):
+        if isinstance(seg, AssistantTurn):
+            part = tokenizer.encode(assistant_body(seg.message))
+            mask += [1] * len(part)
+        else:
+            part = tokenizer.encode(seg)
+            mask += [0] * len(part)
+        ids += part
+    return ids, mask
+
+
+def sft_examples(cfg: RunConfig, tokenizer: Tokenizer) -> list[tuple[list[int], list[int]]]:
+    tasks = sample_tasks(cfg.tasks.families, cfg.warm_start.demos, seed=cfg.model.seed + SFT_SEED_OFFSET)
+    out = []
+    for task in tasks:
+        messages, tools = demonstration(task)
+        out.append(encode_conversation(messages, tools, tokenizer))
+    return out
+
+
+def _batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> SFTBatch:
+    t = max(len(ids) for ids, _ in examples)
+    tokens = torch.full((len(examples), t), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(examples), t - 1)
+    for i, (ids, m) in enumerate(examples):
+        tokens[i, : len(ids)] = torch.tensor(ids)
+        mask[i, : len(ids) - 1] = torch.tensor(m[1:], dtype=torch.float32)
+    return SFTBatch(tokens, mask)
+
+
+def sft_loss(logp: torch.Tensor, batch: SFTBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    n = batch.loss_mask.sum().clamp(min=1.0)
+    loss = -(logp * batch.loss_mask).sum() / n
+    return loss, {"sft_loss": float(loss.detach())}
+
+
+def run_sft(
+    trainer: MegatronTrainer,
+    examples: list[tuple[list[int], list[int]]],
+    cfg: RunConfig,
+    pad_id: int,
+    log: Callable[[str], None],
+) -> list[float]:
+    from tqdm import tqdm
+
+    rng = random.Random(cfg.seed)
+    ws = cfg.warm_start
+    losses = []
+    bar = tqdm(range(ws.steps), desc="warm start (SFT)", unit="step", dynamic_ncols=True)
+    for step in bar:
+        trainer.set_lr(ws.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * (1 - step / ws.steps)))
+        batch = _batch(rng.sample(examples, min(ws.batch_size, len(examples))), pad_id)
+        metrics = trainer.train_step([batch], sft_loss)
+        losses.append(metrics["sft_loss"])
+        bar.set_postfix(loss=f"{metrics['sft_loss']:.3f}")
+    log(f"gyre: warm start done, final SFT loss {sum(losses[-10:]) / max(len(losses[-10:]), 1):.3f}")
+    return losses
