@@ -24,17 +24,23 @@ THINK_END = "</think>"
 SPECIAL_TOKENS = (PAD, IM_START, IM_END, TOOL_CALL_START, TOOL_CALL_END, THINK_START, THINK_END)
 GENERATION_PROMPT = f"{IM_START}assistant\n"
 
-CHAT_TEMPLATE_JINJA = (
+CHAT_TEMPLATE_JINJA = (  # must render exactly as render_segments does (tested, with HF's jinja settings)
+    "{%- set nl = '\\n' -%}"
     "{%- set sys = messages[0].content if messages and messages[0].role == 'system' else '' -%}"
-    "{%- if sys or tools -%}<|im_start|>system\n{{ sys }}"
-    "{%- if tools %}\n\n# Tools\n{% for t in tools %}{{ (t.function if t.function is defined else t) | tojson }}\n"
-    "{%- endfor %}{% endif %}<|im_end|>\n{% endif -%}"
+    "{%- if sys or tools -%}{{ '<|im_start|>system' + nl + (sys or '') }}"
+    "{%- if tools -%}{{ nl + nl + '# Tools' + nl }}"
+    "{%- for t in tools -%}{%- set f = t.function if t.function is defined else t -%}"
+    "{%- set p = f.parameters if f.parameters is defined else {} -%}{{ f.name + '(' }}"
+    "{%- for k in (p.properties or {}) -%}{{ k }}{%- if k not in (p.required or []) -%}?{%- endif -%}"
+    "{%- if not loop.last -%}, {% endif -%}{%- endfor -%})"
+    "{%- if f.description -%}{{ ': ' + (f.description.split(nl)[0] | trim) }}{%- endif -%}{{ nl }}"
+    "{%- endfor -%}{%- endif -%}{{ '<|im_end|>' + nl }}{%- endif -%}"
     "{%- for m in messages -%}{%- if not (loop.first and m.role == 'system') -%}"
-    "<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
-    "{%- if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>"
-    '{"name": {{ c.function.name | tojson }}, "arguments": {{ c.function.arguments }}}</tool_call>'
-    "{% endfor %}{% endif %}<|im_end|>\n{%- endif -%}{%- endfor -%}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif -%}"
+    "{{ '<|im_start|>' + m.role + nl + (m.content or '') }}"
+    "{%- if m.tool_calls -%}{%- for c in m.tool_calls -%}{{ '<tool_call>' }}"
+    '{{ \'{"name": \' + (c.function.name | tojson) + \', "arguments": \' + c.function.arguments + \'}\' }}'
+    "{{ '</tool_call>' }}{%- endfor -%}{%- endif -%}{{ '<|im_end|>' + nl }}{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant' + nl }}{%- endif -%}"
 )
 
 
@@ -88,7 +94,19 @@ def assistant_body(message: dict[str, Any]) -> str:
     return text + IM_END
 
 
+def _param_list(spec: dict[str, Any]) -> str:
+    params = spec.get("parameters") or {}
+    props = params.get("properties") or {}
+    required = set(params.get("required") or [])
+    return ", ".join(name if name in required else f"{name}?" for name in props)
+
+
 def tools_block(tools: list[dict[str, Any]] | None) -> str:
+    """Tools as compact signatures, `name(arg, optional?): description`, one per line.
+
+    Full JSON schemas cost tokens on every call (Claude Code sends ~64 KB of them); the model
+    answers with JSON arguments either way.
+    """
     if not tools:
         return ""
     lines = []
@@ -96,7 +114,8 @@ def tools_block(tools: list[dict[str, Any]] | None) -> str:
         spec = tool.get("function", tool) if isinstance(tool, dict) else None
         if not isinstance(spec, dict) or "name" not in spec:
             raise TemplateError("each tool must be {'type': 'function', 'function': {'name': ...}}")
-        lines.append(json.dumps(spec, ensure_ascii=False, separators=(",", ":")))
+        desc = str(spec.get("description") or "").strip().splitlines()
+        lines.append(f"{spec['name']}({_param_list(spec)})" + (f": {desc[0]}" if desc else ""))
     return "\n\n# Tools\n" + "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,54 @@
+"""The main job end to end, through the real CLI, at a toy size."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[1]
+REQUIRED = {"step", "reward_mean", "success_rate", "n_rollouts", "wall_s"}
+
+
+def test_main_job_runs_end_to_end(tmp_path):
+    out = tmp_path / "run"
+    args = [
+        "steps=2",
+        "rl.groups_per_step=2",
+        "rl.group_size=2",
+        "warm_start.steps=3",
+        "warm_start.demos=16",
+        "warm_start.batch_size=4",
+        "tokenizer.corpus_tasks=60",
+        "tokenizer.vocab_size=512",
+        "harness.max_turns=3",
+        "harness.max_tokens=24",
+        f"warm_start.cache_dir={tmp_path / 'cache'}",
+        f"output_dir={out}",
+        f"hydra.run.dir={tmp_path / 'hydra'}",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.run", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"gyre: outputs in {out}" in proc.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert REQUIRED <= set(r)
+        assert r["n_rollouts"] == 4
+        assert 0.0 <= r["success_rate"] <= 1.0
+    assert (out / "learning_curve.png").stat().st_size > 1000
+    assert (out / "checkpoint" / "trainer.pt").exists()
+    calls = [json.loads(line) for line in (out / "calls.jsonl").read_text().splitlines()]
+    assert calls and all(len(c["output_ids"]) == len(c["output_logprobs"]) for c in calls)
+
+    # a second run reuses the cached warm start
+    again = subprocess.run(
+        [sys.executable, "-m", "launch.run", *[a.replace("/run", "/run2") for a in args[1:]], "steps=1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "reusing cached warm start" in again.stdout
