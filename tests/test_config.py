@@ -39,7 +39,10 @@ def test_mistyped_key_names_the_key_and_the_valid_ones():
 def test_cli_rejects_unknown_key_with_clear_message():
     proc = subprocess.run(
         [sys.executable, "-m", "launch.run", "harness.timeout=3"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode != 0
     assert "unknown config key 'harness.timeout'" in proc.stderr

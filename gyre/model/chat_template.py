@@ -38,7 +38,7 @@ CHAT_TEMPLATE_JINJA = (  # must render exactly as render_segments does (tested, 
     "{%- for m in messages -%}{%- if not (loop.first and m.role == 'system') -%}"
     "{{ '<|im_start|>' + m.role + nl + (m.content or '') }}"
     "{%- if m.tool_calls -%}{%- for c in m.tool_calls -%}{{ '<tool_call>' }}"
-    '{{ \'{"name": \' + (c.function.name | tojson) + \', "arguments": \' + c.function.arguments + \'}\' }}'
+    "{{ '{\"name\": ' + (c.function.name | tojson) + ', \"arguments\": ' + c.function.arguments + '}' }}"
     "{{ '</tool_call>' }}{%- endfor -%}{%- endif -%}{{ '<|im_end|>' + nl }}{%- endif -%}{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant' + nl }}{%- endif -%}"
 )

@@ -12,7 +12,6 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from gyre.model.chat_template import CHAT_TEMPLATE_JINJA, IM_END, PAD, SPECIAL_TOKENS
 
 
-
 class Tokenizer:
     """Thin wrapper over a `tokenizers` BPE model with the chat special tokens."""
 

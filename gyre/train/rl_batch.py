@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gyre.traj.paths import Path
 from gyre.train.gspo import group_advantages, gspo_loss, rollout_sequence_weights
+from gyre.traj.paths import Path
 
 
 @dataclass

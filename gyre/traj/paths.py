@@ -30,8 +30,10 @@ class Path:
 
     def extend(self, context: Sequence[int], call: CallLike) -> None:
         if len(call.output_logprobs) != len(call.output_ids):
-            raise ValueError(f"call {call.call_id}: {len(call.output_ids)} output ids but "
-                             f"{len(call.output_logprobs)} logprobs; the call log is truncated")
+            raise ValueError(
+                f"call {call.call_id}: {len(call.output_ids)} output ids but "
+                f"{len(call.output_logprobs)} logprobs; the call log is truncated"
+            )
         self.tokens += list(context) + list(call.output_ids)
         self.policy_mask += [0] * len(context) + [1] * len(call.output_ids)
         self.behaviour_logprobs += [0.0] * len(context) + list(call.output_logprobs)
