@@ -96,6 +96,7 @@ class WarmStartConfig:
     steps: int = 300
     lr: float = 2e-3
     batch_size: int = 16
+    pack_tokens: int = 384
     demos: int = 2000
     cache_dir: str = "${oc.env:GYRE_CACHE,${oc.env:HOME}/.cache/gyre}"
 

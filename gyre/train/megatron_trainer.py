@@ -86,7 +86,8 @@ class MegatronTrainer:
         self.model.train()
         sums: dict[str, float] = defaultdict(float)
         for mb in micro_batches:
-            loss, metrics = loss_fn(self.token_logprobs(mb.tokens), mb)
+            logp = self.token_logprobs(mb.tokens, getattr(mb, "attention_mask", None))
+            loss, metrics = loss_fn(logp, mb)
             loss.backward()
             for name, value in metrics.items():
                 sums[name] += float(value)
@@ -105,7 +106,8 @@ class MegatronTrainer:
         return {"grad_norm": grad_norm, "lr": self.lr, "skipped_step": float(skipped)}
 
     def train_step(self, micro_batches: Sequence[Any], loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step over the micro-batches (each with a `.tokens` LongTensor [B, T])."""
+        """One optimizer step over the micro-batches (each with a `.tokens` LongTensor [B, T] and, optionally,
+        an `.attention_mask` [B, 1, T, T], True = masked, e.g. for packed sequences)."""
         self.zero_grad()
         metrics = self.forward_backward(micro_batches, loss_fn)
         return metrics | self.optimizer_step()

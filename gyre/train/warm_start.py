@@ -45,8 +45,9 @@ class Policy:
 
 @dataclass
 class SFTBatch:
-    tokens: torch.Tensor  # [B, T]
+    tokens: torch.Tensor  # [B, T], several conversations packed per row
     loss_mask: torch.Tensor  # [B, T-1], 1 where tokens[:, 1:] is an assistant token
+    attention_mask: torch.Tensor  # [B, 1, T, T], True = masked: causal within each packed conversation
 
 
 def cache_key(cfg: RunConfig) -> str:
@@ -121,14 +122,34 @@ def sft_examples(cfg: RunConfig, tokenizer: Tokenizer) -> list[tuple[list[int], 
     return out
 
 
-def _batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> SFTBatch:
-    t = max(len(ids) for ids, _ in examples)
-    tokens = torch.full((len(examples), t), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(examples), t - 1)
-    for i, (ids, m) in enumerate(examples):
-        tokens[i, : len(ids)] = torch.tensor(ids)
-        mask[i, : len(ids) - 1] = torch.tensor(m[1:], dtype=torch.float32)
-    return SFTBatch(tokens, mask)
+def pack_batch(examples: list[tuple[list[int], list[int]]], row_tokens: int, pad_id: int) -> SFTBatch:
+    """Pack conversations into rows of at most `row_tokens` (longer ones get a row of their own).
+
+    Each token attends causally within its own conversation only; RoPE depends on relative
+    positions alone, so a packed conversation computes exactly what it would on its own row.
+    """
+    rows: list[list[tuple[list[int], list[int]]]] = []
+    for ex in sorted(examples, key=lambda e: -len(e[0])):
+        for row in rows:
+            if sum(len(ids) for ids, _ in row) + len(ex[0]) <= row_tokens:
+                row.append(ex)
+                break
+        else:
+            rows.append([ex])
+    t = max(sum(len(ids) for ids, _ in row) for row in rows)
+    tokens = torch.full((len(rows), t), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(len(rows), t - 1)
+    allowed = torch.zeros(len(rows), t, t, dtype=torch.bool)
+    for r, row in enumerate(rows):
+        pos = 0
+        for ids, mask in row:
+            n = len(ids)
+            tokens[r, pos : pos + n] = torch.tensor(ids)
+            loss_mask[r, pos : pos + n - 1] = torch.tensor(mask[1:], dtype=torch.float32)
+            allowed[r, pos : pos + n, pos : pos + n] = torch.ones(n, n, dtype=torch.bool).tril()
+            pos += n
+        allowed[r, pos:, pos:] = torch.ones(t - pos, t - pos, dtype=torch.bool).tril()  # padding
+    return SFTBatch(tokens, loss_mask, ~allowed[:, None])
 
 
 def sft_loss(logp: torch.Tensor, batch: SFTBatch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -151,8 +172,8 @@ def run_sft(
     losses = []
     bar = tqdm(range(ws.steps), desc="warm start (SFT)", unit="step", dynamic_ncols=True)
     for step in bar:
-        trainer.set_lr(ws.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * (1 - step / ws.steps)))
-        batch = _batch(rng.sample(examples, min(ws.batch_size, len(examples))), pad_id)
+        trainer.set_lr(ws.lr * min(1.0, (step + 1) / 20))  # constant after warm-up: no decay before RL
+        batch = pack_batch(rng.sample(examples, min(ws.batch_size, len(examples))), ws.pack_tokens, pad_id)
         metrics = trainer.train_step([batch], sft_loss)
         losses.append(metrics["sft_loss"])
         bar.set_postfix(loss=f"{metrics['sft_loss']:.3f}")
