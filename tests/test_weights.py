@@ -128,3 +128,24 @@ def test_wrong_config_shape_is_reported(trainer):
     other = ModelConfig(**{**CFG.__dict__, "ffn_hidden_size": 96})
     with pytest.raises(ValueError, match="gate_proj"):
         hf_to_megatron(hf, other)
+
+
+def test_tied_embeddings_convert_and_agree(tmp_path):
+    import dataclasses
+
+    from gyre.model.hf_io import load_llama, save_hf_checkpoint
+
+    cfg = dataclasses.replace(CFG, tie_embeddings=True)
+    tr = MegatronTrainer(cfg, TrainConfig(num_threads=1))
+    assert not any(k.startswith("output_layer.weight") for k in tr.model.state_dict())
+    hf = tr.hf_state_dict()
+    assert torch.equal(hf["lm_head.weight"], hf["model.embed_tokens.weight"])
+    back = hf_to_megatron(hf, cfg)
+    assert back.keys() == megatron_weights(tr).keys()
+    model = load_llama(save_hf_checkpoint(tmp_path / "tied", hf, cfg))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    tokens = torch.randint(0, cfg.vocab_size, (2, 12))
+    with torch.no_grad():
+        logits, _ = model(tokens, torch.arange(12).expand(2, 12))
+        ref = tr.logits(tokens)
+    assert torch.allclose(logits, ref, atol=1e-4)

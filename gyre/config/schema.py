@@ -22,6 +22,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     init_std: float = 0.02
+    tie_embeddings: bool = False
     seed: int = 1234
 
 

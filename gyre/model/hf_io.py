@@ -36,7 +36,7 @@ def hf_config(cfg: ModelConfig) -> dict:
         "rms_norm_eps": cfg.norm_eps,
         "hidden_act": "silu",
         "attention_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
         "torch_dtype": "float32",
     }
 
@@ -52,6 +52,7 @@ def model_config_from_hf(config: dict) -> ModelConfig:
         max_position_embeddings=config.get("max_position_embeddings", 4096),
         rope_theta=float(config.get("rope_theta", 10000.0)),
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
     )
 
 

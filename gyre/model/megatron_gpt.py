@@ -108,7 +108,7 @@ def build_gpt_model(cfg: ModelConfig) -> GPTModel:
         pre_process=True,
         post_process=True,
         parallel_output=False,
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=cfg.tie_embeddings,
         position_embedding_type="rope",
         rotary_base=cfg.rope_theta,
     )

@@ -41,6 +41,13 @@ _QKV = "self_attention.linear_qkv.weight"
 _FC1 = "mlp.linear_fc1.weight"
 
 
+def _megatron_globals(cfg: ModelConfig) -> dict[str, str]:
+    """With tied embeddings megatron has no output_layer weight: the output layer reuses the embedding."""
+    if cfg.tie_embeddings:
+        return {k: v for k, v in _MEGATRON_GLOBAL.items() if k != "output_layer.weight"}
+    return _MEGATRON_GLOBAL
+
+
 def _head_dims(cfg: ModelConfig) -> tuple[int, int, int]:
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     return cfg.num_query_groups, cfg.num_attention_heads // cfg.num_query_groups, head_dim
@@ -116,7 +123,8 @@ def megatron_to_hf(state: dict[str, torch.Tensor | None], cfg: ModelConfig) -> d
     weights = {k: v for k, v in state.items() if not k.endswith("._extra_state")}
     fused = any(k.endswith(".linear_qkv.layer_norm_weight") for k in weights)
     norms = _FUSED_NORMS if fused else _LOCAL_NORMS
-    expected = set(_MEGATRON_GLOBAL)
+    globals_ = _megatron_globals(cfg)
+    expected = set(globals_)
     for i in range(cfg.num_layers):
         expected |= {f"decoder.layers.{i}.{s}" for s in [*_MEGATRON_LAYER, *norms, _QKV, _FC1]}
     _check_keys(
@@ -126,7 +134,9 @@ def megatron_to_hf(state: dict[str, torch.Tensor | None], cfg: ModelConfig) -> d
         "Build the GPTModel from the same ModelConfig (see gyre/model/megatron_gpt.py).",
     )
 
-    out = {hf: weights[mc] for mc, hf in _MEGATRON_GLOBAL.items()}
+    out = {hf: weights[mc] for mc, hf in globals_.items()}
+    if cfg.tie_embeddings:  # HF checkpoints of tied models still carry lm_head; a copy keeps safetensors happy
+        out["lm_head.weight"] = out["model.embed_tokens.weight"].clone()
     for i in range(cfg.num_layers):
         src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
         for mc, hf in (_MEGATRON_LAYER | norms).items():
@@ -156,7 +166,7 @@ def hf_to_megatron(
     )
     _check_shapes(state, shapes, "HF")
     norms = _FUSED_NORMS if fused_norms else _LOCAL_NORMS
-    out = {mc: state[hf] for mc, hf in _MEGATRON_GLOBAL.items()}
+    out = {mc: state[hf] for mc, hf in _megatron_globals(cfg).items()}
     for i in range(cfg.num_layers):
         src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
         for mc, hf in (_MEGATRON_LAYER | norms).items():

@@ -1,0 +1,184 @@
+"""Task suite: sampling, demonstrations replayed through the harness's tools, grading outcomes."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+
+import pytest
+
+from gyre.config.schema import HarnessConfig, TaskConfig
+from gyre.harness.tools import TOOL_SCHEMAS, execute_tool
+from gyre.model.chat_template import assistant_body, render_text
+from gyre.model.tokenizer import Tokenizer
+from gyre.tasks.demos import demonstration, tokenizer_corpus
+from gyre.tasks.families import FAMILIES, echo_files_task, fix_value_task, write_value_task
+from gyre.tasks.grading import grade_workspace
+from gyre.tasks.suite import sample_tasks
+from gyre.tasks.task import Task
+
+pytestmark = pytest.mark.unit
+DEFAULT_FAMILIES = TaskConfig().families
+
+
+def replay(task: Task, workspace) -> list[str]:
+    """Execute a demonstration's tool calls with the harness's tool code; return the tool texts."""
+    task.materialize(workspace)
+    texts = []
+    for message in demonstration(task).messages:
+        for call in message.get("tool_calls") or []:
+            fn = call["function"]
+            result = execute_tool(workspace, fn["name"], fn["arguments"], task.visible_checks)
+            assert not result.error, result.text
+            if result.finished:
+                return texts
+            texts.append(result.text)
+    raise AssertionError("demonstration never called finish")
+
+
+def test_sampling_is_deterministic_and_varied():
+    a = sample_tasks(DEFAULT_FAMILIES, 300, seed=7)
+    assert [t.to_dict() for t in a] == [t.to_dict() for t in sample_tasks(DEFAULT_FAMILIES, 300, seed=7)]
+    assert [t.task_id for t in a] != [t.task_id for t in sample_tasks(DEFAULT_FAMILIES, 300, seed=8)]
+    assert len({t.task_id for t in a}) >= 280
+    assert set(Counter(t.family for t in a)) == set(DEFAULT_FAMILIES) == set(FAMILIES)
+    n_files = Counter(len(t.checks) for t in a if t.family == "echo_files")
+    assert set(n_files) == {1, 2, 3, 4, 5} and n_files[1] > n_files[5]
+    assert all(t.max_turns == len(t.solution) + 2 for t in a)
+    assert Task.from_dict(json.loads(json.dumps(a[0].to_dict()))) == a[0]
+
+
+def test_harness_view_hides_the_checks():
+    view = sample_tasks(["fix_value"], 1, seed=0)[0].harness_view()
+    assert set(view) == {"task_id", "prompt", "visible_checks"}
+
+
+def test_unknown_family_names_the_known_ones():
+    with pytest.raises(KeyError, match="write_value"):
+        sample_tasks(["nope"], 1, seed=0)
+
+
+@pytest.mark.parametrize("family", DEFAULT_FAMILIES)
+def test_demonstrations_replay_to_full_score(family, tmp_path):
+    for i, task in enumerate(sample_tasks([family], 4, seed=11)):
+        workspace = tmp_path / str(i)
+        tool_texts = replay(task, workspace)
+        expected = [m["content"] for m in demonstration(task).messages if m["role"] == "tool"]
+        assert tool_texts == expected  # demos show exactly what the harness would
+        grade = grade_workspace(task, workspace)
+        assert (grade.status, grade.score, grade.success) == ("ok", 1.0, True), grade
+
+
+def test_demonstration_shape():
+    messages, tools = demonstration(write_value_task("answer.txt", "apple"))
+    assert tools == TOOL_SCHEMAS
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "assistant"]
+    assert json.loads(messages[2]["tool_calls"][0]["function"]["arguments"]) == {
+        "path": "answer.txt",
+        "content": "apple",
+    }
+    assert messages[-1]["tool_calls"][0]["function"]["name"] == "finish"
+
+
+def test_demonstration_turns_fit_the_token_budget():
+    """Every assistant reply fits the harness's max_tokens with a tokenizer trained on the corpus."""
+    tokenizer = Tokenizer.train(tokenizer_corpus(600, seed=0), vocab_size=1024)
+    budget = HarnessConfig().max_tokens
+    longest = 0
+    for task in sample_tasks(DEFAULT_FAMILIES, 200, seed=1):
+        messages, tools = demonstration(task)
+        longest = max(
+            [longest] + [len(tokenizer.encode(assistant_body(m))) for m in messages if m["role"] == "assistant"]
+        )
+        assert len(tokenizer.encode(render_text(messages, tools))) < 600
+    assert longest <= budget
+
+
+def test_tokenizer_corpus_is_deterministic():
+    a = list(tokenizer_corpus(5, seed=3))
+    assert a == list(tokenizer_corpus(5, seed=3)) and len(a) == 5
+    assert all("<tool_call>" in text and "run_checks" in text and "<|im_start|>tool" in text for text in a)
+
+
+def test_partial_credit_for_echo_files(tmp_path):
+    task = echo_files_task({"a.txt": "red", "b.txt": "cat", "c.txt": "sun"})
+    (tmp_path / "a.txt").write_text("red\n")
+    (tmp_path / "b.txt").write_text("cat")
+    (tmp_path / "c.txt").write_text("moon")
+    grade = grade_workspace(task, tmp_path)
+    assert (grade.status, grade.passed, grade.total, grade.success) == ("ok", 2, 3, False)
+    assert grade.score == pytest.approx(2 / 3)
+    assert [c["passed"] for c in grade.checks] == [True, True, False]
+
+
+def test_fix_value_checks(tmp_path):
+    task = fix_value_task("config.py", {"LIMIT": 3, "DEBUG": False, "SIZE": 7}, "LIMIT", 8)
+    ws = task.materialize(tmp_path / "ws")
+    cases = {
+        "LIMIT = 8\nDEBUG = False\nSIZE = 7\n": 2,  # fixed
+        "SIZE = 7\nLIMIT = 8\n\nDEBUG = False\n": 1,  # value right, other lines reordered
+        "LIMIT = 3\nDEBUG = False\nSIZE = 7\n": 0,  # untouched: keeping the other lines earns nothing alone
+        "LIMIT = 8)\nDEBUG = False\nSIZE = 7\n": 0,  # syntax error
+        "LIMIT = '8'\nDEBUG = False\nSIZE = 7\n": 0,  # a string is not the int 8
+    }
+    for content, passed in cases.items():
+        (ws / "config.py").write_text(content)
+        grade = grade_workspace(task, ws)
+        assert (grade.status, grade.passed, grade.total) == ("ok", passed, 2), (content, grade)
+    assert grade.checks[1]["detail"] == "needs LIMIT == 8"
+
+
+def test_hanging_workspace_code_fails_its_check_not_the_evaluation(tmp_path):
+    task = fix_value_task("config.py", {"LIMIT": 3, "DEBUG": False}, "LIMIT", 8)
+    ws = task.materialize(tmp_path / "ws")
+    (ws / "config.py").write_text("LIMIT = 8\nDEBUG = False\nwhile True:\n    pass\n")
+    grade = grade_workspace(task, ws, check_timeout_s=3.0)
+    assert (grade.status, grade.passed, grade.total) == ("ok", 0, 2)
+    assert "timed out" in grade.checks[0]["detail"]
+
+
+def test_timed_out_rollout_is_still_graded(tmp_path):
+    task = echo_files_task({"a.txt": "red", "b.txt": "cat"})
+    (tmp_path / "a.txt").write_text("red")
+    grade = grade_workspace(task, tmp_path, timed_out=True)
+    assert (grade.status, grade.score, grade.success) == ("timeout", 0.5, False)
+
+
+def test_crashing_checker_is_a_failed_evaluation(tmp_path):
+    task = Task("t", "custom", "p", checker_source="raise RuntimeError('checker exploded')\n")
+    grade = grade_workspace(task, tmp_path)
+    assert (grade.status, grade.score, grade.success) == ("failed", None, False)
+    assert "checker exploded" in grade.reason
+
+
+def test_unknown_check_kind_is_a_failed_evaluation(tmp_path):
+    task = Task("t", "custom", "p", checks=[{"name": "x", "kind": "teleport"}])
+    grade = grade_workspace(task, tmp_path)
+    assert grade.status == "failed" and "teleport" in grade.reason
+
+
+def test_garbage_checker_output_is_a_failed_evaluation(tmp_path):
+    grade = grade_workspace(Task("t", "custom", "p", checker_source="print('all good')\n"), tmp_path)
+    assert grade.status == "failed" and grade.score is None and "unreadable" in grade.reason
+
+
+def test_hanging_checker_fails_after_check_timeout(tmp_path):
+    task = Task("t", "custom", "p", checker_source="import time\ntime.sleep(600)\n")
+    start = time.monotonic()
+    grade = grade_workspace(task, tmp_path, check_timeout_s=0.5)
+    assert time.monotonic() - start < 3.0
+    assert (grade.status, grade.score) == ("failed", None) and "timed out" in grade.reason
+
+
+def test_missing_workspace_is_a_failed_evaluation(tmp_path):
+    grade = grade_workspace(write_value_task("answer.txt", "apple"), tmp_path / "gone")
+    assert grade.status == "failed" and grade.score is None and "does not exist" in grade.reason
+
+
+def test_custom_checker_results_are_used(tmp_path):
+    source = (
+        "import json\nprint(json.dumps({'results': [{'name': 'a', 'passed': True}, {'name': 'b', 'passed': False}]}))\n"
+    )
+    grade = grade_workspace(Task("t", "custom", "p", checker_source=source), tmp_path)
+    assert (grade.status, grade.passed, grade.total) == ("ok", 1, 2)
