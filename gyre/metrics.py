@@ -42,7 +42,7 @@ def plot_learning_curve(rows: list[dict[str, Any]], png_path: str | Path) -> Pat
     ax.set_xlabel("RL step")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper left", fontsize=8)
     n = rows[-1].get("n_rollouts", "?") if rows else "?"
     ax.set_title(f"Gyre embedded run: {len(rows)} steps, {n} rollouts/step")
     fig.tight_layout()

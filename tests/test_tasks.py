@@ -41,7 +41,7 @@ def test_sampling_is_deterministic_and_varied():
     a = sample_tasks(DEFAULT_FAMILIES, 300, seed=7)
     assert [t.to_dict() for t in a] == [t.to_dict() for t in sample_tasks(DEFAULT_FAMILIES, 300, seed=7)]
     assert [t.task_id for t in a] != [t.task_id for t in sample_tasks(DEFAULT_FAMILIES, 300, seed=8)]
-    assert len({t.task_id for t in a}) >= 280
+    assert len({t.task_id for t in a}) >= 250  # write_value has 144 instances; the others are combinatorial
     assert set(Counter(t.family for t in a)) == set(DEFAULT_FAMILIES) == set(FAMILIES)
     n_files = Counter(len(t.checks) for t in a if t.family == "echo_files")
     assert set(n_files) == {1, 2, 3, 4, 5} and n_files[1] > n_files[5]

@@ -86,6 +86,7 @@ class TrainConfig:
     backend: str = "megatron"
     lr: float = 2e-4
     weight_decay: float = 0.0
+    adam_beta2: float = 0.95
     grad_clip: float = 1.0
     micro_batch_tokens: int = 4096
     num_threads: int = 1  # on 2 shared cores one thread beats two (measured 5x)

@@ -108,12 +108,15 @@ def sample_echo_files(rng: random.Random) -> Task:
 
 @register_family("fix_value")
 def sample_fix_value(rng: random.Random) -> Task:
-    n_ints = rng.randint(1, 3)
-    names = rng.sample(CONFIG_VARS, n_ints) + rng.sample(CONFIG_FLAGS, rng.randint(1 if n_ints == 1 else 0, 1))
+    """2 or 3 lines: the whole file is copied into the rewrite, so it stays short."""
+    var, *others = rng.sample(CONFIG_VARS, 3)
+    others = others[: rng.choice([1, 1, 2])]
+    if rng.random() < 0.5:
+        others[-1] = rng.choice(CONFIG_FLAGS)
+    names = [var, *others]
     rng.shuffle(names)
     assignments: dict[str, object] = {
         name: rng.choice([True, False]) if name in CONFIG_FLAGS else rng.choice(CONFIG_VALUES) for name in names
     }
-    var = rng.choice([name for name in names if name not in CONFIG_FLAGS])
     value = rng.choice([v for v in CONFIG_VALUES if v != assignments[var]])
     return fix_value_task(rng.choice(CONFIG_FILES), assignments, var, value)

@@ -18,10 +18,10 @@ class Task:
 
     `checks` are hidden: only grading sees them. `visible_checks` are what the agent's run_checks
     tool reports. `solution` is a reference solution, one tool call {"name", "arguments"} per turn
-    ending with finish (used for demonstrations; empty when unknown). `max_turns` is a hint: the
-    solution's length plus some slack. `checker_source`, when set, replaces the built-in checker script (a suite with
-    its own test runner); it is run as `python -I checker.py spec.json` and must print
-    `{"results": [{"name", "passed", "detail"}, ...]}` as its last stdout line.
+    ending with finish (demonstrations are built from it; empty when unknown). `max_turns` is a
+    hint: the solution's length plus some slack. `checker_source`, when set, replaces the built-in
+    checker script (for a suite with its own test runner): it runs as `python -I checker.py
+    spec.json` and must print `{"results": [{"name", "passed", "detail"}, ...]}` as its last line.
     """
 
     task_id: str

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-# 64 words: each must be copied from the prompt into a tool call, and a ~1M-parameter model learns
-# that per token, so a longer list makes the warm start slower (measured: 48 words reach the copy
-# phase change ~25% sooner than 176).
+# Every value below is copied from the prompt or a file into a tool call. A ~1M-parameter model
+# with untied embeddings learns that copy per token, so the lists stay short: measured with 500
+# SFT steps on all three families (batch 16, AdamW beta2 0.95), 24 words / 8 names / 16 values
+# reached 100% / 78% / 3% exact demos (write_value / echo_files / fix_value), where 64 words /
+# 16 names / 32 values (and 2-4-line configs) were still at 0% / 0% / 0% after 800 steps.
+# Variety comes from combinations, not from list length.
 WORDS: tuple[str, ...] = tuple(
     """
-    apple bread chair cloud dance eagle flame grape house juice knife lemon money night ocean piano
-    queen river stone table voice water zebra beach candy earth fruit ghost honey jelly mango olive
-    pearl robin sugar tiger wheat cabin medal pilot salad torch wagon pixel frost glove maple otter
-    raven tulip comet coral fern gold iron jazz kite lamp mint nest sand moon tree rose
+    apple bread chair cloud dance eagle flame grape house juice knife lemon
+    money night ocean piano queen river stone table voice water zebra beach
     """.split()
 )
 
@@ -22,11 +23,8 @@ FILE_STEMS: tuple[str, ...] = (
 
 CONFIG_FILES: tuple[str, ...] = ("config.py", "settings.py", "params.py", "limits.py")
 
-CONFIG_VARS: tuple[str, ...] = (
-    "LIMIT", "SIZE", "PORT", "RETRIES", "TIMEOUT", "WORKERS", "DEPTH", "COUNT",
-    "LEVEL", "STEPS", "BATCH", "SEED", "WIDTH", "HEIGHT", "RATE", "MAX_ITEMS",
-)  # fmt: skip
+CONFIG_VARS: tuple[str, ...] = ("LIMIT", "SIZE", "PORT", "RETRIES", "TIMEOUT", "WORKERS", "DEPTH", "COUNT")
 
 CONFIG_FLAGS: tuple[str, ...] = ("DEBUG", "VERBOSE", "STRICT", "CACHE")
 
-CONFIG_VALUES: tuple[int, ...] = tuple(range(32))
+CONFIG_VALUES: tuple[int, ...] = tuple(range(16))

@@ -42,7 +42,10 @@ class MegatronTrainer:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model = build_gpt_model(model_cfg).to(self.device)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=train_cfg.lr, weight_decay=train_cfg.weight_decay
+            self.model.parameters(),
+            lr=train_cfg.lr,
+            betas=(0.9, train_cfg.adam_beta2),
+            weight_decay=train_cfg.weight_decay,
         )
         self.step = 0
 

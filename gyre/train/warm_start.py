@@ -19,14 +19,14 @@ from pathlib import Path
 import torch
 
 from gyre.config.schema import ModelConfig, RunConfig
-from gyre.model.chat_template import AssistantTurn, assistant_body, render_segments
+from gyre.model.chat_template import AssistantTurn, assistant_body, render_segments, render_text
 from gyre.model.hf_io import load_hf_state, save_hf_checkpoint
 from gyre.model.tokenizer import Tokenizer
 from gyre.tasks.demos import demonstration, tokenizer_corpus
 from gyre.tasks.suite import sample_tasks
 from gyre.train.megatron_trainer import MegatronTrainer
 
-WARM_START_VERSION = 1
+WARM_START_VERSION = 2
 SFT_SEED_OFFSET = 1_000_003  # demonstrations come from other task instances than RL's
 
 
@@ -59,7 +59,11 @@ def cache_key(cfg: RunConfig) -> str:
         "tokenizer": dataclasses.asdict(cfg.tokenizer),
         "families": list(cfg.tasks.families),
         "warm_start": ws,
-        "lr_clip": [cfg.train.grad_clip],
+        "optimizer": [cfg.train.grad_clip, cfg.train.adam_beta2, cfg.train.weight_decay],
+        # what the task suite, harness tools and chat template render to: any change there retrains
+        "suite": hashlib.sha256(
+            "".join(render_text(*demonstration(t)) for t in sample_tasks(cfg.tasks.families, 32, seed=0)).encode()
+        ).hexdigest(),
     }
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
