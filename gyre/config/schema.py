@@ -21,6 +21,7 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
+    init: str = "torch"  # torch: PyTorch module defaults (learns copying far sooner); megatron: N(0, init_std)
     init_std: float = 0.02
     tie_embeddings: bool = False
     seed: int = 1234
@@ -84,7 +85,7 @@ class RLConfig:
 @dataclass
 class TrainConfig:
     backend: str = "megatron"
-    lr: float = 2e-4
+    lr: float = 1e-3
     weight_decay: float = 0.0
     adam_beta2: float = 0.95
     grad_clip: float = 1.0
@@ -105,7 +106,7 @@ class WarmStartConfig:
 
 @dataclass
 class RunConfig:
-    steps: int = 16
+    steps: int = 24
     seed: int = 0
     scheduler: str = "colocate"
     output_dir: str = ""  # empty: Hydra's run directory (outputs/<date>_<time>)
