@@ -56,7 +56,7 @@ class ProxyConfig:
 @dataclass
 class TaskConfig:
     suite: str = "builtin"
-    families: list[str] = field(default_factory=lambda: ["write_value", "echo_files", "fix_value"])
+    families: list[str] = field(default_factory=lambda: ["write_value", "echo_files"])
     check_timeout_s: float = 10.0
     tool_delay_s: float = 0.0
 
@@ -96,7 +96,7 @@ class TrainConfig:
 @dataclass
 class WarmStartConfig:
     enabled: bool = True
-    steps: int = 300
+    steps: int = 400
     lr: float = 2e-3
     batch_size: int = 16
     pack_tokens: int = 384
