@@ -17,6 +17,7 @@ from gyre.train.warm_start import prepare_policy
 
 
 def run(cfg: RunConfig) -> Path:
+    check_supported(cfg)
     out = Path(cfg.output_dir or f"outputs/{time.strftime('%Y-%m-%d_%H-%M-%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
@@ -43,6 +44,15 @@ def run(cfg: RunConfig) -> Path:
     plot_learning_curve(writer.rows, out / "learning_curve.png")
     print(summary(writer.rows, out))
     return out
+
+
+def check_supported(cfg: RunConfig) -> None:
+    """Fail before any work for settings this version cannot run, rather than silently ignoring them."""
+    supported = {"scheduler": ("colocate",), "train.backend": ("megatron",), "rl.algorithm": ("gspo",)}
+    values = {"scheduler": cfg.scheduler, "train.backend": cfg.train.backend, "rl.algorithm": cfg.rl.algorithm}
+    for key, value in values.items():
+        if value not in supported[key]:
+            raise ValueError(f"{key}={value!r} is not available yet; supported: {', '.join(supported[key])}")
 
 
 def train_step(trainer: MegatronTrainer, rollouts: StepRollouts, cfg: RunConfig) -> dict[str, float]:

@@ -58,3 +58,11 @@ def test_schema_and_cli_config_import_without_heavy_backends():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_unsupported_choices_fail_before_any_work():
+    from gyre.loop import check_supported
+
+    check_supported(compose())
+    with pytest.raises(ValueError, match="scheduler='elastic' is not available yet; supported: colocate"):
+        check_supported(compose(["scheduler=elastic"]))
