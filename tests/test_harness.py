@@ -23,7 +23,7 @@ from gyre.config.schema import HarnessConfig, TaskConfig
 from gyre.harness.runner import live_group_members, run_rollout, run_rollouts
 from gyre.harness.tools import TOOL_SCHEMAS, execute_tool
 from gyre.tasks.demos import demonstration
-from gyre.tasks.families import echo_files_task, fix_value_task, write_value_task
+from gyre.tasks.families import FAMILIES, echo_files_task, fix_value_task, write_value_task
 from gyre.tasks.suite import sample_tasks
 
 STALL = "stall"
@@ -83,7 +83,7 @@ HARNESS = HarnessConfig(timeout_s=20.0, max_turns=10, max_tokens=64, temperature
 
 @pytest.mark.integration
 def test_harness_replays_demonstrations_to_full_score(tmp_path):
-    tasks = [sample_tasks([family], 1, seed=5)[0] for family in TaskConfig().families]
+    tasks = [sample_tasks([family], 1, seed=5)[0] for family in sorted(FAMILIES)]
     demos = {f"r{i}": demonstration(task).messages for i, task in enumerate(tasks)}
     scripts = {rid: [m for m in messages if m["role"] == "assistant"] for rid, messages in demos.items()}
 
