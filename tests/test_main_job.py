@@ -47,7 +47,8 @@ def test_main_job_runs_end_to_end(tmp_path):
 
     # a second run reuses the cached warm start
     again = subprocess.run(
-        [sys.executable, "-m", "launch.run", *[a.replace("/run", "/run2") for a in args[1:]], "steps=1"],
+        [sys.executable, "-m", "launch.run", *args[1:-2], f"output_dir={tmp_path / 'run2'}",
+         f"hydra.run.dir={tmp_path / 'hydra2'}", "steps=1"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]

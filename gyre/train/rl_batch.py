@@ -67,12 +67,13 @@ def build_micro_batches(
     batches: list[list[int]] = []
     for k in order:
         length = len(items[k][0].tokens)
+        if max_len is not None and length > max_len:
+            raise ValueError(f"a path of {length} tokens exceeds the trainer's maximum of {max_len}")
+        # longest first: a batch's first path sets its padded width
         if batches and (len(batches[-1]) + 1) * len(items[batches[-1][0]][0].tokens) <= token_budget:
             batches[-1].append(k)
         else:
             batches.append([k])
-        if max_len is not None and length > max_len:
-            raise ValueError(f"a path of {length} tokens exceeds the trainer's maximum of {max_len}")
     return [_pad([items[k] for k in b], weights[b], pad_id) for b in batches]
 
 
