@@ -10,44 +10,125 @@ from tqdm import tqdm
 
 from gyre.config.schema import RunConfig
 from gyre.metrics import MetricsWriter, plot_learning_curve
+from gyre.pipeline import rl_micro_batches, tree_gspo_loss_fn, write_group_shard
+from gyre.resume.checkpoint import load_checkpoint, save_checkpoint
+from gyre.resume.preemption import Preempted, PreemptionGuard
+from gyre.resume.recovery import describe_start, prepare_resume, task_pool_position
+from gyre.resume.state import RunState
 from gyre.rollouts import RolloutService, StepRollouts
+from gyre.sched.policy import SCHEDULERS as CELL_SCHEDULERS
+from gyre.store.reader import Shard, read_shard
 from gyre.train.megatron_trainer import MegatronTrainer
-from gyre.train.rl_batch import build_micro_batches, gspo_loss_fn
 from gyre.train.warm_start import prepare_policy
 
 
 def run(cfg: RunConfig) -> Path:
     check_supported(cfg)
+    guard = PreemptionGuard().install()
     out = Path(cfg.output_dir or f"outputs/{time.strftime('%Y-%m-%d_%H-%M-%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    with guard.deferred():  # moving files aside is not cut halfway; a stop then comes before any work
+        start = prepare_resume(out, cfg.resume, log=print)
+    guard.raise_if_requested()
+    state = start.state
     policy = prepare_policy(cfg, log=print)
     trainer = MegatronTrainer(policy.model_cfg, cfg.train)
     trainer.load_hf_state_dict(policy.load_state())
+    if start.checkpoint is not None:
+        load_checkpoint(start.checkpoint, trainer)  # weights, optimizer, step counter, RNG states
+    state.begin()  # this start (its Slurm job id and restart count) joins the run's history
+    print(describe_start(start, cfg, out))
+    saved_step = state.next_step if start.checkpoint is not None else None
     writer = MetricsWriter(out)
+    writer.rows = start.metrics_rows
     with RolloutService(cfg, policy, out) as service:
-        bar = tqdm(range(cfg.steps), desc="gyre", unit="step", dynamic_ncols=True)
-        for step in bar:
-            t0 = time.perf_counter()
-            rollouts = service.collect(step)
-            t1 = time.perf_counter()
-            service.release_engines()
-            train_metrics = train_step(trainer, rollouts, cfg)
-            t2 = time.perf_counter()
-            service.sync_weights(trainer.hf_state_dict(), version=step + 1)
-            t3 = time.perf_counter()
-            row = step_metrics(step, rollouts, train_metrics, t0, t1, t2, t3)
-            writer.write(row)
-            bar.set_postfix(reward=f"{row['reward_mean']:.2f}", success=f"{row['success_rate']:.2f}")
-            if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-                trainer.save(out / "checkpoint" / "trainer.pt")
+        if state.weight_version:  # engines serve the checkpoint's weights, not the warm start
+            service.sync_weights(trainer.hf_state_dict(), version=state.weight_version)
+        bar = tqdm(range(state.next_step, cfg.steps), desc="gyre", unit="step", dynamic_ncols=True,
+                   initial=state.next_step, total=cfg.steps)  # fmt: skip
+        try:
+            for step in bar:
+                guard.raise_if_requested()
+                row = run_step(step, service, trainer, state, guard, writer, cfg, out)
+                bar.set_postfix(reward=f"{row['reward_mean']:.2f}", success=f"{row['success_rate']:.2f}")
+                if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+                    with guard.deferred():
+                        saved_step = checkpoint(out, state, trainer, cfg)
+        except BaseException as stop:
+            if not guard.requested or guard.section_failed:
+                raise
+            with guard.deferred():
+                if saved_step != state.next_step:  # the trainer holds exactly the completed steps' updates
+                    checkpoint(out, state, trainer, cfg)
+            print(f"gyre: stopped by {guard.signal_name} before step {state.next_step}; checkpoint in "
+                  f"{out / 'checkpoint'}; run the same command again to continue")  # fmt: skip
+            if isinstance(stop, Preempted):
+                raise
+            raise Preempted(guard.signal_name or "a signal") from stop
     plot_learning_curve(writer.rows, out / "learning_curve.png")
     print(summary(writer.rows, out))
     return out
 
 
+def run_step(
+    step: int,
+    service: RolloutService,
+    trainer: MegatronTrainer,
+    state: RunState,
+    guard: PreemptionGuard,
+    writer: MetricsWriter,
+    cfg: RunConfig,
+    out: Path,
+) -> dict:
+    """Rollouts, shards, update, weight sync, metrics row. A stop signal abandons the rollouts and shards
+    (moved aside and re-run on resume) but never cuts the update: the step then completes, unsynced."""
+    t0 = time.perf_counter()
+    rollouts = service.collect(step)
+    t1 = time.perf_counter()
+    service.release_engines()
+    shard_metrics, shard_paths = write_shards(rollouts, cfg, out / "shards", step)
+    with guard.deferred():
+        shards = [read_shard(p) for p in shard_paths]
+        train_metrics, trained = train_step(trainer, shards, cfg)
+        stored = [str(rid) for s in shards for rid in s.rollouts["rollout_id"]]
+        rejected = sorted({r.outcome.rollout_id for r in rollouts.finished} - set(stored))
+        state.record_step(step, stored, trained, [p.name for p in shard_paths], rejected)
+        t2 = time.perf_counter()
+        sync_weights(service, trainer, state, guard)
+        t3 = time.perf_counter()
+        row = step_metrics(step, rollouts, train_metrics | shard_metrics, t0, t1, t2, t3)
+        writer.write(row)
+    return row
+
+
+def sync_weights(service: RolloutService, trainer: MegatronTrainer, state: RunState, guard: PreemptionGuard) -> None:
+    """The engines get the new weights; not when stopping: Slurm signals every process of the job, so the
+    engines may be gone, and the resumed run syncs them from the checkpoint."""
+    if guard.requested:
+        return
+    try:
+        service.sync_weights(trainer.hf_state_dict(), version=state.weight_version)
+    except Exception:
+        if not guard.requested:
+            raise
+
+
+def checkpoint(out: Path, state: RunState, trainer: MegatronTrainer, cfg: RunConfig) -> int:
+    """Write the run's checkpoint (atomic); returns the step it resumes at."""
+    state.data = task_pool_position(cfg, state.next_step)
+    save_checkpoint(out, state, trainer)
+    return state.next_step
+
+
 def check_supported(cfg: RunConfig) -> None:
-    """Fail before any work for settings this version cannot run, rather than silently ignoring them."""
+    """Fail before any work for settings this loop cannot run, rather than silently ignoring them."""
+    if cfg.scheduler in CELL_SCHEDULERS:
+        raise ValueError(
+            f"scheduler={cfg.scheduler!r} runs cells as an MPI job, not in this loop: start it with "
+            f"`python -m launch.run scheduler={cfg.scheduler}` (gyre.sched.launch.run_cells) or on Slurm "
+            "with launch/submit.py"
+        )
     supported = {"scheduler": ("colocate",), "train.backend": ("megatron",), "rl.algorithm": ("gspo",)}
     values = {"scheduler": cfg.scheduler, "train.backend": cfg.train.backend, "rl.algorithm": cfg.rl.algorithm}
     for key, value in values.items():
@@ -55,12 +136,30 @@ def check_supported(cfg: RunConfig) -> None:
             raise ValueError(f"{key}={value!r} is not available yet; supported: {', '.join(supported[key])}")
 
 
-def train_step(trainer: MegatronTrainer, rollouts: StepRollouts, cfg: RunConfig) -> dict[str, float]:
-    batches = build_micro_batches(rollouts.scored, cfg.train.micro_batch_tokens, rollouts.pad_id)
+def write_shards(rollouts: StepRollouts, cfg: RunConfig, shard_dir: Path, step: int) -> tuple[dict, list[Path]]:
+    """One shard per group; returns token/dedup metrics and the shard paths."""
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    shards = [write_group_shard(cfg, shard_dir, step, g, members) for g, members in sorted(rollouts.groups().items())]
+    tokens, path_tokens = sum(s.tokens for s in shards), sum(s.path_tokens for s in shards)
+    metrics = {
+        "tree_tokens": float(tokens),
+        "dedup_ratio": path_tokens / tokens if tokens else 1.0,
+        "excluded_from_training": float(sum(len(s.excluded) for s in shards)),
+    }
+    return metrics, [s.path for s in shards]
+
+
+def train_step(trainer: MegatronTrainer, shards: list[Shard], cfg: RunConfig) -> tuple[dict[str, float], list[str]]:
+    """One optimizer update on the step's shards; returns its metrics and the rollout ids it trained."""
+    rollouts = [r for s in shards for r in s.trainable() if r.meta.advantage]  # zero advantage trains nothing
+    batches = rl_micro_batches(
+        rollouts, cfg.train.micro_batch_tokens, cfg.model.max_position_embeddings, step_rollouts=len(rollouts) or 1
+    )
     if not batches:
-        return {"trained": 0.0}
-    metrics = trainer.train_step(batches, gspo_loss_fn(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high))
-    return {"trained": 1.0, "train_tokens": float(sum(b.n_tokens for b in batches)), **metrics}
+        return {"trained": 0.0}, []
+    metrics = trainer.train_step(batches, tree_gspo_loss_fn(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high))
+    trained = sorted({rid for b in batches for rid in b.batch.rollout_ids})
+    return {"trained": 1.0, "train_tokens": float(sum(b.n_tokens for b in batches)), **metrics}, trained
 
 
 def step_metrics(

@@ -1,8 +1,8 @@
 """Serving rollouts for one cell: its engine, the proxy in front of it, and the harness processes.
 
 `collect(step)` runs `groups_per_step` groups of `group_size` rollouts of the same task through
-the black-box harness, grades each preserved workspace, and turns each rollout's recorded calls
-into context paths for training.
+the black-box harness, grades each preserved workspace, and hands back each rollout's recorded
+calls (gyre/pipeline.py turns them into trees and shards).
 """
 
 from __future__ import annotations
@@ -21,21 +21,25 @@ from gyre.engine.launcher import start_engine_from_config
 from gyre.harness.runner import RolloutOutcome, run_rollouts
 from gyre.metrics import mean
 from gyre.model.hf_io import save_hf_checkpoint
+from gyre.pipeline import FinishedRollout
 from gyre.proxy.call_log import CallLog
 from gyre.proxy.server import ProxyServer
-from gyre.tasks.suite import sample_tasks
-from gyre.train.rl_batch import ScoredRollout
+from gyre.tasks.suite import TaskPool
 from gyre.train.warm_start import Policy
-from gyre.traj.paths import build_paths
 
 
 @dataclass
 class StepRollouts:
     outcomes: list[RolloutOutcome]
-    scored: list[ScoredRollout]
-    pad_id: int
+    finished: list[FinishedRollout]
     n_calls: int
     policy_tokens: int
+
+    def groups(self) -> dict[int, list[FinishedRollout]]:
+        out: dict[int, list[FinishedRollout]] = {}
+        for r in self.finished:
+            out.setdefault(r.group, []).append(r)
+        return out
 
     def summary(self) -> dict[str, Any]:
         graded = [o for o in self.outcomes if o.grade.status != "failed"]
@@ -62,6 +66,7 @@ class RolloutService:
         self.out = output_dir
         self.tokenizer = policy.tokenizer()
         self.call_log = CallLog(output_dir / "calls.jsonl")
+        self.task_pool = TaskPool(cfg.tasks.families, cfg.tasks.pool_size, seed=cfg.seed)
         self.weights_dir = output_dir / "weights"
         self.engine = None
         self.proxy = None
@@ -82,23 +87,21 @@ class RolloutService:
 
     def collect(self, step: int) -> StepRollouts:
         rl = self.cfg.rl
-        tasks = sample_tasks(self.cfg.tasks.families, rl.groups_per_step, seed=self.cfg.seed * 100_003 + step)
+        tasks = self.task_pool.for_step(step, rl.groups_per_step)
         jobs = [(g, task, f"s{step}-g{g}-r{i}") for g, task in enumerate(tasks) for i in range(rl.group_size)]
         workdir = self.out / "rollouts" / f"step{step:04d}"
         outcomes = asyncio.run(
             run_rollouts([(t, rid) for _, t, rid in jobs], self.proxy_url, workdir, self.cfg.harness, self.cfg.tasks)
         )
-        scored, n_calls, policy_tokens = [], 0, 0
-        for (group, _, rid), outcome in zip(jobs, outcomes, strict=True):
-            calls = self.call_log.pop_rollout(rid)
-            paths = build_paths(calls)
-            n_calls += len(calls)
-            policy_tokens += sum(p.n_policy_tokens for p in paths)
-            reward = None if outcome.grade.status == "failed" else outcome.grade.score
-            scored.append(ScoredRollout(rid, group, reward, paths))
+        finished = [
+            FinishedRollout(group, outcome, self.call_log.pop_rollout(rid))
+            for (group, _, rid), outcome in zip(jobs, outcomes, strict=True)
+        ]
+        n_calls = sum(len(r.calls) for r in finished)
+        policy_tokens = sum(len(c.output_ids) for r in finished for c in r.calls)
         if not self.cfg.harness.keep_workspaces:
             shutil.rmtree(workdir, ignore_errors=True)
-        return StepRollouts(outcomes, scored, self.tokenizer.pad_id, n_calls, policy_tokens)
+        return StepRollouts(outcomes, finished, n_calls, policy_tokens)
 
     def release_engines(self) -> None:
         """Colocate: the engine gives its memory to training until the next weights arrive."""

@@ -1,4 +1,9 @@
-"""`python -m launch.run [key=value ...]`: the main job (embedded default: local colocate run)."""
+"""`python -m launch.run [key=value ...]`: the main job (embedded default: local colocate run).
+
+`scheduler=elastic|async|colocate_cells` runs the cells as an MPI job instead (gyre.sched).
+The same output_dir again continues the run from its checkpoint (`resume=auto`, gyre/resume); a run
+stopped by SIGTERM/SIGUSR1 checkpoints and exits with code 75.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from gyre.config.load import ConfigKeyError, check_overrides, register_configs, to_run_config
+from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted
+from gyre.resume.recovery import ResumeError
+from gyre.sched.policy import SCHEDULERS as CELL_SCHEDULERS
 
 register_configs()
 
@@ -18,9 +26,22 @@ def main(dict_cfg: DictConfig) -> None:
     cfg = to_run_config(dict_cfg)
     if not cfg.output_dir:
         cfg.output_dir = HydraConfig.get().runtime.output_dir
+    if cfg.scheduler in CELL_SCHEDULERS:  # cells as an MPI job: re-executes under mpirun
+        from gyre.sched.launch import run_cells
+
+        try:
+            run_cells(cfg)
+        except Preempted:  # checkpointed; the same command (or the requeued job) resumes
+            sys.exit(PREEMPTED_EXIT_CODE)
+        return
     from gyre.loop import run  # heavy imports (torch, megatron) only once the config is valid
 
-    run(cfg)
+    try:
+        run(cfg)
+    except Preempted:  # checkpointed; the generated sbatch script requeues the job on this exit code
+        sys.exit(PREEMPTED_EXIT_CODE)
+    except ResumeError as e:
+        sys.exit(f"gyre: {e}")
 
 
 if __name__ == "__main__":

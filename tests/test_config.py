@@ -20,8 +20,8 @@ def test_default_config_is_the_embedded_colocate_run():
 
 
 def test_overrides_are_typed():
-    cfg = compose(["rl.group_size=4", "steps=3", "tasks.families=[write_value]"])
-    assert cfg.rl.group_size == 4 and cfg.steps == 3 and cfg.tasks.families == ["write_value"]
+    cfg = compose(["rl.group_size=6", "steps=3", "tasks.families=[write_value]"])
+    assert cfg.rl.group_size == 6 and cfg.steps == 3 and cfg.tasks.families == ["write_value"]
     with pytest.raises(Exception, match="group_size"):
         compose(["rl.group_size=many"])
 
@@ -64,5 +64,7 @@ def test_unsupported_choices_fail_before_any_work():
     from gyre.loop import check_supported
 
     check_supported(compose())
-    with pytest.raises(ValueError, match="scheduler='elastic' is not available yet; supported: colocate"):
+    with pytest.raises(ValueError, match="scheduler='elastic' runs cells as an MPI job.*launch.run scheduler=elastic"):
         check_supported(compose(["scheduler=elastic"]))
+    with pytest.raises(ValueError, match="scheduler='bogus' is not available yet; supported: colocate"):
+        check_supported(compose(["scheduler=bogus"]))

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from gyre.store.reader import read_shard
+
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = {"step", "reward_mean", "success_rate", "n_rollouts", "wall_s"}
@@ -44,6 +46,18 @@ def test_main_job_runs_end_to_end(tmp_path):
     assert (out / "checkpoint" / "trainer.pt").exists()
     calls = [json.loads(line) for line in (out / "calls.jsonl").read_text().splitlines()]
     assert calls and all(len(c["output_ids"]) == len(c["output_logprobs"]) for c in calls)
+
+    # every rollout of every step is in exactly one group shard, as a tree holding all its calls
+    shards = sorted((out / "shards").glob("*.h5"))
+    assert [p.name for p in shards] == [f"step{s:05d}-group{g:04d}.h5" for s in (0, 1) for g in (0, 1)]
+    stored = [r for p in shards for r in read_shard(p)]
+    assert sorted(r.rollout_id for r in stored) == sorted(
+        f"s{s}-g{g}-r{i}" for s in (0, 1) for g in (0, 1) for i in (0, 1)
+    )
+    recorded = {c["rollout_id"] for c in calls}
+    for r in stored:
+        assert r.rollout_id in recorded and r.tree.calls and r.tree.policy.any()
+        assert r.meta.excluded or abs(float(r.loss_weight.sum()) - 1.0) < 1e-5
 
     # a second run reuses the cached warm start
     again = subprocess.run(

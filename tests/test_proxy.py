@@ -384,6 +384,19 @@ def test_router_picks_least_loaded_and_survives_engine_changes():
     assert len(router.engines()) == 1
 
 
+@pytest.mark.unit
+def test_router_sends_a_session_home_unless_home_is_much_busier():
+    router = EngineRouter(["http://a", "http://b"], affinity_slack=1)
+    assert router.acquire(home="http://b") == "http://b"  # 0 in flight on both: home
+    assert router.acquire(home="http://b") == "http://b"  # b: 1, a: 0, within the slack
+    assert router.acquire(home="http://b") == "http://a"  # b: 2, a: 0: too busy, go least-loaded
+    assert router.acquire(home="http://gone") == "http://a"  # home left the pool (a: 1, b: 2)
+    assert router.acquire(prefer="http://b", home="http://a") == "http://b"  # moved keys/values win
+    strict = EngineRouter(["http://a", "http://b"], affinity_slack=-1)
+    strict.acquire()
+    assert strict.acquire(home="http://a") == "http://b"
+
+
 # ---------------------------------------------------------------- end to end: real engines, real openai client
 
 MEMO_MESSAGES = [

@@ -5,17 +5,41 @@ set -euo pipefail
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 
+# libibverbs1: Mooncake Transfer Engine's wheel links it even for TCP (its import fails without it).
+# hdf5-tools: h5dump/h5ls, the standard HDF5 tools the shard tests read shards with.
+GYRE_APT_PACKAGES=${GYRE_APT_PACKAGES-libibverbs1 hdf5-tools}
 need_apt=()
-for pkg in ${GYRE_APT_PACKAGES:-}; do
-  dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
-done
+if command -v dpkg >/dev/null; then
+  for pkg in ${GYRE_APT_PACKAGES}; do
+    dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
+  done
+elif [ -n "${GYRE_APT_PACKAGES// /}" ]; then
+  echo "gyre setup: not a Debian system (no dpkg): cannot check ${GYRE_APT_PACKAGES}; install their equivalents" \
+    "yourself (libibverbs1 is rdma-core's libibverbs, needed to import Mooncake Transfer Engine)" >&2
+fi
 if ((${#need_apt[@]})); then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
     echo "gyre setup: installing Debian packages: ${need_apt[*]}"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_apt[@]}"
   else
-    echo "gyre setup: missing Debian packages ${need_apt[*]} and no root apt-get here; install them, then re-run" >&2
+    echo "gyre setup: missing Debian packages ${need_apt[*]} and no root apt-get here; install them" \
+      "(e.g. sudo apt-get install ${need_apt[*]}; libibverbs1 is needed to import Mooncake Transfer Engine)," \
+      "or set GYRE_APT_PACKAGES to the list to check, then re-run" >&2
     exit 1
+  fi
+fi
+
+# Slurm for the `slurm` test tier: slurm/cluster.sh runs a real multi-node cluster on this machine.
+SLURM_APT_PACKAGES="slurmctld slurmd slurm-client munge"
+if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! command -v munged >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    echo "gyre setup: installing Slurm: $SLURM_APT_PACKAGES"
+    apt-get update -qq
+    # shellcheck disable=SC2086
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $SLURM_APT_PACKAGES
+  else
+    echo "gyre setup: Slurm is not installed and there is no root apt-get here: the slurm test tier will fail" \
+      "until slurmctld, slurmd, the Slurm client tools and munge are installed ($SLURM_APT_PACKAGES on Debian)" >&2
   fi
 fi
 
@@ -29,4 +53,33 @@ echo "gyre setup: installing torch==2.13.0 (CPU)"
 "${PIP[@]}" install "torch==2.13.0"
 echo "gyre setup: installing gyre and its dependencies"
 "${PIP[@]}" install -e ".[dev]"
+# SGLang's source, pinned, for the tests that check gyre's requests and command lines against SGLang's own
+# definitions. --no-deps: its requirements pin a CUDA torch and GPU kernels (tests/sglang_io.py explains).
+SGLANG_VERSION=0.5.23
+echo "gyre setup: installing sglang==$SGLANG_VERSION (--no-deps: source only, for payload tests)"
+"${PIP[@]}" install --no-deps "sglang==$SGLANG_VERSION"
+# Claude Code harness: the real CLI from npm, pinned (gyre/harness/claude_code.py CLAUDE_CODE_VERSION),
+# into .gyre/node (gitignored); strace lets its test check that no traffic leaves loopback.
+CLAUDE_CODE_VERSION=$(sed -n 's/^CLAUDE_CODE_VERSION = "\([^"]*\)".*/\1/p' gyre/harness/claude_code.py)
+CLAUDE_BIN=.gyre/node/node_modules/.bin/claude
+if [ "$("$CLAUDE_BIN" --version 2>/dev/null | cut -d' ' -f1)" != "$CLAUDE_CODE_VERSION" ]; then
+  if ! command -v npm >/dev/null || ! command -v node >/dev/null; then
+    echo "gyre setup: node and npm are missing: install Node.js >= 18 (e.g. apt-get install nodejs npm)," \
+      "then re-run; the Claude Code harness and its tests need @anthropic-ai/claude-code@$CLAUDE_CODE_VERSION" >&2
+    exit 1
+  fi
+  echo "gyre setup: installing @anthropic-ai/claude-code@$CLAUDE_CODE_VERSION into .gyre/node"
+  mkdir -p .gyre/node
+  npm install --prefix .gyre/node --no-audit --no-fund --save-exact --loglevel=error \
+    "@anthropic-ai/claude-code@$CLAUDE_CODE_VERSION"
+  "$CLAUDE_BIN" --version >/dev/null
+fi
+if ! command -v strace >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends strace
+  else
+    echo "gyre setup: strace is missing (the Claude Code test traces its sockets): install it, then re-run" >&2
+    exit 1
+  fi
+fi
 echo "gyre setup: done ($VENV)"

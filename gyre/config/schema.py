@@ -25,6 +25,8 @@ class ModelConfig:
     init_std: float = 0.02
     tie_embeddings: bool = False
     seed: int = 1234
+    head_dim: int = 0  # 0: hidden_size // heads; Qwen3 decouples it (0.6B: hidden 1024, 16 heads of 128)
+    qk_layernorm: bool = False  # Qwen3: RMSNorm over each query and key head before RoPE (HF q_norm/k_norm)
 
 
 @dataclass
@@ -42,6 +44,28 @@ class EngineConfig:
     max_context_tokens: int = 4096
     num_threads: int = 1
     startup_timeout_s: float = 120.0
+    tp_size: int = 1  # sglang: tensor-parallel GPUs per server
+    mem_fraction_static: float = 0.85  # sglang: GPU memory share for weights + KV cache
+    device: str = "cpu"  # embedded: torch device of the model and KV cache ("cuda" on a GPU machine)
+    dtype: str = "auto"  # auto: fp32 for the embedded engine, SGLang's choice (bf16) for sglang
+    # backend=sglang only; each maps to the sglang.launch_server flag of the same name (server_args.py)
+    python: str = "python"  # interpreter with sglang installed on the engine's node
+    load_format: str = "auto"  # "dummy": random weights, nothing read from the checkpoint
+    enable_memory_saver: bool = True  # needed for /release_memory_occupation on role switches
+    enable_weights_cpu_backup: bool = False  # release keeps a CPU copy of the weights (resume without a sync)
+    chunked_prefill_size: int = 0  # 0: SGLang's default
+    disable_radix_cache: bool = False
+    enable_hierarchical_cache: bool = False  # host-memory KV tier (HiCache)
+    hicache_storage_backend: str = ""  # e.g. "mooncake": KV prefixes in a store other engines read
+    base_gpu_id: int = 0
+    random_seed: int = 0
+    log_level: str = "info"
+    extra_args: list[str] = field(default_factory=list)  # more launch_server flags, passed verbatim
+
+    def __post_init__(self) -> None:
+        from gyre.config.validate import check_engine
+
+        check_engine(self)
 
 
 @dataclass
@@ -50,15 +74,26 @@ class ProxyConfig:
     port: int = 0
     max_context_tokens: int = 4096
     default_max_tokens: int = 96
+    max_output_tokens: int | None = None  # caps every call's max_tokens (harnesses ask for 32000+)
     request_timeout_s: float = 300.0
+    # a session's next call goes to the engine of its last call (its prefix is cached there) unless that engine
+    # has this many more requests in flight than the least-loaded one; -1: least-loaded only
+    affinity_slack: int = 2
 
 
 @dataclass
 class TaskConfig:
     suite: str = "builtin"
-    families: list[str] = field(default_factory=lambda: ["write_value", "echo_files"])
+    families: list[str] = field(default_factory=lambda: ["write_value"])
+    # the RL training set: this many instances (families in equal shares), revisited in shuffled epochs;
+    # 0 = fresh instances every step
+    pool_size: int = 8
     check_timeout_s: float = 10.0
     tool_delay_s: float = 0.0
+    # every tool call of the built-in harness takes this long on average (builds, tests): a long-tailed
+    # workload. Each rollout draws a factor ~ lognormal(mean 1, sigma tool_time_sigma) from its rollout id
+    tool_time_s: float = 0.0
+    tool_time_sigma: float = 1.0
 
 
 @dataclass
@@ -75,8 +110,8 @@ class HarnessConfig:
 @dataclass
 class RLConfig:
     algorithm: str = "gspo"
-    group_size: int = 8
-    groups_per_step: int = 4
+    group_size: int = 8  # 4 leaves a hard task's group all-fail too often: no advantage, nothing learned
+    groups_per_step: int = 8  # with tasks.pool_size 8: every step visits the whole training set once
     clip_eps_low: float = 3e-4
     clip_eps_high: float = 4e-4
     max_trajectories_per_rollout: int = 5
@@ -91,17 +126,98 @@ class TrainConfig:
     grad_clip: float = 1.0
     micro_batch_tokens: int = 4096
     num_threads: int = 1  # on 2 shared cores one thread beats two (measured 5x)
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    context_parallel: int = 1  # CUDA only, like tensor/pipeline parallel > 1 (torchrun or srun world)
+    # on: megatron's Transformer Engine layer spec (CUDA; padded micro-batches only, tree plans need the local
+    # spec); auto: on when CUDA and transformer_engine are importable; off: local spec everywhere
+    transformer_engine: str = "off"
+    distributed_optimizer: bool = True  # CUDA: megatron's DDP + distributed optimizer; CPU: torch AdamW
 
 
 @dataclass
 class WarmStartConfig:
     enabled: bool = True
-    steps: int = 400
+    # short on purpose: the policy starts able but unreliable (about half of its rollouts succeed), which
+    # leaves RL something to show on the embedded default
+    steps: int = 200
     lr: float = 2e-3
     batch_size: int = 16
     pack_tokens: int = 384
     demos: int = 2000
+    families: list[str] = field(default_factory=list)  # demonstrations' families; empty: tasks.families
     cache_dir: str = "${oc.env:GYRE_CACHE,${oc.env:HOME}/.cache/gyre}"
+
+
+@dataclass
+class CellResources:
+    """One cell's share of a Slurm allocation: one component of the heterogeneous job."""
+
+    nodes: int = 1
+    cpus_per_node: int = 1
+    gpus_per_node: int = 0
+    mem: str = ""  # per node, Slurm syntax ("64G"); empty: the partition's default
+    partition: str = "debug"
+    time: str = "01:00:00"
+
+
+@dataclass
+class MooncakeConfig:
+    """The cluster fabric as Mooncake Transfer Engine sees it (weights and KV between cells)."""
+
+    protocol: str = "tcp"  # tcp | rdma
+    device_name: str = ""  # RDMA NICs, e.g. "mlx5_0,mlx5_1"; empty: let Mooncake choose
+    metadata_server: str = "P2PHANDSHAKE"
+
+
+@dataclass
+class ClusterConfig:
+    """Where cells run. slurm: one heterogeneous job, component 0 the core cell, 1..N the satellites."""
+
+    backend: str = "local"  # local: processes on this machine; slurm: launch/submit.py
+    job_name: str = "gyre"
+    account: str = ""
+    qos: str = ""
+    mpi: str = ""  # srun --mpi for the cell job's step (pmix, pmi2); empty: the cluster's MpiDefault
+    python: str = "python"  # interpreter on the compute nodes
+    workdir: str = ""  # where steps run; empty: the directory the job is submitted from
+    setup: list[str] = field(default_factory=list)  # shell lines before the steps (module load, venv)
+    log_dir: str = ""  # empty: <output_dir>/slurm
+    requeue: bool = True  # sbatch --requeue: preemption and `scontrol requeue` put the job back in the queue
+    # sbatch --signal=B:TERM@<this>: SIGTERM this long before the time limit; the run checkpoints, exits 75 and
+    # the script requeues it (0: no signal). Also what a stop may take: finishing an update + a checkpoint write
+    preempt_grace_s: int = 120
+    core: CellResources = field(default_factory=CellResources)
+    satellites: list[CellResources] = field(default_factory=lambda: [CellResources(), CellResources()])
+    mooncake: MooncakeConfig = field(default_factory=MooncakeConfig)
+
+
+@dataclass
+class CommConfig:
+    """The control plane and weight/KV transfer between cells (gyre/comm); Mooncake's fabric is
+    `cluster.mooncake`."""
+
+    transfer_backend: str = "mooncake"  # mooncake | gloo (torch.distributed fallback)
+    hostname: str = "127.0.0.1"  # the address peers reach this rank at; "auto": this host's IP
+    idle_poll_max_s: float = 0.02  # longest sleep between control-plane probes while idle
+
+
+@dataclass
+class SchedConfig:
+    """Cells under one MPI job (scheduler=elastic|async|colocate_cells): rank 0 the controller, ranks
+    1..C the cells (C = 1 + len(cluster.satellites)), cell 1 the core (gyre/sched)."""
+
+    capacity_per_cell: int = 8  # concurrent rollout sessions one rollout cell serves (its KV budget)
+    staleness: int = 1  # async/elastic: rollouts of step s may start once weights of version s - staleness exist
+    async_rollout_cells: int = 0  # async: cells fixed to rollout (0: every satellite; the core trains)
+    micro_batches_in_flight: int = 1  # per training cell; more hides the controller round trip
+    kv_migration: bool = True  # move in-flight requests' keys/values with them when a cell leaves rollout
+    # CPU set of each rank ("0-1", "0,2"), controller first; empty: controller on all CPUs, cell i on CPU (i-1) mod n
+    cpu_sets: list[str] = field(default_factory=list)
+    threads_per_cell: int = 1  # torch threads of each cell's trainer and engine
+    cell_timeout_s: float = 120.0  # a cell that answers nothing for this long is declared dead
+    mpirun: str = ""  # empty: the mpirun next to this Python (MPICH from PyPI)
+    faults: list[str] = field(default_factory=list)  # injected faults, e.g. "kill_cell:3:after_micro_batches:1"
 
 
 @dataclass
@@ -111,6 +227,9 @@ class RunConfig:
     scheduler: str = "colocate"
     output_dir: str = ""  # empty: Hydra's run directory (outputs/<date>_<time>)
     checkpoint_every: int = 4
+    # auto: continue from output_dir/checkpoint/ when it is complete, else start at step 0; must: continue or
+    # fail; never: start at step 0, moving an earlier run's outputs aside (gyre/resume/recovery.py)
+    resume: str = "auto"
     model: ModelConfig = field(default_factory=ModelConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -120,3 +239,6 @@ class RunConfig:
     rl: RLConfig = field(default_factory=RLConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    sched: SchedConfig = field(default_factory=SchedConfig)

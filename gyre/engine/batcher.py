@@ -228,14 +228,16 @@ class Batcher:
     def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         if seqs is self.running:
             if self._params is None:
-                self._params = BatchSamplingParams.build([s.spec for s in seqs], self.vocab_size)
+                self._params = BatchSamplingParams.build([s.spec for s in seqs], self.vocab_size, logits.device)
             params = self._params
         else:
-            params = BatchSamplingParams.build([s.spec for s in seqs], self.vocab_size)
-        uniforms = None if params.all_greedy else torch.tensor([s.rng.random() for s in seqs])
+            params = BatchSamplingParams.build([s.spec for s in seqs], self.vocab_size, logits.device)
+        uniforms = None
+        if not params.all_greedy:
+            uniforms = torch.tensor([s.rng.random() for s in seqs], device=logits.device)
         banned = None
         if any(len(s.output_ids) < s.spec.min_new_tokens and s.stop_ids for s in seqs):
-            banned = torch.zeros(logits.shape, dtype=torch.bool)
+            banned = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
             for i, s in enumerate(seqs):
                 if len(s.output_ids) < s.spec.min_new_tokens and s.stop_ids:
                     banned[i, list(s.stop_ids)] = True
@@ -407,10 +409,14 @@ class Batcher:
             self.released.add("kv_cache")
         if "weights" in tags and "weights" not in self.released:
             self._stash = Path(tempfile.mkdtemp(prefix="gyre-engine-weights-")) / "model.safetensors"
-            save_file({k: v.contiguous() for k, v in self.model.state_dict().items()}, str(self._stash))
+            # named_parameters lists tied weights once (safetensors refuses shared tensors); resume restores both
+            params = {k: p.detach().cpu().contiguous() for k, p in self.model.named_parameters()}
+            save_file(params, str(self._stash))
             for p in self.model.parameters():
-                p.data = torch.empty(0)
+                p.data = torch.empty(0, device=p.device, dtype=p.dtype)
             self.released.add("weights")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # hand the freed blocks back to the driver, as SGLang's memory saver does
 
     def resume_memory(self, tags: list[str] | None) -> None:
         tags = list(tags or MEMORY_TAGS)
@@ -420,7 +426,7 @@ class Batcher:
             state = load_file(str(self._stash))
             params = dict(self.model.named_parameters())
             for name, tensor in state.items():
-                params[name].data = tensor
+                params[name].data = tensor.to(params[name].device)
             shutil.rmtree(self._stash.parent, ignore_errors=True)
             self._stash = None
         self.released -= set(tags)

@@ -122,8 +122,23 @@ class EngineClient:
     async def server_info(self) -> dict[str, Any]:
         return await self._request("GET", "/get_server_info")
 
-    async def abort(self, rid: str) -> None:
-        await self._request("POST", "/abort_request", {"rid": rid})
+    async def health_generate(self) -> bool:
+        """True once the engine produced a token (SGLang runs a one-token request unless it is busy)."""
+        try:
+            await self._request("GET", "/health_generate")
+            return True
+        except EngineError:
+            return False
+
+    async def model_info(self) -> dict[str, Any]:
+        return await self._request("GET", "/get_model_info")
+
+    async def abort(self, rid: str = "", abort_all: bool = False) -> None:
+        """Abort one request (rid; SGLang matches it as a prefix) or, with abort_all, every request."""
+        payload: dict[str, Any] = {"rid": rid}
+        if abort_all:
+            payload["abort_all"] = True
+        await self._request("POST", "/abort_request", payload)
 
     async def pause_generation(self, mode: str = "in_place") -> None:
         """SGLang modes: "in_place" keeps requests and their KV; "retract" re-queues them (KV may be
@@ -136,15 +151,79 @@ class EngineClient:
     async def flush_cache(self) -> None:
         await self._request("POST", "/flush_cache", {})
 
-    async def release_memory(self) -> None:
-        await self._request("POST", "/release_memory_occupation", {})
+    async def release_memory(self, tags: list[str] | None = None) -> None:
+        """Free GPU memory for a role switch; tags ("weights", "kv_cache") pick what, all by default."""
+        await self._request("POST", "/release_memory_occupation", {} if tags is None else {"tags": list(tags)})
 
-    async def resume_memory(self) -> None:
-        await self._request("POST", "/resume_memory_occupation", {})
+    async def resume_memory(self, tags: list[str] | None = None) -> None:
+        await self._request("POST", "/resume_memory_occupation", {} if tags is None else {"tags": list(tags)})
 
-    async def update_weights_from_disk(self, model_path: str, weight_version: str) -> dict[str, Any]:
-        payload = {"model_path": model_path, "weight_version": weight_version, "abort_all_requests": False}
-        body = await self._request("POST", "/update_weights_from_disk", payload)
+    async def _weight_update(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        body = await self._request("POST", path, payload)
         if isinstance(body, dict) and body.get("success") is False:
             raise EngineError(f"weight update failed: {body.get('message')}")
         return body
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str) -> dict[str, Any]:
+        payload = {"model_path": model_path, "weight_version": weight_version, "abort_all_requests": False}
+        return await self._weight_update("/update_weights_from_disk", payload)
+
+    async def update_weights_from_tensor(
+        self, serialized_named_tensors: list[str], weight_version: str, flush_cache: bool = True
+    ) -> dict[str, Any]:
+        """Same-node update: one base64 payload per TP rank (gyre.engine.sglang_weights.serialize_named_tensors)."""
+        payload = {
+            "serialized_named_tensors": list(serialized_named_tensors),
+            "weight_version": weight_version,
+            "flush_cache": flush_cache,
+            "abort_all_requests": False,
+        }
+        return await self._weight_update("/update_weights_from_tensor", payload)
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> dict[str, Any]:
+        """Join the trainer's broadcast group (trainer rank 0, engine ranks from rank_offset)."""
+        payload = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return await self._weight_update("/init_weights_update_group", payload)
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        weight_version: str,
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+    ) -> dict[str, Any]:
+        """Receive these tensors by broadcast in the group; the trainer broadcasts them in this order."""
+        payload = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "weight_version": weight_version,
+            "flush_cache": flush_cache,
+            "abort_all_requests": False,
+        }
+        return await self._weight_update("/update_weights_from_distributed", payload)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
+        return await self._weight_update("/destroy_weights_update_group", {"group_name": group_name})
+
+    async def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict[str, Any]:
+        payload = {"new_version": new_version, "abort_all_requests": abort_all_requests}
+        return await self._weight_update("/update_weight_version", payload)

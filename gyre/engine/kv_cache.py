@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from gyre.model.llama import LlamaForCausalLM, apply_rope, rope_cos_sin
+from gyre.model.llama import LlamaForCausalLM, head_dim_of, rope_cos_sin
 
 Write = tuple[torch.Tensor, torch.Tensor] | tuple[int, slice]
 
@@ -26,7 +26,9 @@ class SlotKVCache:
         cfg = model.cfg
         self.num_layers = cfg.num_layers
         self.kv_heads = cfg.num_query_groups
-        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.head_dim = head_dim_of(cfg)
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
         self.max_slots = max_slots
         self.max_len = max_len
         self.k = torch.empty(0)
@@ -56,7 +58,8 @@ class SlotKVCache:
         new_len = min(self.max_len, max(length, 2 * self.capacity, 256))
         shape = (self.num_layers, new_slots, self.kv_heads, new_len, self.head_dim)
         # Zeros, not empty: masked positions still enter `weights @ values`, and 0 * NaN is NaN.
-        k, v = torch.zeros(shape), torch.zeros(shape)
+        k = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        v = torch.zeros(shape, device=self.device, dtype=self.dtype)
         if self.slots:
             k[:, : self.slots, :, : self.capacity] = self.k
             v[:, : self.slots, :, : self.capacity] = self.v
@@ -98,10 +101,7 @@ def _attention_step(
     """
     b, t, _ = x.shape
     nh, nkv, hd = attn.n_heads, attn.n_kv, attn.head_dim
-    q = attn.q_proj(x).view(b, t, nh, hd).transpose(1, 2)
-    k = attn.k_proj(x).view(b, t, nkv, hd).transpose(1, 2)
-    v = attn.v_proj(x).view(b, t, nkv, hd).transpose(1, 2)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k, v = attn.project(x, cos, sin)
     rows, cols = write
     if isinstance(cols, torch.Tensor):  # decode: one new position per row, at that row's own length
         k_cache[rows, :, cols] = k[:, :, 0]
@@ -132,7 +132,7 @@ def _run_layers(
     mask: torch.Tensor,
 ) -> torch.Tensor:
     cfg = model.cfg
-    cos, sin = rope_cos_sin(positions, cfg.hidden_size // cfg.num_attention_heads, cfg.rope_theta)
+    cos, sin = rope_cos_sin(positions, head_dim_of(cfg), cfg.rope_theta)
     x = model.model.embed_tokens(input_ids)
     for i, layer in enumerate(model.model.layers):
         h = _attention_step(
@@ -150,8 +150,10 @@ def prefill_slot(
     as context, store their keys/values, and return fp32 logits [V] of the last position."""
     t = tokens.shape[0]
     end = start + t
-    positions = torch.arange(start, end)[None, :]
-    mask = torch.ones(t, end, dtype=torch.bool).tril(start)[None, None]
+    device = cache.device
+    tokens = tokens.to(device)
+    positions = torch.arange(start, end, device=device)[None, :]
+    mask = torch.ones(t, end, dtype=torch.bool, device=device).tril(start)[None, None]
     hidden = _run_layers(model, cache, tokens[None, :], positions, (slot, slice(start, end)), end, mask)
     return model.lm_head(hidden[0, -1]).float()
 
@@ -163,8 +165,9 @@ def decode_slots(
     KV length). Returns fp32 logits [B, V]."""
     b = last_tokens.shape[0]
     read_len = int(lengths.max()) + 1
-    mask = (torch.arange(read_len)[None, :] <= lengths[:, None])[:, None, None, :]
-    hidden = _run_layers(
-        model, cache, last_tokens[:, None], lengths[:, None], (torch.arange(b), lengths), read_len, mask
-    )
+    device = cache.device
+    last_tokens, lengths = last_tokens.to(device), lengths.to(device)
+    mask = (torch.arange(read_len, device=device)[None, :] <= lengths[:, None])[:, None, None, :]
+    rows = torch.arange(b, device=device)
+    hidden = _run_layers(model, cache, last_tokens[:, None], lengths[:, None], (rows, lengths), read_len, mask)
     return model.lm_head(hidden[:, 0]).float()

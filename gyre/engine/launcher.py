@@ -7,11 +7,13 @@ engine.stop()
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -32,6 +34,14 @@ def _tail(path: Path, lines: int = 40) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the process that started the engine dies, even by SIGKILL,
+    so an engine never outlives its run (Linux prctl PR_SET_PDEATHSIG; elsewhere nothing). Only for
+    engines started from the main thread: the signal fires when the forking *thread* exits."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 @dataclass
@@ -134,7 +144,14 @@ def start_engine(
     child_env.setdefault("OMP_NUM_THREADS", str(num_threads))
     log_file = open(log_path, "w")  # noqa: SIM115 - owned by the EngineProcess
     proc = subprocess.Popen(
-        cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env, start_new_session=True
+        cmd,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=child_env,
+        start_new_session=True,
+        # the kernel ties PDEATHSIG to the thread that forks: only the main thread lives as long as the run
+        preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,
     )
     engine = EngineProcess(proc, "", log_path, str(model_path), log_file)
     deadline = time.monotonic() + startup_timeout_s
@@ -160,6 +177,8 @@ def start_engine_from_config(model_path: str | Path, cfg: EngineConfig, **kwargs
     """start_engine with the fields of an EngineConfig (backend must be 'embedded')."""
     if cfg.backend != "embedded":
         raise ValueError(f"engine backend {cfg.backend!r} is not launched locally; only 'embedded' is")
+    dtype = "float32" if cfg.dtype == "auto" else cfg.dtype
+    kwargs["extra_args"] = ["--device", cfg.device, "--dtype", dtype, *kwargs.get("extra_args", [])]  # type: ignore[misc]
     return start_engine(
         model_path,
         port=cfg.port,

@@ -158,13 +158,16 @@ class BatchSamplingParams:
     needs_filter: bool  # some row uses top-k or top-p
 
     @classmethod
-    def build(cls, specs: list[SamplingSpec], vocab_size: int) -> BatchSamplingParams:
+    def build(
+        cls, specs: list[SamplingSpec], vocab_size: int, device: torch.device | str = "cpu"
+    ) -> BatchSamplingParams:
         greedy = [s.greedy for s in specs]
+        temperature = [1.0 if g else s.temperature for s, g in zip(specs, greedy, strict=True)]
         return cls(
-            temperature=torch.tensor([1.0 if g else s.temperature for s, g in zip(specs, greedy, strict=True)]),
-            top_p=torch.tensor([s.top_p for s in specs]),
-            top_k=torch.tensor([vocab_size if s.top_k < 0 else s.top_k for s in specs]),
-            greedy=torch.tensor(greedy),
+            temperature=torch.tensor(temperature, device=device),
+            top_p=torch.tensor([s.top_p for s in specs], device=device),
+            top_k=torch.tensor([vocab_size if s.top_k < 0 else s.top_k for s in specs], device=device),
+            greedy=torch.tensor(greedy, device=device),
             all_greedy=all(greedy),
             needs_filter=any(s.top_p < 1.0 or 0 < s.top_k < vocab_size for s in specs),
         )
@@ -192,7 +195,7 @@ def sample_tokens(
         probs = torch.softmax(masked / params.temperature[:, None], dim=-1)
         if params.needs_filter:
             probs, order = probs.sort(dim=-1, descending=True)
-            rank = torch.arange(probs.shape[-1])[None, :]
+            rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
             before = probs.cumsum(dim=-1) - probs  # mass strictly before each sorted token
             keep = (rank < params.top_k[:, None]) & ((before < params.top_p[:, None]) | (rank == 0))
             probs = probs * keep

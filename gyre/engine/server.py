@@ -29,6 +29,7 @@ import torch
 from aiohttp import web
 
 from gyre.engine.batcher import Batcher, BatcherConfig, Delta, Sequence
+from gyre.engine.kv_routes import KVRoutes
 from gyre.engine.launcher import READY_PREFIX
 from gyre.engine.protocol import GenerateItem, ProtocolError, RequestOutput, parse_generate
 from gyre.engine.sampling import SamplingSpec
@@ -74,11 +75,13 @@ class EngineServer:
         config: BatcherConfig,
         weight_version: str = "default",
         served_model_name: str | None = None,
+        device: str = "cpu",
+        dtype: str = "float32",
     ) -> None:
         self.model_path = str(model_path)
         self.config = config
         self.served_model_name = served_model_name or Path(model_path).name
-        model = load_llama(model_path)
+        model = load_llama(model_path).to(device=device, dtype=getattr(torch, dtype))
         self.model_cfg = model.cfg
         self.param_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         has_tokenizer = (Path(model_path) / "tokenizer.json").exists()
@@ -119,6 +122,7 @@ class EngineServer:
                 get("/model_info", self.model_info),
             ]
         )
+        KVRoutes(self).add_to(app)  # /gyre/kv/*: in-flight sessions' keys/values to other engines (Mooncake)
         app.on_shutdown.append(self._on_shutdown)
         return app
 
@@ -345,8 +349,8 @@ class EngineServer:
                 "tokenizer_path": self.model_path if self.tokenizer is not None else None,
                 "is_generation": True,
                 "weight_version": self.batcher.weight_version,
-                "model_type": "qwen2",
-                "architectures": ["Qwen2ForCausalLM"],
+                "model_type": "qwen3" if cfg.qk_layernorm else "qwen2",
+                "architectures": ["Qwen3ForCausalLM" if cfg.qk_layernorm else "Qwen2ForCausalLM"],
                 "vocab_size": cfg.vocab_size,
                 "num_layers": cfg.num_layers,
                 "hidden_size": cfg.hidden_size,
@@ -393,6 +397,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill-chunk-tokens", type=int, default=512)
     p.add_argument("--weight-version", default="default")
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--device", default="cpu", help="torch device of the model and KV cache (cpu, cuda, cuda:1)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     for name in (
@@ -419,7 +425,9 @@ def main(argv: list[str] | None = None) -> None:
         prefix_cache_tokens=args.prefix_cache_tokens,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
     )
-    server = EngineServer(args.model_path, config, args.weight_version, args.served_model_name)
+    server = EngineServer(
+        args.model_path, config, args.weight_version, args.served_model_name, device=args.device, dtype=args.dtype
+    )
     log.info("serving %s (%s threads)", args.model_path, args.num_threads)
     asyncio.run(serve(server, args.host, args.port))
 

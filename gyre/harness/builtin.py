@@ -15,6 +15,7 @@ import argparse
 import http.client
 import json
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -86,6 +87,11 @@ class ChatClient:
         raise AssertionError("unreachable")
 
 
+def rollout_tool_factor(rollout_id: str, sigma: float) -> float:
+    """This rollout's tool-time factor: lognormal with mean 1, the same for the same rollout id."""
+    return random.Random(rollout_id).lognormvariate(-sigma * sigma / 2, sigma) if sigma > 0 else 1.0
+
+
 def write_result(path: Path, result: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(result))
@@ -102,6 +108,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ]
     errors: list[str] = []
     result: dict[str, Any] = {"rollout_id": args.rollout_id, "turns": 0, "tool_calls": 0, "stop_reason": "running"}
+    tool_time = args.tool_time * rollout_tool_factor(args.rollout_id, args.tool_time_sigma)
     start = time.monotonic()
     for _ in range(args.max_turns):
         request = {"model": args.model, "messages": messages, "tools": TOOL_SCHEMAS,
@@ -121,6 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result["stop_reason"] = "no_tool_call"
         for call in calls:
             fn = call.get("function") or {}
+            time.sleep(tool_time)
             outcome = execute_tool(
                 workspace, fn.get("name", ""), fn.get("arguments"), task["visible_checks"], args.tool_delay
             )
@@ -154,6 +162,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--tool-delay", type=float, default=0.0, help="seconds run_checks sleeps (emulates slow tools)")
+    p.add_argument("--tool-time", type=float, default=0.0, help="mean seconds every tool call takes (slow tools)")
+    p.add_argument("--tool-time-sigma", type=float, default=1.0, help="lognormal spread of --tool-time per rollout")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--max-retries", type=int, default=3)
     return p.parse_args(argv)

@@ -21,6 +21,7 @@ from typing import Any
 
 import gyre
 from gyre.config.schema import HarnessConfig, TaskConfig
+from gyre.harness.claude_code import claude_code_command
 from gyre.tasks.grading import Grade, grade_workspace
 from gyre.tasks.task import Task
 
@@ -41,6 +42,8 @@ class HarnessLaunch:
     max_tokens: int
     temperature: float
     tool_delay: float
+    tool_time: float = 0.0
+    tool_time_sigma: float = 1.0
 
 
 def builtin_command(launch: HarnessLaunch) -> list[str]:
@@ -55,10 +58,15 @@ def builtin_command(launch: HarnessLaunch) -> list[str]:
         "--max-tokens", str(launch.max_tokens),
         "--temperature", str(launch.temperature),
         "--tool-delay", str(launch.tool_delay),
+        "--tool-time", str(launch.tool_time),
+        "--tool-time-sigma", str(launch.tool_time_sigma),
     ]  # fmt: skip
 
 
-HARNESS_COMMANDS: dict[str, Callable[[HarnessLaunch], list[str]]] = {"builtin": builtin_command}
+HARNESS_COMMANDS: dict[str, Callable[[HarnessLaunch], list[str]]] = {
+    "builtin": builtin_command,
+    "claude_code": claude_code_command,
+}
 
 
 @dataclass
@@ -184,6 +192,8 @@ async def run_rollout(
         max_tokens=harness_cfg.max_tokens,
         temperature=harness_cfg.temperature,
         tool_delay=task_cfg.tool_delay_s,
+        tool_time=task_cfg.tool_time_s,
+        tool_time_sigma=task_cfg.tool_time_sigma,
     )
     launch.task_file.write_text(json.dumps(task.harness_view()))
     log_path = workdir / "harness.log"

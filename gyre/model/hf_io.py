@@ -1,4 +1,4 @@
-"""HF-format checkpoint directories: config.json (Qwen2/Llama style) + model.safetensors (+ tokenizer).
+"""HF-format checkpoint directories: config.json (Qwen2 or Qwen3 style) + model.safetensors (+ tokenizer).
 
 This is what engines load on start and on `/update_weights_from_disk`, and what a production
 SGLang server would read from the same path.
@@ -15,33 +15,48 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gyre.config.schema import ModelConfig
-from gyre.model.llama import LlamaForCausalLM
+from gyre.model.llama import LlamaForCausalLM, head_dim_of
 
 WEIGHTS_FILE = "model.safetensors"
 
 
-def hf_config(cfg: ModelConfig) -> dict:
-    return {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
+def hf_config(cfg: ModelConfig, torch_dtype: str = "float32", eos_token_id: int | None = None) -> dict:
+    """Qwen2 style, or Qwen3 style (per-head q/k norms, explicit head_dim) when cfg.qk_layernorm."""
+    qwen3 = cfg.qk_layernorm
+    out = {
+        "architectures": ["Qwen3ForCausalLM" if qwen3 else "Qwen2ForCausalLM"],
+        "model_type": "qwen3" if qwen3 else "qwen2",
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.ffn_hidden_size,
         "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_query_groups,
-        "head_dim": cfg.hidden_size // cfg.num_attention_heads,
+        "head_dim": head_dim_of(cfg),
         "max_position_embeddings": cfg.max_position_embeddings,
         "rope_theta": cfg.rope_theta,
         "rms_norm_eps": cfg.norm_eps,
         "hidden_act": "silu",
         "attention_bias": False,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "torch_dtype": "float32",
+        "torch_dtype": torch_dtype,
     }
+    if qwen3:  # fields transformers' and SGLang's Qwen3 configs read
+        out |= {"attention_dropout": 0.0, "rope_scaling": None, "use_sliding_window": False, "sliding_window": None}
+        out |= {"max_window_layers": cfg.num_layers, "initializer_range": cfg.init_std, "use_cache": True}
+    if eos_token_id is not None:
+        out["eos_token_id"] = eos_token_id
+    return out
 
 
 def model_config_from_hf(config: dict) -> ModelConfig:
+    """Qwen2/Qwen3/Llama-style config.json -> ModelConfig; refuses features the models here lack."""
+    if config.get("attention_bias") or config.get("qkv_bias"):
+        raise ValueError("config.json asks for attention biases (Qwen2.5 style); gyre's models have none")
+    if config.get("use_sliding_window") or config.get("rope_scaling"):
+        raise ValueError("config.json uses sliding-window attention or rope_scaling, which gyre's models lack")
+    heads = config["num_attention_heads"]
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
     return ModelConfig(
         vocab_size=config["vocab_size"],
         hidden_size=config["hidden_size"],
@@ -53,6 +68,8 @@ def model_config_from_hf(config: dict) -> ModelConfig:
         rope_theta=float(config.get("rope_theta", 10000.0)),
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        head_dim=0 if head_dim * heads == config["hidden_size"] else head_dim,
+        qk_layernorm=config.get("model_type") == "qwen3",
     )
 
 
@@ -69,7 +86,10 @@ def save_hf_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(tmp / WEIGHTS_FILE))
-    (tmp / "config.json").write_text(json.dumps(hf_config(cfg), indent=2))
+    dtypes = {str(v.dtype).removeprefix("torch.") for v in state.values()}
+    eos = _tokenizer_eos_id(tokenizer_dir)
+    config = hf_config(cfg, dtypes.pop() if len(dtypes) == 1 else "float32", eos)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
     if tokenizer_dir is not None:
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy2(Path(tokenizer_dir) / name, tmp / name)
@@ -77,6 +97,14 @@ def save_hf_checkpoint(
         shutil.rmtree(final)
     tmp.rename(final)
     return final
+
+
+def _tokenizer_eos_id(tokenizer_dir: str | Path | None) -> int | None:
+    if tokenizer_dir is None:
+        return None
+    from gyre.model.tokenizer import Tokenizer
+
+    return Tokenizer.load(tokenizer_dir).eos_id
 
 
 def load_hf_state(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

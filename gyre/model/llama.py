@@ -31,7 +31,8 @@ class RMSNorm(nn.Module):
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [B, T] -> cos, sin [B, 1, T, head_dim] (non-interleaved halves, as Megatron and HF)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    arange = torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device)
+    inv_freq = 1.0 / (theta ** (arange / head_dim))
     freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)[:, None]
     return emb.cos(), emb.sin()
@@ -40,7 +41,12 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    return (x * cos + rotated * sin).to(x.dtype)  # cos/sin are fp32; bf16 activations stay bf16
+
+
+def head_dim_of(cfg: ModelConfig) -> int:
+    """The per-head width: cfg.head_dim when set (Qwen3 style), else hidden_size // num_attention_heads."""
+    return cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
 
 
 class Attention(nn.Module):
@@ -48,11 +54,27 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_query_groups
-        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.head_dim = head_dim_of(cfg)
         self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        # Qwen3: per-head RMSNorm of queries and keys before RoPE (megatron's qk_layernorm).
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_layernorm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_layernorm else None
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, H] -> rotated q [B, heads, T, hd], rotated k and v [B, kv_heads, T, hd]."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(
         self,
@@ -63,10 +85,7 @@ class Attention(nn.Module):
         mask: torch.Tensor | None,
     ) -> tuple[torch.Tensor, LayerKV]:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self.project(x, cos, sin)
         new_kv = (k, v)
         if past is not None:
             k = torch.cat([past[0], k], dim=2)
@@ -76,7 +95,7 @@ class Attention(nn.Module):
         v = v.repeat_interleave(rep, dim=1)
         if mask is None:
             s = k.shape[2]
-            mask = torch.ones(t, s, dtype=torch.bool).tril(s - t)
+            mask = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(s - t)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(self.head_dim))
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), new_kv
 
@@ -136,8 +155,7 @@ class LlamaForCausalLM(nn.Module):
 
         Returns logits [B, T, V] in fp32 and this call's keys/values per layer.
         """
-        head_dim = self.cfg.hidden_size // self.cfg.num_attention_heads
-        cos, sin = rope_cos_sin(positions, head_dim, self.cfg.rope_theta)
+        cos, sin = rope_cos_sin(positions, head_dim_of(self.cfg), self.cfg.rope_theta)
         x = self.model.embed_tokens(input_ids)
         new_kv: list[LayerKV] = []
         for i, layer in enumerate(self.model.layers):

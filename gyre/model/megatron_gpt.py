@@ -1,7 +1,8 @@
 """The training-side model: a megatron-core GPTModel with the architecture of gyre/model/llama.py.
 
 RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases, untied embeddings, fp32, megatron's
-local layer spec (no Transformer Engine). On a machine without CUDA the CPU shim is applied first.
+local layer spec (no Transformer Engine) with tree-aware attention modules (see
+gyre/train/tree_attention_megatron.py). On a machine without CUDA the CPU shim is applied first.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from gyre.config.schema import ModelConfig
+from gyre.model.llama import head_dim_of
 from gyre.train.cpu_shim import apply_cpu_shim
+from gyre.train.tree_attention_megatron import tree_layer_spec
 
 # Without Apex / Transformer Engine megatron-core warns on import and when building the local spec;
 # that is the expected setup here (local spec, torch norms), so those notices are silenced.
@@ -34,7 +37,7 @@ def _free_loopback_port() -> int:
 
 
 def init_megatron_single_process() -> None:
-    """A one-process gloo world and tensor/pipeline parallel size 1. Idempotent.
+    """A one-process world (gloo; NCCL on CUDA) and tensor/pipeline parallel size 1. Idempotent.
 
     If torch.distributed is already initialized (e.g. by a launcher) that world is reused.
     """
@@ -42,7 +45,7 @@ def init_megatron_single_process() -> None:
     if not torch.distributed.is_initialized():
         port = _free_loopback_port()
         torch.distributed.init_process_group(
-            backend="gloo",
+            backend="nccl" if torch.cuda.is_available() else "gloo",  # megatron's DDP/optimizer collectives on CUDA
             init_method=f"tcp://127.0.0.1:{port}",
             world_size=1,
             rank=0,
@@ -52,9 +55,10 @@ def init_megatron_single_process() -> None:
 
 
 def transformer_config(cfg: ModelConfig) -> TransformerConfig:
-    if cfg.hidden_size % cfg.num_attention_heads:
+    if not cfg.head_dim and cfg.hidden_size % cfg.num_attention_heads:
         raise ValueError(
             f"hidden_size {cfg.hidden_size} must be divisible by num_attention_heads {cfg.num_attention_heads}"
+            " (or set model.head_dim)"
         )
     if cfg.num_attention_heads % cfg.num_query_groups:
         raise ValueError(
@@ -67,7 +71,8 @@ def transformer_config(cfg: ModelConfig) -> TransformerConfig:
         num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_query_groups,
         ffn_hidden_size=cfg.ffn_hidden_size,
-        kv_channels=cfg.hidden_size // cfg.num_attention_heads,
+        kv_channels=head_dim_of(cfg),
+        qk_layernorm=cfg.qk_layernorm,
         normalization="RMSNorm",
         layernorm_epsilon=cfg.norm_eps,
         gated_linear_unit=True,
@@ -92,14 +97,26 @@ def transformer_config(cfg: ModelConfig) -> TransformerConfig:
     )
 
 
-def build_gpt_model(cfg: ModelConfig) -> GPTModel:
-    """A fresh GPTModel on CPU, its weights drawn from cfg.seed."""
+def build_gpt_model(cfg: ModelConfig, transformer_engine: bool = False) -> GPTModel:
+    """A fresh GPTModel on CPU, its weights drawn from cfg.seed.
+
+    transformer_engine=True (CUDA with Transformer Engine installed) takes megatron's TE layer spec:
+    fused kernels, no tree-plan attention (dense masks only).
+    """
     init_megatron_single_process()
     torch.manual_seed(cfg.seed)
     model_parallel_cuda_manual_seed(cfg.seed)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_APEX_TE)
-        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        if transformer_engine:
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+            layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
+        else:
+            # tree micro-batches pass a TreeAttentionPlan as the attention mask; tensor masks are unchanged
+            layer_spec = tree_layer_spec(
+                get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm)
+            )
     return GPTModel(
         config=transformer_config(cfg),
         transformer_layer_spec=layer_spec,

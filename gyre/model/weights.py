@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from gyre.config.schema import ModelConfig
+from gyre.model.llama import head_dim_of
 
 _MEGATRON_GLOBAL = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
@@ -37,6 +38,11 @@ _FUSED_NORMS = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
 }
+# Qwen3's per-head query/key norms (megatron qk_layernorm), present only with cfg.qk_layernorm.
+_QK_NORMS = {
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+}
 _QKV = "self_attention.linear_qkv.weight"
 _FC1 = "mlp.linear_fc1.weight"
 
@@ -48,8 +54,12 @@ def _megatron_globals(cfg: ModelConfig) -> dict[str, str]:
     return _MEGATRON_GLOBAL
 
 
+def _layer_renames(cfg: ModelConfig) -> dict[str, str]:
+    return _MEGATRON_LAYER | _QK_NORMS if cfg.qk_layernorm else _MEGATRON_LAYER
+
+
 def _head_dims(cfg: ModelConfig) -> tuple[int, int, int]:
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    head_dim = head_dim_of(cfg)
     return cfg.num_query_groups, cfg.num_attention_heads // cfg.num_query_groups, head_dim
 
 
@@ -74,6 +84,8 @@ def _expected_shapes_hf(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (f, h),
             p + "mlp.down_proj.weight": (h, f),
         }
+        if cfg.qk_layernorm:
+            shapes |= {p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,)}
     return shapes
 
 
@@ -126,7 +138,7 @@ def megatron_to_hf(state: dict[str, torch.Tensor | None], cfg: ModelConfig) -> d
     globals_ = _megatron_globals(cfg)
     expected = set(globals_)
     for i in range(cfg.num_layers):
-        expected |= {f"decoder.layers.{i}.{s}" for s in [*_MEGATRON_LAYER, *norms, _QKV, _FC1]}
+        expected |= {f"decoder.layers.{i}.{s}" for s in [*_layer_renames(cfg), *norms, _QKV, _FC1]}
     _check_keys(
         "megatron",
         set(weights),
@@ -139,7 +151,7 @@ def megatron_to_hf(state: dict[str, torch.Tensor | None], cfg: ModelConfig) -> d
         out["lm_head.weight"] = out["model.embed_tokens.weight"].clone()
     for i in range(cfg.num_layers):
         src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
-        for mc, hf in (_MEGATRON_LAYER | norms).items():
+        for mc, hf in (_layer_renames(cfg) | norms).items():
             out[dst + hf] = weights[src + mc]
         q, k, v = split_qkv(weights[src + _QKV], cfg)
         out[dst + "self_attn.q_proj.weight"] = q
@@ -169,7 +181,7 @@ def hf_to_megatron(
     out = {mc: state[hf] for mc, hf in _megatron_globals(cfg).items()}
     for i in range(cfg.num_layers):
         src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for mc, hf in (_MEGATRON_LAYER | norms).items():
+        for mc, hf in (_layer_renames(cfg) | norms).items():
             out[dst + mc] = state[src + hf]
         out[dst + _QKV] = merge_qkv(
             state[src + "self_attn.q_proj.weight"],

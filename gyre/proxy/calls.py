@@ -57,6 +57,18 @@ class CallRunner:
         self.renderer = TitoRenderer(tokenizer, call_log)
         self.spliced_turns = 0
         self.retokenized_turns = 0
+        self._forced_limits: dict[str, int] = {}
+
+    def force_context_limit(self, rollout_id: str, limit: int | None) -> None:
+        """Answer this rollout's prompts over `limit` tokens as too long (None lifts it); it only
+        lowers `max_context_tokens`. Drives a harness's compaction path without a long task."""
+        if limit is None:
+            self._forced_limits.pop(rollout_id, None)
+        else:
+            self._forced_limits[rollout_id] = limit
+
+    def context_limit(self, rollout_id: str) -> int:
+        return min(self.cfg.max_context_tokens, self._forced_limits.get(rollout_id, self.cfg.max_context_tokens))
 
     async def render(
         self, rollout_id: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
@@ -66,11 +78,13 @@ class CallRunner:
         except TemplateError as e:
             raise invalid_request(str(e), "messages") from e
 
-    def max_new_tokens(self, prompt_tokens: int, requested: int | None) -> int:
-        limit = self.cfg.max_context_tokens
+    def max_new_tokens(self, prompt_tokens: int, requested: int | None, rollout_id: str = "") -> int:
+        limit = self.context_limit(rollout_id)
         if prompt_tokens >= limit:
             raise context_length_exceeded(limit, prompt_tokens)
         wanted = requested if requested is not None else self.cfg.default_max_tokens
+        if self.cfg.max_output_tokens is not None:
+            wanted = min(wanted, self.cfg.max_output_tokens)
         return min(wanted, limit - prompt_tokens)
 
     async def run(
@@ -81,13 +95,14 @@ class CallRunner:
         tools: list[dict[str, Any]] | None,
         params: GenParams,
         tool_names: list[str] | None = None,
+        role: str = "main",
     ) -> CallRecord:
         t_start = time.time()
         prompt = await self.render(rollout_id, messages, tools)
         sampling = SamplingParams(
             temperature=params.temperature,
             top_p=params.top_p,
-            max_new_tokens=self.max_new_tokens(len(prompt.input_ids), params.max_tokens),
+            max_new_tokens=self.max_new_tokens(len(prompt.input_ids), params.max_tokens, rollout_id),
             stop_token_ids=[self.tokenizer.eos_id],
             seed=params.seed,
         )
@@ -116,6 +131,7 @@ class CallRunner:
             cached_tokens=result.cached_tokens,
             t_start=t_start,
             t_end=time.time(),
+            role=role,
             tool_names=list(tool_names or []),
             retokenized_turns=prompt.retokenized_turns,
             content=content,

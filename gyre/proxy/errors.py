@@ -25,6 +25,7 @@ class ProxyError(Exception):
         type_: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        details: dict[str, int] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -32,6 +33,7 @@ class ProxyError(Exception):
         self.type = type_
         self.param = param
         self.code = code
+        self.details = details  # numbers behind the message, for other API dialects to word it their way
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -46,7 +48,8 @@ def context_length_exceeded(limit: int, prompt_tokens: int) -> ProxyError:
         f"This model's maximum context length is {limit} tokens. "
         f"However, your messages resulted in {prompt_tokens} tokens."
     )
-    return ProxyError(400, message, "invalid_request_error", "messages", "context_length_exceeded")
+    details = {"limit": limit, "prompt_tokens": prompt_tokens}
+    return ProxyError(400, message, "invalid_request_error", "messages", "context_length_exceeded", details)
 
 
 def engine_unavailable(message: str) -> ProxyError:

@@ -1,4 +1,5 @@
-"""The proxy harnesses talk to as if it were an LLM API: OpenAI Chat Completions in, engine tokens out.
+"""The proxy harnesses talk to as if it were an LLM API: OpenAI Chat Completions or Anthropic Messages
+in, engine tokens out.
 
 Rollout id: path prefix `/rollout/{rollout_id}/v1/...`, else header `X-Rollout-Id`, else "default".
 Run standalone with `python -m gyre.proxy.server --tokenizer DIR --engine URL [--engine URL ...]`.
@@ -20,6 +21,7 @@ from aiohttp import web
 
 from gyre.config.schema import ProxyConfig
 from gyre.model.tokenizer import Tokenizer
+from gyre.proxy.anthropic_routes import AnthropicRoutes
 from gyre.proxy.call_log import CallLog, CallRecord
 from gyre.proxy.calls import CallRunner, GenParams
 from gyre.proxy.dispatch import EngineDispatcher
@@ -53,7 +55,7 @@ class ProxyServer:
         self.cfg = cfg
         self.call_log = call_log
         self.model_name = model_name
-        self.router = EngineRouter(engine_urls)
+        self.router = EngineRouter(engine_urls, cfg.affinity_slack)
         self.dispatcher = EngineDispatcher(self.router, cfg.request_timeout_s)
         self.runner = CallRunner(tokenizer, call_log, self.dispatcher, cfg)
         self.url: str | None = None
@@ -69,10 +71,16 @@ class ProxyServer:
     def engines(self) -> list[str]:
         return self.router.engines()
 
+    def force_context_limit(self, rollout_id: str, limit: int | None) -> None:
+        """Answer this rollout's prompts over `limit` tokens as too long (None lifts it); any thread."""
+        self.runner.force_context_limit(rollout_id, limit)  # one dict store: atomic under the GIL
+
     # ---- HTTP ----------------------------------------------------------------------------
     def build_app(self) -> web.Application:
         app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+        anthropic = AnthropicRoutes(self.runner, self.tokenizer, rollout_id_of, self.model_name)
         for prefix in ("", "/rollout/{rollout_id}"):
+            anthropic.add_to(app, prefix)
             app.router.add_post(f"{prefix}/v1/chat/completions", self.chat_completions)
             app.router.add_get(f"{prefix}/v1/models", self.models)
         app.router.add_get("/health", self.health)
@@ -185,6 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=ProxyConfig.port)
     p.add_argument("--max-context-tokens", type=int, default=ProxyConfig.max_context_tokens)
     p.add_argument("--default-max-tokens", type=int, default=ProxyConfig.default_max_tokens)
+    p.add_argument("--max-output-tokens", type=int, default=None, help="cap on every call's max_tokens")
     p.add_argument("--request-timeout-s", type=float, default=ProxyConfig.request_timeout_s)
     p.add_argument("--call-log", default=None, help="append every call record to this JSONL file")
     p.add_argument("--model-name", default="gyre-policy")
@@ -195,11 +204,12 @@ def main(argv: list[str] | None = None) -> None:
         port=args.port,
         max_context_tokens=args.max_context_tokens,
         default_max_tokens=args.default_max_tokens,
+        max_output_tokens=args.max_output_tokens,
         request_timeout_s=args.request_timeout_s,
     )
     server = ProxyServer(Tokenizer.load(args.tokenizer), args.engine, cfg, CallLog(args.call_log), args.model_name)
     url = server.start()
-    print(f"gyre proxy listening on {url} (OpenAI base_url {url}/v1)", flush=True)
+    print(f"gyre proxy listening on {url} (OpenAI base_url {url}/v1, ANTHROPIC_BASE_URL {url})", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -17,3 +17,40 @@ def sample_tasks(families: Sequence[str] | None, n: int, seed: int | random.Rand
     samplers = [get_family(name) for name in names]
     rng = seed if isinstance(seed, random.Random) else random.Random(seed)
     return [rng.choice(samplers)(rng) for _ in range(n)]
+
+
+class TaskPool:
+    """The RL training set: `size` task instances drawn once, visited in epochs, each epoch shuffled.
+
+    Step s takes instances s*n .. s*n+n-1 of the endless sequence epoch 0, epoch 1, ..., so every
+    instance comes back once per epoch, as in training on a dataset. `size` 0 draws fresh instances
+    for every step instead (nothing repeats).
+    """
+
+    def __init__(self, families: Sequence[str] | None, size: int, seed: int) -> None:
+        if size < 0:
+            raise ValueError(f"tasks.pool_size must be >= 0, got {size}")
+        self.families = families
+        self.size = size
+        self.seed = seed
+        self.tasks = balanced_tasks(families, size, seed) if size else []
+        self._orders: dict[int, list[int]] = {}
+
+    def for_step(self, step: int, n: int) -> list[Task]:
+        if not self.size:
+            return sample_tasks(self.families, n, seed=self.seed * 100_003 + step)
+        return [self.tasks[self._order(i // self.size)[i % self.size]] for i in range(step * n, step * n + n)]
+
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            order = list(range(self.size))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._orders[epoch] = order
+        return self._orders[epoch]
+
+
+def balanced_tasks(families: Sequence[str] | None, n: int, seed: int) -> list[Task]:
+    """`n` tasks with the families in turn, so a small training set has every family in equal share."""
+    names = list(families) if families is not None else sorted(FAMILIES)
+    rng = random.Random(seed)
+    return [sample_tasks([names[i % len(names)]], 1, rng)[0] for i in range(n)]

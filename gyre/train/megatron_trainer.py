@@ -18,8 +18,17 @@ from typing import Any
 import torch
 
 from gyre.config.schema import ModelConfig, TrainConfig
+from gyre.config.validate import check_train
 from gyre.model.megatron_gpt import build_gpt_model
 from gyre.model.weights import hf_to_megatron, megatron_to_hf
+from gyre.train.megatron_cuda import (
+    MegatronOptimizerStep,
+    init_model_parallel,
+    needs_model_parallel,
+    transformer_engine_enabled,
+)
+from gyre.train.tree_attention_megatron import accepts_tree_plans
+from gyre.train.tree_pack import TreeMicroBatch
 
 LossFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor, dict[str, float]]]
 
@@ -40,8 +49,16 @@ class MegatronTrainer:
         self.train_cfg = train_cfg
         # The CPU shim only applies without CUDA; with CUDA megatron's layers expect CUDA tensors.
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = build_gpt_model(model_cfg).to(self.device)
-        self.optimizer = torch.optim.AdamW(
+        check_train(train_cfg, model_cfg)
+        if needs_model_parallel(train_cfg):  # CUDA only; raises with what to do on CPU
+            init_model_parallel(train_cfg, model_cfg)
+        use_te = transformer_engine_enabled(train_cfg, self.device)
+        self.model = build_gpt_model(model_cfg, transformer_engine=use_te).to(self.device)
+        # CUDA: megatron's DDP and optimizer (distributed when train.distributed_optimizer); CPU: torch AdamW.
+        self._mcore: MegatronOptimizerStep | None = None
+        if self.device.type == "cuda" and (train_cfg.distributed_optimizer or needs_model_parallel(train_cfg)):
+            self._mcore = MegatronOptimizerStep.build(self.model, train_cfg)
+        self.optimizer: Any = self._mcore or torch.optim.AdamW(
             self.model.parameters(),
             lr=train_cfg.lr,
             betas=(0.9, train_cfg.adam_beta2),
@@ -76,8 +93,33 @@ class MegatronTrainer:
         logits = self.logits(tokens, attention_mask)[:, :-1]
         return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
 
+    def tree_token_logprobs(self, batch: TreeMicroBatch) -> torch.Tensor:
+        """log p(token i | its root path) for every packed token as [N] fp32 (0 at roots), read from the logits
+        at parent[i]. Differentiable; equals running each root-to-leaf path as a plain sequence."""
+        if not accepts_tree_plans(self.model):
+            raise ValueError(
+                "tree micro-batches need the tree-aware local layer spec; this model was built with another "
+                "(Transformer Engine's): set train.transformer_engine=off to train on trees"
+            )
+        tokens = batch.tokens.to(self.device)
+        logits = self.model(tokens, None, batch.attention.to(self.device)).float()[0]  # [N, V]
+        parent = batch.parent.to(self.device)
+        rows = logits[parent.clamp(min=0)]
+        logp = rows.gather(-1, tokens[0, :, None]).squeeze(-1) - torch.logsumexp(rows, dim=-1)
+        return torch.where(parent >= 0, logp, torch.zeros_like(logp))
+
+    def micro_batch_logprobs(self, mb: Any) -> torch.Tensor:
+        """[N] per-token logprobs of a TreeMicroBatch, or [B, T-1] of a padded batch (`.tokens`, `.attention_mask`)."""
+        tree = getattr(mb, "batch", mb)  # RL micro-batches wrap a TreeMicroBatch with per-tree advantages
+        if isinstance(tree, TreeMicroBatch):
+            return self.tree_token_logprobs(tree)
+        return self.token_logprobs(mb.tokens, getattr(mb, "attention_mask", None))
+
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        if self._mcore is not None:
+            self._mcore.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
 
     def forward_backward(self, micro_batches: Sequence[Any], loss_fn: LossFn) -> dict[str, float]:
         """Accumulate gradients of each micro-batch's loss (already scaled for its share of the step).
@@ -89,7 +131,7 @@ class MegatronTrainer:
         self.model.train()
         sums: dict[str, float] = defaultdict(float)
         for mb in micro_batches:
-            logp = self.token_logprobs(mb.tokens, getattr(mb, "attention_mask", None))
+            logp = self.micro_batch_logprobs(mb)
             loss, metrics = loss_fn(logp, mb)
             loss.backward()
             for name, value in metrics.items():
@@ -98,6 +140,11 @@ class MegatronTrainer:
 
     def optimizer_step(self) -> dict[str, float]:
         """Clip the accumulated gradients to train_cfg.grad_clip and step; a non-finite norm skips the step."""
+        if self._mcore is not None:
+            grad_norm, skipped = self._mcore.step()
+            self.step += int(not skipped)
+            self.zero_grad()
+            return {"grad_norm": grad_norm, "lr": self.lr, "skipped_step": float(skipped)}
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.train_cfg.grad_clip if self.train_cfg.grad_clip > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
@@ -109,14 +156,20 @@ class MegatronTrainer:
         return {"grad_norm": grad_norm, "lr": self.lr, "skipped_step": float(skipped)}
 
     def train_step(self, micro_batches: Sequence[Any], loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step over the micro-batches (each with a `.tokens` LongTensor [B, T] and, optionally,
-        an `.attention_mask` [B, 1, T, T], True = masked, e.g. for packed sequences)."""
+        """One optimizer step over the micro-batches: each with a `.tokens` LongTensor [B, T] and, optionally,
+        an `.attention_mask` [B, 1, T, T], True = masked, e.g. for packed sequences; or a TreeMicroBatch, whose
+        loss_fn gets [N] per-token logprobs (gyre.train.tree_pack.weighted_token_loss weights them)."""
         self.zero_grad()
         metrics = self.forward_backward(micro_batches, loss_fn)
         return metrics | self.optimizer_step()
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """A snapshot of the weights in HF names and layout (cloned: training may continue)."""
+        if self.train_cfg.tensor_parallel > 1 or self.train_cfg.pipeline_parallel > 1:
+            raise NotImplementedError(
+                "HF export of tensor/pipeline-sharded weights needs a gather across model-parallel ranks, which "
+                "this trainer does not do yet; sync weights with train.tensor_parallel=pipeline_parallel=1"
+            )
         return {k: v.clone() for k, v in megatron_to_hf(self.model.state_dict(), self.model_cfg).items()}
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:

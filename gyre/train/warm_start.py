@@ -133,7 +133,8 @@ def encode_conversation(
 
 
 def sft_examples(cfg: RunConfig, tokenizer: Tokenizer) -> list[tuple[list[int], list[int]]]:
-    tasks = sample_tasks(cfg.tasks.families, cfg.warm_start.demos, seed=cfg.model.seed + SFT_SEED_OFFSET)
+    families = cfg.warm_start.families or cfg.tasks.families
+    tasks = sample_tasks(families, cfg.warm_start.demos, seed=cfg.model.seed + SFT_SEED_OFFSET)
     out = []
     for task in tasks:
         messages, tools = demonstration(task)

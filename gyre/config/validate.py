@@ -1,0 +1,104 @@
+"""Checks of config values that the types alone cannot express. Each error names the key, the value,
+and what to change. Imports no torch/megatron/sglang.
+
+Single-field checks run when a config is built (EngineConfig.__post_init__). Checks against the model
+run where a model meets a backend (SGLang command lines, the trainer's parallel layout), because presets
+such as cluster=slurm_gpu are composed with whatever model a run brings.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gyre.config.schema import EngineConfig, ModelConfig, RunConfig, TrainConfig
+
+ENGINE_BACKENDS = ("embedded", "sglang")
+ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# SGLang's --load-format choices that read an HF-format directory or none (server_args.py has more).
+SGLANG_LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy", "fastsafetensors", "layered")
+TRANSFORMER_ENGINE = ("auto", "on", "off")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+class ConfigValueError(ValueError):
+    """A config value is out of range or inconsistent with another."""
+
+
+def _fail(key: str, value: object, why: str) -> None:
+    raise ConfigValueError(f"{key}={value!r}: {why}")
+
+
+def check_engine(e: EngineConfig) -> None:
+    if e.backend not in ENGINE_BACKENDS:
+        _fail("engine.backend", e.backend, f"unknown engine backend; choose one of {', '.join(ENGINE_BACKENDS)}")
+    if e.tp_size < 1:
+        _fail("engine.tp_size", e.tp_size, "must be at least 1")
+    if e.backend == "embedded" and e.tp_size != 1:
+        _fail("engine.tp_size", e.tp_size, "the embedded engine runs on one device; use engine.backend=sglang for TP")
+    if not 0.0 < e.mem_fraction_static < 1.0:
+        _fail("engine.mem_fraction_static", e.mem_fraction_static, "must be in (0, 1), e.g. 0.8")
+    if e.dtype not in ENGINE_DTYPES:
+        _fail("engine.dtype", e.dtype, f"choose one of {', '.join(ENGINE_DTYPES)}")
+    if e.load_format not in SGLANG_LOAD_FORMATS:
+        _fail("engine.load_format", e.load_format, f"choose one of {', '.join(SGLANG_LOAD_FORMATS)}")
+    if e.log_level not in LOG_LEVELS:
+        _fail("engine.log_level", e.log_level, f"choose one of {', '.join(LOG_LEVELS)}")
+    if not 0 <= e.port < 65536:
+        _fail("engine.port", e.port, "must be a TCP port, or 0 to pick a free one")
+    if e.max_running_requests < 1 or e.max_context_tokens < 2:
+        _fail("engine.max_running_requests/max_context_tokens", (e.max_running_requests, e.max_context_tokens),
+              "must be at least 1 and 2")  # fmt: skip
+    if e.hicache_storage_backend and not e.enable_hierarchical_cache:
+        _fail("engine.hicache_storage_backend", e.hicache_storage_backend,
+              "needs engine.enable_hierarchical_cache=true (SGLang's storage tier sits under HiCache)")  # fmt: skip
+    if e.backend == "embedded" and e.device != "cpu" and not e.device.startswith("cuda"):
+        _fail("engine.device", e.device, "the embedded engine runs on 'cpu' or 'cuda[:N]'")
+
+
+def check_engine_for_model(e: EngineConfig, m: ModelConfig) -> None:
+    """SGLang shards attention heads over TP ranks: query heads must split evenly, and KV heads must
+    either split evenly or be replicated (tp_size a multiple of them)."""
+    if m.num_attention_heads % e.tp_size:
+        _fail("engine.tp_size", e.tp_size,
+              f"does not divide model.num_attention_heads={m.num_attention_heads}; pick a divisor of it")  # fmt: skip
+    kv = m.num_query_groups
+    if kv % e.tp_size and e.tp_size % kv:
+        _fail("engine.tp_size", e.tp_size,
+              f"neither divides nor is a multiple of model.num_query_groups={kv} (KV heads)")  # fmt: skip
+    if e.max_context_tokens > m.max_position_embeddings:
+        _fail("engine.max_context_tokens", e.max_context_tokens,
+              f"exceeds model.max_position_embeddings={m.max_position_embeddings}")  # fmt: skip
+
+
+def check_model(m: ModelConfig) -> None:
+    if m.num_attention_heads % m.num_query_groups:
+        _fail("model.num_query_groups", m.num_query_groups,
+              f"must divide model.num_attention_heads={m.num_attention_heads}")  # fmt: skip
+    if not m.head_dim and m.hidden_size % m.num_attention_heads:
+        _fail("model.hidden_size", m.hidden_size,
+              f"is not divisible by num_attention_heads={m.num_attention_heads}; set model.head_dim")  # fmt: skip
+    if (m.head_dim or m.hidden_size // m.num_attention_heads) % 2:
+        _fail("model.head_dim", m.head_dim, "RoPE needs an even head dimension")
+
+
+def check_train(t: TrainConfig, m: ModelConfig) -> None:
+    for key in ("tensor_parallel", "pipeline_parallel", "context_parallel"):
+        if getattr(t, key) < 1:
+            _fail(f"train.{key}", getattr(t, key), "must be at least 1")
+    if m.num_attention_heads % t.tensor_parallel or m.num_query_groups % t.tensor_parallel:
+        _fail("train.tensor_parallel", t.tensor_parallel,
+              f"must divide model.num_attention_heads={m.num_attention_heads} and "
+              f"model.num_query_groups={m.num_query_groups}")  # fmt: skip
+    if m.num_layers % t.pipeline_parallel:
+        _fail("train.pipeline_parallel", t.pipeline_parallel, f"must divide model.num_layers={m.num_layers}")
+    if t.transformer_engine not in TRANSFORMER_ENGINE:
+        _fail("train.transformer_engine", t.transformer_engine, f"choose one of {', '.join(TRANSFORMER_ENGINE)}")
+
+
+def check_run(cfg: RunConfig) -> None:
+    """Every check, for a run about to start its engines and trainer with this model."""
+    check_engine(cfg.engine)
+    check_model(cfg.model)
+    check_engine_for_model(cfg.engine, cfg.model)
+    check_train(cfg.train, cfg.model)

@@ -1,0 +1,179 @@
+"""The trajectory side of a step: finished rollouts -> trees -> scores -> bounded samples -> shards -> micro-batches.
+
+A group is the unit: its advantages need all its members, so a group's shard is written as soon as
+its last rollout is graded, and training (colocate, async or elastic) streams micro-batches from the
+shards. Nothing here knows which cell trains them.
+
+Exclusions, never silent: a failed evaluation (score None), a call log the tree builder rejects
+(TreeError) and a rollout with no trainable token are stored with their reason and zero weight.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gyre.config.schema import RunConfig
+from gyre.harness.runner import RolloutOutcome
+from gyre.proxy.call_log import CallRecord
+from gyre.store.reader import ShardRollout, read_shard
+from gyre.store.schema import RolloutMeta
+from gyre.store.writer import ShardWriter
+from gyre.train.gspo import group_advantages
+from gyre.train.tree_pack import TreeMicroBatch, pack_trees
+from gyre.traj.build import build_tree
+from gyre.traj.sampling import sample_tree
+from gyre.traj.tree import TreeError
+
+
+@dataclass
+class FinishedRollout:
+    group: int
+    outcome: RolloutOutcome
+    calls: list[CallRecord]
+
+
+@dataclass
+class GroupShard:
+    path: Path
+    step: int
+    group: int
+    n_rollouts: int
+    n_trained: int
+    tokens: int  # tree tokens stored (shared prefixes once)
+    path_tokens: int  # tokens if every call's context were expanded separately
+    policy_tokens: int
+    excluded: dict[str, str] = field(default_factory=dict)  # rollout id -> reason
+
+
+def write_group_shard(
+    cfg: RunConfig, shard_dir: Path, step: int, group: int, rollouts: Sequence[FinishedRollout]
+) -> GroupShard:
+    """Score one finished group and write it as one shard (atomic: temp file + rename)."""
+    scores = [r.outcome.grade.score for r in rollouts]
+    rewards = torch.tensor([[math.nan if s is None else s for s in scores]], dtype=torch.float64)
+    advantages = group_advantages(rewards)[0].tolist()
+    path = shard_dir / f"step{step:05d}-group{group:04d}.h5"
+    result = GroupShard(path, step, group, len(rollouts), 0, 0, 0, 0)
+    with ShardWriter(path, run_id=cfg.output_dir or "gyre", step=step, producer={"harness": cfg.harness.kind}) as w:
+        for r, adv in zip(rollouts, advantages, strict=True):
+            rid, grade = r.outcome.rollout_id, r.outcome.grade
+            reason = "" if grade.score is not None else f"evaluation failed: {grade.reason}"
+            try:
+                sampled = sample_tree(build_tree(rid, r.calls), k=cfg.rl.max_trajectories_per_rollout)
+            except TreeError as e:
+                result.excluded[rid] = f"call log rejected: {e}"
+                continue  # no tree to store; the reason is kept in the step's metrics
+            if not reason and sampled.n_targets == 0:
+                reason = "no trainable policy token"
+            if not reason and not math.isfinite(adv):
+                reason = "group has no other graded rollout"
+            meta = RolloutMeta(
+                group_id=f"s{step}-g{group}",
+                task_id=r.outcome.task.task_id,
+                task_family=r.outcome.task.family,
+                harness=cfg.harness.kind,
+                grade_status=grade.status,
+                score=grade.score,
+                reward=None if reason else grade.score,
+                advantage=None if reason else float(adv),
+                exclusion_reason=reason,
+            )
+            w.add(sampled, meta)
+            if reason:
+                result.excluded[rid] = reason
+            else:
+                result.n_trained += 1
+            result.tokens += sampled.tree.n_tokens
+            result.path_tokens += sum(c.n_input + c.n_output for c in sampled.tree.calls)
+            result.policy_tokens += sampled.n_targets
+    return result
+
+
+def trainable_rollouts(shard_paths: Sequence[Path]) -> list[ShardRollout]:
+    """Rollouts of these shards that carry a non-zero advantage (zero advantage trains nothing)."""
+    out = []
+    for p in shard_paths:
+        out += [r for r in read_shard(p).trainable() if r.meta.advantage]
+    return out
+
+
+@dataclass
+class RLMicroBatch:
+    """A tree micro-batch plus what GSPO needs per tree: its advantage and its share of the step."""
+
+    batch: TreeMicroBatch
+    advantages: torch.Tensor  # [n_trees] float32, by batch.tree_index
+    rollout_scale: float  # 1 / rollouts the step normalises over
+
+    @property
+    def n_tokens(self) -> int:
+        return self.batch.n_tokens
+
+
+def rl_micro_batches(
+    rollouts: Sequence[ShardRollout], token_budget: int, max_len: int, step_rollouts: int
+) -> list[RLMicroBatch]:
+    """Pack whole trees by token budget; each rollout's loss is scaled by 1/step_rollouts."""
+    if not rollouts:
+        return []
+    trees = [r.tree for r in rollouts]
+    adv = {r.rollout_id: float(r.meta.advantage) for r in rollouts}
+    batches = pack_trees(trees, token_budget, [r.loss_weight for r in rollouts], max_len=max_len)
+    return [
+        RLMicroBatch(b, torch.tensor([adv[rid] for rid in b.rollout_ids], dtype=torch.float32), 1.0 / step_rollouts)
+        for b in batches
+    ]
+
+
+def rollout_log_ratios(logp: torch.Tensor, mb: RLMicroBatch) -> torch.Tensor:
+    """[n_trees]: each rollout's sequence-level log ratio, the loss-weighted mean of its tokens' log ratios.
+
+    A sampled tree's loss weights sum to 1, so this is the mean over its distinct policy targets
+    (shared targets counted once)."""
+    b = mb.batch
+    w = b.loss_weight.to(logp.device)
+    per_token = (logp - b.old_logprobs.to(logp.device)) * w
+    n_trees = len(b.rollout_ids)
+    num = torch.zeros(n_trees, dtype=logp.dtype, device=logp.device).index_add(
+        0, b.tree_index.to(logp.device), per_token
+    )
+    den = torch.zeros(n_trees, dtype=logp.dtype, device=logp.device).index_add(0, b.tree_index.to(logp.device), w)
+    return num / den.clamp(min=1e-12)
+
+
+def tree_gspo_loss_fn(eps_low: float, eps_high: float):  # noqa: ANN201 - the trainer's loss callable
+    """GSPO on tree micro-batches: clipped sequence-level ratio per rollout, rollouts weighted equally."""
+
+    def loss_fn(logp: torch.Tensor, mb: RLMicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        log_ratio = rollout_log_ratios(logp, mb)
+        ratio = torch.exp(log_ratio)
+        adv = mb.advantages.to(logp.device)
+        clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+        per_rollout = -torch.minimum(ratio * adv, clipped * adv)
+        loss = per_rollout.sum() * mb.rollout_scale
+        return loss, {
+            "loss": float(loss.detach()),
+            "ratio_mean": float(ratio.detach().mean()),
+            "clip_frac": float(((ratio * adv) > (clipped * adv)).float().mean()),
+        }
+
+    return loss_fn
+
+
+def expanded_tokens(rollouts: Sequence[ShardRollout]) -> int:
+    """Tokens training would process if each chosen path were a separate sequence (for dedup metrics)."""
+    total = 0
+    for r in rollouts:
+        for leaf in _chosen_leaves(r):
+            total += int(r.tree.depth[leaf]) + 1
+    return total
+
+
+def _chosen_leaves(r: ShardRollout) -> np.ndarray:
+    return r.tree.leaves()

@@ -1,0 +1,50 @@
+"""Which thread of a rollout a call belongs to, from what the harness sends (Claude Code's signals).
+
+- sub-agent: header `x-claude-code-agent-id` (every sub-agent request carries it), or a sub-agent
+  system prompt (a skill forked into its own agent context sends no header);
+- summary (compaction): a user message asks for "a detailed summary of the conversation so far"
+  (it stays there when Claude Code asks a cut-off summary to go on); it belongs to the thread it
+  compacts (main or sub-agent);
+- side: calls that are not the agent thinking, e.g. title generation: known wording, or a Claude
+  Code request without tools. Excluded from training by default.
+OpenAI-API calls (the built-in harness) and anything else are "main".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+MAIN = "main"
+MAIN_SUMMARY = "main_summary"
+SUBAGENT = "subagent"
+SUBAGENT_SUMMARY = "subagent_summary"
+SIDE = "side"
+ROLES = (MAIN, MAIN_SUMMARY, SUBAGENT, SUBAGENT_SUMMARY, SIDE)  # the same names as gyre/traj/tree.py
+
+AGENT_ID_HEADER = "x-claude-code-agent-id"
+SUMMARY_MARKER = "Your task is to create a detailed summary of the conversation so far"
+SUBAGENT_SYSTEM_MARKERS = ("You are an agent for Claude Code", "You are a file search specialist")
+SIDE_MARKERS = ("Generate a concise, sentence-case title",)
+
+
+def _header(headers: Mapping[str, str], name: str) -> str:
+    for key, value in headers.items():
+        if key.lower() == name:
+            return value
+    return ""
+
+
+def is_claude_code(headers: Mapping[str, str]) -> bool:
+    return _header(headers, "user-agent").startswith("claude-cli") or _header(headers, "x-app") == "cli"
+
+
+def anthropic_call_role(headers: Mapping[str, str], system_text: str, user_text: str, has_tools: bool) -> str:
+    """The role of one Messages API call (`user_text`: all its user messages' text); see the module docstring."""
+    subagent = bool(_header(headers, AGENT_ID_HEADER)) or any(m in system_text for m in SUBAGENT_SYSTEM_MARKERS)
+    if SUMMARY_MARKER in user_text:
+        return SUBAGENT_SUMMARY if subagent else MAIN_SUMMARY
+    if any(m in system_text or m in user_text for m in SIDE_MARKERS):
+        return SIDE
+    if is_claude_code(headers) and not has_tools:
+        return SIDE
+    return SUBAGENT if subagent else MAIN

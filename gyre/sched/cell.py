@@ -1,0 +1,182 @@
+"""A cell rank: one rollout engine and one training replica, switched between roles by the controller.
+
+Cell 0 is the core: its replica holds the authoritative weights and the optimizer state, it sums the
+others' gradients and steps, and it publishes each new version through the weight transport
+(Mooncake by default). Satellites pull every version into their replica, so that a satellite joining
+training mid-step needs no transfer. Every handler answers with an ack whose detail the controller
+records (timings, engine URL, metrics).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gyre.comm.control import ControlPlane
+from gyre.comm.messages import (
+    GradientReduce,
+    Hello,
+    MicroBatchAssignment,
+    Role,
+    RoleSwitch,
+    SaveCheckpoint,
+    Shutdown,
+    WeightVersion,
+)
+from gyre.comm.mooncake_transport import resolve_hostname
+from gyre.comm.transfer import WeightTransport, make_transport
+from gyre.config.schema import RunConfig
+from gyre.pipeline import tree_gspo_loss_fn
+from gyre.resume.checkpoint import load_checkpoint, save_checkpoint
+from gyre.resume.state import RunState
+from gyre.sched.cell_engine import CellEngine
+from gyre.sched.grad_reduce import receive_gradients, send_gradients
+from gyre.sched.replica import MicroBatchSource, core_step, flat_grads, grad_numel
+from gyre.train.megatron_trainer import MegatronTrainer
+from gyre.train.warm_start import Policy
+
+
+def advertised_url(url: str, hostname: str) -> str:
+    """The engine's URL as the controller reaches it: an engine bound to every interface (engine.host=0.0.0.0,
+    as on a cluster, where the controller runs on another node) is advertised at this rank's address
+    (comm.hostname; "auto": this host's IP)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.hostname not in ("0.0.0.0", "::"):
+        return url
+    return parts._replace(netloc=f"{resolve_hostname(hostname)}:{parts.port}").geturl()
+
+
+def build_replica(cfg: RunConfig, policy: Policy, resume_from: Path | None = None) -> MegatronTrainer:
+    """The cell's Megatron replica at the warm start, or at the run's checkpoint when resuming (every
+    cell loads it: the core for its optimizer state, the satellites for the same weights)."""
+    trainer = MegatronTrainer(policy.model_cfg, cfg.train)
+    torch.set_num_threads(cfg.sched.threads_per_cell)
+    trainer.load_hf_state_dict(policy.load_state())
+    if resume_from is not None:
+        load_checkpoint(resume_from, trainer, restore_random=False)
+    return trainer
+
+
+class CellWorker:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        cp: ControlPlane,
+        policy: Policy,
+        engine: CellEngine,
+        trainer: MegatronTrainer,
+        version: int = 0,
+    ) -> None:
+        self.cfg, self.cp, self.policy, self.engine, self.trainer = cfg, cp, policy, engine, trainer
+        self.cell = cp.cell
+        self.is_core = self.cell == 0
+        self.role: Role = "rollout"
+        self.version = str(version)
+        if version:  # resumed: the engine started from the warm start serves the checkpoint's weights
+            self.engine.load(trainer.hf_state_dict(), self.version)
+        self.weights = WeightTransport(make_transport(cfg.comm, cfg.cluster.mooncake))
+        self.batches = MicroBatchSource(cfg)
+        self.loss_fn = tree_gspo_loss_fn(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high)
+        self.timeout = cfg.sched.cell_timeout_s
+
+    def handlers(self) -> dict[type, Any]:
+        return {
+            Hello: self.hello,
+            RoleSwitch: self.switch,
+            WeightVersion: self.new_weights,
+            MicroBatchAssignment: self.train,
+            GradientReduce: self.reduce,
+            SaveCheckpoint: self.save_checkpoint,
+        }
+
+    def serve(self) -> bool:
+        """Answer the controller until it says stop; returns whether to run MPI_Finalize."""
+        finalize = [True]
+
+        def on_shutdown(msg: Shutdown) -> None:
+            finalize[0] = msg.finalize
+
+        try:
+            self.cp.serve({**self.handlers(), Shutdown: on_shutdown})
+        finally:
+            self.engine.stop()
+            self.weights.transport.close()
+        return finalize[0]
+
+    # ----- handlers -----
+    def hello(self, msg: Hello) -> dict[str, Any]:
+        return {
+            "cell": self.cell,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "slurm_node": os.environ.get("SLURMD_NODENAME", ""),
+            "engine_url": advertised_url(self.engine.url, self.cfg.comm.hostname),
+            "engine_pid": self.engine.pid,
+            "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
+        }
+
+    def switch(self, msg: RoleSwitch) -> dict[str, Any]:
+        start = time.monotonic()
+        if msg.role == "train" and self.role == "rollout":
+            if self.engine.alive():
+                self.engine.leave_rollout()
+        elif msg.role == "rollout" and self.role == "train":
+            stale = self.engine.version != self.version or not self.engine.alive()
+            state = self.trainer.hf_state_dict() if stale else None
+            self.engine.join_rollout(state, self.version)
+        elif msg.role == "rollout" and not self.engine.alive():  # its engine died while serving: start another
+            self.engine.join_rollout(self.trainer.hf_state_dict(), self.version)
+        self.role = msg.role
+        url = advertised_url(self.engine.url, self.cfg.comm.hostname)
+        return {"seconds": time.monotonic() - start, "engine_url": url, "engine_pid": self.engine.pid}
+
+    def new_weights(self, msg: WeightVersion) -> dict[str, Any]:
+        start = time.monotonic()
+        handle = msg.handle
+        if handle is not None and handle.transport == "gloo" and self.is_core:
+            self.weights.serve(handle, msg.peers)
+        elif not self.is_core:
+            self.trainer.load_hf_state_dict(self.weights.pull(handle, reuse_buffer=True).state)
+        pulled = time.monotonic() - start
+        self.version = msg.version
+        if self.role == "rollout" and self.engine.alive():
+            self.engine.load(self.trainer.hf_state_dict(), msg.version)
+        return {"pull_s": pulled, "seconds": time.monotonic() - start}
+
+    def save_checkpoint(self, msg: SaveCheckpoint) -> dict[str, Any]:
+        if not self.is_core:
+            raise RuntimeError(f"cell {self.cell} was asked to checkpoint; only the core holds the optimizer state")
+        start = time.monotonic()
+        path = save_checkpoint(Path(self.cfg.output_dir), RunState.from_json(msg.state), self.trainer)
+        return {"path": str(path), "seconds": time.monotonic() - start}
+
+    def train(self, msg: MicroBatchAssignment) -> dict[str, Any]:
+        start = time.monotonic()
+        metrics = self.trainer.forward_backward([self.batches.get(r) for r in msg.refs], self.loss_fn)
+        return {"micro_batches": list(msg.micro_batches), "metrics": metrics, "seconds": time.monotonic() - start}
+
+    def reduce(self, msg: GradientReduce) -> dict[str, Any]:
+        start = time.monotonic()
+        world = self.cp.comm
+        flat, has = flat_grads(self.trainer.model)
+        if self.cp.rank != msg.core_rank:
+            send_gradients(world, msg.core_rank, flat, has, self.cp.wait_for, self.timeout)
+            self.trainer.zero_grad()
+            self.batches = MicroBatchSource(self.cfg)  # the step's shards are done with
+            return {"sent_bytes": flat.numel() * 4, "seconds": time.monotonic() - start}
+        others = [r for r in msg.contributors if r != self.cp.rank]
+        numel, n_params = grad_numel(self.trainer.model)
+        total, any_has = receive_gradients(world, others, numel, n_params, self.cp.wait_for, self.timeout)
+        if self.cp.rank in msg.contributors:
+            total, any_has = total + flat, any_has | has
+        metrics = core_step(self.trainer, total, any_has, msg.scale)
+        handle = self.weights.publish(self.trainer.hf_state_dict(), msg.version)
+        self.version = msg.version
+        self.batches = MicroBatchSource(self.cfg)
+        return {"handle": handle, "metrics": metrics, "seconds": time.monotonic() - start}

@@ -1,0 +1,283 @@
+"""Rank 0 of a cell job: the proxy, the harness sessions, the scheduler policy, shards, metrics.
+
+The loop reacts to what happened since it last looked (sessions finished, micro-batches done, cells
+died), lets the policy move cells between roles, and hands out training work; it sleeps between
+looks (no spinning) and ends once the last step's weights are published.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from gyre.comm.control import ControlPlane
+from gyre.comm.messages import Hello, RoleSwitch, SaveCheckpoint, Shutdown
+from gyre.config.schema import RunConfig
+from gyre.metrics import MetricsWriter, plot_learning_curve
+from gyre.model.tokenizer import Tokenizer
+from gyre.proxy.call_log import CallLog
+from gyre.proxy.server import ProxyServer
+from gyre.resume.preemption import Preempted
+from gyre.resume.recovery import ResumePoint, describe_start, task_pool_position
+from gyre.resume.state import RunState
+from gyre.sched.cells import Cell, CellDied, CellTable, Outbox, kill_pid, pid_alive
+from gyre.sched.faults import FaultInjector
+from gyre.sched.policy import Load, PolicyConfig, Switch, decide, initial_roles, may_start
+from gyre.sched.rollout_driver import RolloutDriver
+from gyre.sched.steps import StepBook
+from gyre.sched.switching import Switcher
+from gyre.sched.timeline import Timeline
+from gyre.sched.train_plane import TrainPlane
+
+# SIGTERM: Slurm preemption, `scontrol requeue`, the time-limit signal (the batch script forwards it through
+# srun). Not SIGUSR1: mpiexec uses it to tell survivors that a rank died
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
+
+
+def policy_config(cfg: RunConfig) -> PolicyConfig:
+    s = cfg.sched
+    n = 1 + len(cfg.cluster.satellites)
+    return PolicyConfig(cfg.scheduler, n, s.capacity_per_cell, s.staleness, s.async_rollout_cells)
+
+
+class Controller:
+    def __init__(
+        self, cfg: RunConfig, cp: ControlPlane, tokenizer_dir: Path, out: Path, point: ResumePoint | None = None
+    ) -> None:
+        self.cfg, self.cp, self.out = cfg, cp, out
+        self.pcfg = policy_config(cfg)
+        self.metrics = MetricsWriter(out)
+        self.timeline = Timeline(self.pcfg.n_cells)
+        self.outbox = Outbox(cp, cfg.sched.cell_timeout_s)
+        self.call_log = CallLog(out / "calls.jsonl")
+        self.proxy = ProxyServer(Tokenizer.load(tokenizer_dir), [], cfg.proxy, self.call_log)
+        self.driver = RolloutDriver(self.proxy.start(), out / "rollouts", cfg.harness, cfg.tasks)
+        self.table = self.hello()
+        self.faults = FaultInjector(cfg.sched.faults, self.pcfg.n_cells)
+        self.book = StepBook(cfg, out)
+        self.train = TrainPlane(cfg, self.table, self.outbox, self.book, self.faults, out, self.cells_died)
+        self.switcher = Switcher(
+            cfg, self.pcfg, self.table, self.outbox, self.proxy, self.driver, self.timeline, self.metrics
+        )
+        point = point or ResumePoint(RunState(), None)
+        self.state = point.state  # completed steps (their rollouts, trained ids, shards), starts of the job
+        self.state.begin()
+        self.metrics.rows = list(point.metrics_rows)
+        print(describe_start(point, cfg, out), flush=True)
+        self.train.version = self.state.next_step
+        self.checkpointed = self.state.next_step if point.checkpoint is not None else -1
+        self.submitted = self.state.next_step  # steps whose sessions have been handed to the driver
+        self.finalize = True  # False once a cell died (see gyre.sched.job)
+        self.step_rows: list[dict[str, Any]] = []
+        self.stop_signal = ""  # set by SIGTERM/SIGUSR2: checkpoint at the last completed step, then stop
+
+    def hello(self) -> CellTable:
+        acks = self.cp.request(self.cp.layout.workers, Hello(), timeout=self.cfg.sched.cell_timeout_s)
+        cells = []
+        for ack in acks:
+            d = ack.detail
+            cells.append(
+                Cell(
+                    d["cell"],
+                    ack.rank,
+                    engine_url=d["engine_url"],
+                    engine_pid=d["engine_pid"],
+                    pid=d["pid"],
+                    host=d["host"],
+                )
+            )
+            self.timeline.set_role(d["cell"], "rollout")
+        (self.out / "cells.json").write_text(json.dumps([a.detail for a in acks], indent=1))
+        return CellTable(sorted(cells, key=lambda c: c.index))
+
+    # ----- the loop -----
+    def run(self) -> None:
+        """Until the last step's weights are published; raises Preempted (checkpointed, cells shut down)
+        after a stop signal."""
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._on_stop)
+        start = time.monotonic()
+        self.timeline.start_clock()
+        initial = [Switch(c, r) for c, r in enumerate(initial_roles(self.pcfg)) if r != "rollout"]
+        self.proxy.set_engines([c.engine_url for c in self.table.cells if c.role == "rollout"])
+        self.cells_died(self.switcher.apply(initial, self.train.on_ack, record=False))
+        self.switcher.update_capacity()
+        while self.train.version < self.cfg.steps:
+            if self.stop_signal:
+                self.stop(time.monotonic() - start)
+            self.admit()
+            self.collect_sessions()
+            self.collect_acks()
+            self.check_health()
+            if self.train.ready():
+                self.finish_step()
+                continue
+            self.cells_died(self.switcher.apply(decide(self.pcfg, self.states(), self.load()), self.train.on_ack))
+            self.train.assign()
+            self.sample_level()
+            self.cp.wait_for(lambda: True if self.has_news() else None, 0.25)
+        self.finish(time.monotonic() - start)
+
+    def admit(self) -> None:
+        while self.submitted < self.cfg.steps and may_start(self.pcfg, self.submitted, self.train.version):
+            self.driver.submit(self.book.open(self.submitted))
+            self.submitted += 1
+
+    def _on_stop(self, signum: int, frame: object) -> None:
+        self.stop_signal = signal.Signals(signum).name
+
+    def collect_sessions(self) -> None:
+        while not self.driver.events.empty() and not self.stop_signal:  # a stop kills harnesses: no results
+            done = self.driver.events.get()
+            calls = self.call_log.pop_rollout(done.job.rollout_id)
+            group = self.book.finished(done, calls, self.out / "rollouts" / f"step{done.job.step:04d}")
+            if group is not None:
+                self.train.ledger.add(done.job.step, group[1])
+
+    def collect_acks(self) -> None:
+        for body, ack in self.outbox.pump():
+            self.train.on_ack(body, ack)
+        if overdue := self.outbox.overdue():
+            self.cells_died(overdue)
+
+    def check_health(self) -> None:
+        self.cells_died(self.dead())
+        self.faults.tick(self.table, len(self.call_log), self.proxy.router.in_flight())
+        for c in self.table.serving():  # an engine died under a living cell: route around it, start another
+            if c.local and c.engine_pid > 0 and not pid_alive(c.engine_pid):
+                self.proxy.set_engines([u for u in self.proxy.engines() if u != c.engine_url])
+                row = {"event": "engine_died", "cell": c.index, "engine_pid": c.engine_pid}
+                self.metrics.write(row | {"t": round(self.timeline.now(), 3)})
+                try:
+                    acks = self.outbox.call({c.rank: RoleSwitch(c.index, "rollout")}, self.train.on_ack, self.dead)
+                except CellDied as e:
+                    self.cells_died(e.ranks)
+                    continue
+                c.engine_url, c.engine_pid = acks[c.rank].detail["engine_url"], acks[c.rank].detail["engine_pid"]
+                self.proxy.set_engines([*self.proxy.engines(), c.engine_url])
+
+    def abandon(self) -> None:
+        """The run failed here: stop what would outlive the job (harness groups, every local engine)."""
+        self.driver.close()
+        for c in self.table.cells:
+            if c.local and c.engine_pid > 0:
+                kill_pid(c.engine_pid, signal.SIGKILL)
+
+    def stop_engines_of_lost_cells(self) -> None:
+        """Engines run in their own sessions: those of dead cells outlive their rank unless killed."""
+        for c in self.table.cells:
+            if not c.alive and c.local and c.engine_pid > 0:
+                kill_pid(c.engine_pid, signal.SIGKILL)
+
+    def dead(self) -> list[int]:
+        return [c.rank for c in self.table.newly_dead()]
+
+    def cells_died(self, ranks: list[int]) -> None:
+        for rank in ranks:
+            c = self.table.by_rank(rank)
+            if not c.alive:
+                continue
+            if c.index == 0:
+                raise RuntimeError(f"the core cell (rank {rank}) died: it holds the only optimizer state; rerun")
+            c.alive = False
+            self.outbox.forget(rank)
+            requeued = self.train.ledger.fail_cell(c.index)
+            self.proxy.set_engines([u for u in self.proxy.engines() if u != c.engine_url])
+            if c.local and c.engine_pid > 0:
+                kill_pid(c.engine_pid, signal.SIGKILL)  # its engine outlives a killed rank otherwise
+            self.timeline.set_role(c.index, "dead")
+            row = {"event": "cell_died", "cell": c.index, "rank": rank, "requeued_micro_batches": len(requeued)}
+            self.metrics.write(row | {"t": round(self.timeline.now(), 3), "role": c.role})
+            self.switcher.update_capacity()
+
+    def finish_step(self) -> None:
+        step = self.train.version
+        train = self.train.finish_step()
+        rec = self.book.steps[step]
+        row = {"event": "step", "step": step, **self.book.summary(step), **train}
+        row |= {"wall_s": round(time.monotonic() - rec.submitted, 3), "t": round(self.timeline.now(), 3)}
+        row |= {"version": self.train.version, "continued_calls": self.proxy.dispatcher.continued}
+        row |= {"continued_recomputed_tokens": self.proxy.dispatcher.continued_recomputed_tokens}
+        self.metrics.write(row)
+        self.step_rows.append(row)
+        rollouts = [m.outcome.rollout_id for members in rec.groups.values() for m in members]
+        self.state.record_step(step, rollouts, rec.trained_ids, [s.path.name for s in rec.shards])
+        every = self.cfg.checkpoint_every
+        if every and (step + 1) % every == 0 or step + 1 == self.cfg.steps:
+            self.checkpoint()
+        print(f"gyre[{self.cfg.scheduler}]: step {step} reward {row['reward_mean']:.2f} ({row['wall_s']:.1f} s)")
+
+    def checkpoint(self) -> None:
+        """The core writes weights, optimizer and the run state of the completed steps (gyre/resume)."""
+        self.state.data = task_pool_position(self.cfg, self.state.next_step)
+        core = self.table.cells[0]
+        try:
+            self.outbox.call({core.rank: SaveCheckpoint(self.state.to_json())}, self.train.on_ack, self.dead)
+        except CellDied as e:
+            self.cells_died(e.ranks)  # the core: fatal
+        self.checkpointed = self.state.next_step
+
+    def stop(self, wall_s: float) -> None:
+        """Abandon the sessions in flight (their steps are re-run on resume), checkpoint at the last
+        completed step if not done yet, shut the cells down, raise Preempted."""
+        print(f"gyre: {self.stop_signal}: stopping at step {self.state.next_step}", flush=True)
+        self.driver.close()
+        if self.checkpointed != self.state.next_step:
+            self.checkpoint()
+        self.finish(wall_s, stopped=self.stop_signal)
+        raise Preempted(self.stop_signal)
+
+    # ----- what the policy sees -----
+    def states(self) -> list:
+        return self.table.states(self.train.busy)
+
+    def load(self) -> Load:
+        queued, running = self.driver.level()
+        return Load(queued, running, self.train.waiting_work())
+
+    def sample_level(self) -> None:
+        queued, running = self.driver.level()
+        self.timeline.sample(queued, running, self.pcfg.capacity * len(self.table.serving()))
+
+    def has_news(self) -> bool:
+        return not self.driver.events.empty() or self.outbox.has_mail()
+
+    # ----- the end -----
+    def finish(self, wall_s: float, stopped: str = "") -> None:
+        self.driver.close()
+        self.proxy.stop()
+        alive = [c.rank for c in self.table.alive()]
+        self.finalize = len(alive) == len(self.table.cells)
+        self.cp.request(alive, Shutdown("run finished", self.finalize), timeout=self.cfg.sched.cell_timeout_s)
+        self.timeline.save(self.out, f"{self.cfg.scheduler}: {len(self.step_rows)} steps, {wall_s:.0f} s")
+        plot_learning_curve(self.step_rows, self.out / "learning_curve.png")
+        summary = self.summary(wall_s) | {"stopped_by": stopped}
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        self.metrics.write({"event": "summary", **summary})
+        print(f"gyre: {self.cfg.scheduler} finished {len(self.step_rows)} steps in {wall_s:.1f} s")
+        print(f"gyre: outputs in {self.out}")
+
+    def summary(self, wall_s: float) -> dict[str, Any]:
+        lat = self.switcher.latencies
+        last = self.step_rows[-max(1, len(self.step_rows) // 4) :]
+        return {
+            "scheduler": self.cfg.scheduler,
+            "steps": self.state.next_step,  # completed steps of the run, over every start
+            "steps_this_start": len(self.step_rows),
+            "starts": len(self.state.starts),
+            "wall_s": round(wall_s, 3),
+            "final_reward": statistics.fmean(r["reward_mean"] for r in last) if last else None,
+            "final_success": statistics.fmean(r["success_rate"] for r in last) if last else None,
+            "switches": {k: len(v) for k, v in lat.items()},
+            "switch_median_s": {k: round(statistics.median(v), 4) for k, v in lat.items() if v},
+            "continued_calls": self.proxy.dispatcher.continued,
+            "continued_recomputed_tokens": self.proxy.dispatcher.continued_recomputed_tokens,
+            **self.switcher.migrated,
+            "dead_cells": [c.index for c in self.table.cells if not c.alive],
+            "faults": self.faults.log,
+            "role_seconds": self.timeline.role_seconds(),
+        }

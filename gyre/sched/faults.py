@@ -1,0 +1,67 @@
+"""Faults injected on purpose (`sched.faults`), to show that a run survives them.
+
+- `kill_cell:<cell>:after_micro_batches:<n>`: SIGKILL the cell's rank right after its n-th micro-batch
+  assignment is sent, so it dies mid-step holding training work.
+- `kill_engine:<cell>:after_calls:<n>`: once the proxy has served n calls, SIGKILL the cell's engine
+  while it has requests in flight.
+Cells are numbered as in gyre.comm.control (0 is the core at rank 1).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+from gyre.sched.cells import Cell, CellTable, kill_pid
+
+TRIGGERS = {"kill_cell": "after_micro_batches", "kill_engine": "after_calls"}
+
+
+@dataclass
+class Fault:
+    kind: str
+    cell: int
+    n: int
+    fired: bool = False
+
+
+def parse_faults(specs: list[str]) -> list[Fault]:
+    faults = []
+    for spec in specs:
+        parts = spec.split(":")
+        if len(parts) != 4 or parts[0] not in TRIGGERS or parts[2] != TRIGGERS[parts[0]]:
+            allowed = ", ".join(f"{k}:<cell>:{v}:<n>" for k, v in TRIGGERS.items())
+            raise ValueError(f"sched.faults entry {spec!r} is not one of {allowed}")
+        faults.append(Fault(parts[0], int(parts[1]), int(parts[3])))
+    return faults
+
+
+class FaultInjector:
+    def __init__(self, specs: list[str], n_cells: int) -> None:
+        self.faults = parse_faults(specs)
+        if bad := [f.cell for f in self.faults if not 0 <= f.cell < n_cells]:
+            raise ValueError(f"sched.faults names cells {bad}; cells are 0..{n_cells - 1}")
+        if any(f.kind == "kill_cell" and f.cell == 0 for f in self.faults):
+            raise ValueError("sched.faults cannot kill cell 0: the core holds the only optimizer state")
+        self.log: list[dict] = []
+
+    def after_assignment(self, cell: Cell) -> None:
+        for f in self.faults:
+            if f.kind == "kill_cell" and not f.fired and f.cell == cell.index and cell.micro_batches >= f.n:
+                f.fired = True
+                kill_pid(cell.pid, signal.SIGKILL)
+                self.log.append({"fault": "kill_cell", "cell": cell.index, "pid": cell.pid})
+
+    def tick(self, table: CellTable, calls_served: int, in_flight: dict[str, int]) -> None:
+        for f in self.faults:
+            if f.kind != "kill_engine" or f.fired or calls_served < f.n:
+                continue
+            cell = table.cells[f.cell]
+            if cell.alive and cell.role == "rollout" and in_flight.get(cell.engine_url, 0) > 0:
+                f.fired = True
+                try:
+                    os.killpg(cell.engine_pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.log.append({"fault": "kill_engine", "cell": cell.index, "engine_pid": cell.engine_pid})

@@ -1,0 +1,214 @@
+"""The cell job's MPI program: `mpirun -n 1+C python -m mpi4py -m gyre.sched.job RUN_DIR`.
+
+Rank 0 runs the controller (gyre.sched.controller), ranks 1..C the cells (gyre.sched.cell), all from
+RUN_DIR/config.yaml. Started by gyre.sched.launch on one machine, or by `srun` over the components
+of a Slurm het job (launch/submit.py; `submitit_main` under submitit). `-m mpi4py` turns an exception
+on any rank into MPI_Abort of the job instead of a hang.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import sys
+import threading
+import uuid
+from collections.abc import Mapping
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, NoReturn
+
+from mpi4py import MPI
+from omegaconf import OmegaConf
+
+from gyre.comm.control import ControlPlane, world_control_plane
+from gyre.config.load import to_run_config
+from gyre.config.schema import ModelConfig, RunConfig
+from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted
+from gyre.sched.affinity import available_cpus, cpu_plan, pin
+from gyre.sched.launch import CONTROLLER_PID_FILE
+from gyre.sched.slurm_env import cell_rank_from_env
+
+
+def run(out: Path) -> tuple[bool, dict[str, Any], int]:
+    """This rank's part of the job; returns (whether to MPI_Finalize, what this rank reports: the run's
+    summary on rank 0, the cell index on the others; the exit code: PREEMPTED_EXIT_CODE on rank 0 after
+    a stop signal, once the run is checkpointed and the cells are shut down)."""
+    # mpiexec's -disable-auto-cleanup tells the survivors of a dead rank with SIGUSR1, whose default kills
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    cfg = to_run_config(OmegaConf.load(out / "config.yaml"))
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    n_cells = 1 + len(cfg.cluster.satellites)
+    check_world(world.Get_size(), rank, n_cells, os.environ)
+    threads = cfg.sched.threads_per_cell
+    if "SLURM_STEP_ID" in os.environ and not cfg.sched.cpu_sets:
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # keep the CPUs Slurm bound this task to
+    else:
+        pin(cpu_plan(world.Get_size(), available_cpus(), cfg.sched.cpu_sets)[rank], threads)
+    start_id = world.bcast(uuid.uuid4().hex if rank == 0 else None, root=0)  # names this start's policy.json
+    cp = world_control_plane([1] * n_cells, cfg.comm.idle_poll_max_s)
+    if cfg.comm.transfer_backend == "gloo":
+        from gyre.comm.gloo_transport import init_gloo_from_mpi
+
+        init_gloo_from_mpi(world, cfg.comm.hostname)
+    code = 0
+    if cp.is_controller:
+        try:
+            finalize = run_controller(cfg, cp, out, start_id)
+        except Preempted:
+            finalize, code = True, PREEMPTED_EXIT_CODE
+        report = json.loads((out / "summary.json").read_text())
+    else:
+        for sig in (signal.SIGTERM, signal.SIGUSR2):  # they reach every rank: the controller stops the cells
+            signal.signal(sig, signal.SIG_IGN)
+        finalize, report = run_cell(cfg, cp, out, start_id), {"cell": cp.cell}
+    if finalize:
+        cp.close()
+    return finalize, report, code
+
+
+def run_controller(cfg: RunConfig, cp: ControlPlane, out: Path, start_id: str) -> bool:
+    """Pick the starting point (a checkpoint to resume, outputs of unfinished steps moved aside), tell the
+    cells through policy.json, run. A stop signal checkpoints and raises Preempted."""
+    from gyre.resume.recovery import prepare_resume
+    from gyre.sched.controller import Controller
+
+    (out / CONTROLLER_PID_FILE).write_text(str(os.getpid()))  # gyre.sched.launch passes stop signals here
+    point = prepare_resume(out, cfg.resume, log=print)
+    tokenizer_dir = write_policy(cfg, out, start_id, point.checkpoint, point.state.next_step)
+    controller = Controller(cfg, cp, tokenizer_dir, out, point)
+    try:
+        controller.run()
+    except BaseException:
+        controller.abandon()
+        raise
+    finally:
+        controller.stop_engines_of_lost_cells()
+    return controller.finalize
+
+
+def check_world(size: int, rank: int, n_cells: int, env: Mapping[str, str]) -> None:
+    """The job has a rank for the controller and one per cell; under a Slurm het job, rank 0 and the core
+    cell (rank 1) run on component 0 and cell i (rank 1 + i) on component i."""
+    if size != 1 + n_cells:
+        raise RuntimeError(
+            f"the cell job has {size} ranks but the config names {n_cells} cells: it needs {1 + n_cells} "
+            "(the controller, then one per cell: cluster.core and each of cluster.satellites)"
+        )
+    if "SLURM_HET_SIZE" in env and "SLURM_PROCID" in env:
+        where = cell_rank_from_env(env)
+        expected = max(rank - 1, 0)
+        if where.cell != expected:
+            raise RuntimeError(
+                f"rank {rank} runs on het component {where.cell} but belongs to cell {expected}: start the job "
+                "with the generated sbatch script (launch/submit.py), which lays the ranks out by component"
+            )
+
+
+def leave(finalize: bool, code: int = 0) -> NoReturn:
+    """Leave without the interpreter's teardown (over 10 s with megatron loaded on a busy machine) and,
+    once a rank died, without MPI_Finalize, which would wait for it forever (all of us skip it)."""
+    if finalize:
+        MPI.Finalize()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main(out: Path) -> None:
+    finalize, _, code = run(out)
+    leave(finalize, code)
+
+
+def submitit_main(run_dir: str, abort_after_s: float = 30.0) -> dict[str, Any]:
+    """What each task of the cell job runs under submitit: submitit pickles the return value (rank 0:
+    the run's summary) or the exception; a failed rank then aborts the job, as `-m mpi4py` would."""
+    try:
+        finalize, report, code = run(Path(run_dir))
+    except BaseException:
+        threading.Timer(abort_after_s, MPI.COMM_WORLD.Abort, args=(1,)).start()
+        raise
+    if finalize:
+        MPI.Finalize()
+    # after submitit has written the result: skip the slow teardown; exit 75 when stopped (the script requeues)
+    atexit.register(os._exit, code)
+    return report
+
+
+def write_policy(cfg: RunConfig, out: Path, start_id: str, resume_from: Path | None, version: int) -> Path:
+    """Rank 0 finds or builds the warm start while the cells start up, and writes where the cells start
+    from (the warm start, and the run's checkpoint when resuming); returns the tokenizer dir."""
+    from gyre.train.warm_start import prepare_policy
+
+    policy = prepare_policy(cfg, log=print)
+    paths = {"start_id": start_id, "model": asdict(policy.model_cfg), "tokenizer_dir": str(policy.tokenizer_dir)}
+    paths |= {"checkpoint_dir": str(policy.checkpoint_dir), "resume_from": str(resume_from or ""), "version": version}
+    tmp = out / "policy.json.tmp"
+    tmp.write_text(json.dumps(paths, indent=1))
+    tmp.rename(out / "policy.json")
+    return policy.tokenizer_dir
+
+
+def policy_paths(out: Path, cp: ControlPlane, start_id: str) -> dict[str, Any]:
+    """What rank 0 wrote for this start (building a warm start takes minutes; if it fails, rank 0's error
+    aborts the job). A policy.json of an earlier start (a requeued job) is not this one."""
+    path = out / "policy.json"
+
+    def written() -> dict[str, Any] | None:
+        try:
+            paths = json.loads(path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+        return paths if paths.get("start_id") == start_id else None
+
+    paths = cp.wait_for(written, None)
+    return {
+        "model_cfg": ModelConfig(**paths["model"]),
+        "ckpt": Path(paths["checkpoint_dir"]),
+        "tok": Path(paths["tokenizer_dir"]),
+        "resume_from": Path(paths["resume_from"]) if paths["resume_from"] else None,
+        "version": int(paths["version"]),
+    }
+
+
+def run_cell(cfg: RunConfig, cp: ControlPlane, out: Path, start_id: str) -> bool:
+    """Import megatron and build the training replica in a thread while the engine starts here (it must
+    start on the main thread: see gyre.sched.cell_engine), then serve the controller."""
+    from gyre.sched.cell_engine import CellEngine, cell_env
+
+    got: dict[str, Any] = {}
+    have_paths = threading.Event()
+
+    def build() -> None:
+        from gyre.sched.cell import build_replica  # torch, megatron: seconds
+        from gyre.train.warm_start import Policy
+
+        have_paths.wait()
+        got["policy"] = Policy(got["model_cfg"], got["tok"], got["ckpt"])
+        got["trainer"] = build_replica(cfg, got["policy"], got["resume_from"])
+
+    builder = threading.Thread(target=build, name="gyre-replica", daemon=True)
+    builder.start()
+    try:
+        got.update(policy_paths(out, cp, start_id))
+    finally:
+        have_paths.set()
+    threads = cfg.sched.threads_per_cell
+    env = cell_env(cfg.comm.hostname, cfg.cluster.mooncake.protocol, threads)
+    engine = CellEngine(
+        cfg.engine, got["model_cfg"], got["ckpt"], got["tok"], out / "cells" / f"cell{cp.cell}", threads, env
+    )
+    builder.join()
+    if "trainer" not in got:
+        engine.stop()
+        raise RuntimeError(f"cell {cp.cell}: building the training replica failed (its error is printed above)")
+    from gyre.sched.cell import CellWorker
+
+    return CellWorker(cfg, cp, got["policy"], engine, got["trainer"], got["version"]).serve()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

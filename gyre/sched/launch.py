@@ -1,0 +1,83 @@
+"""Starting a cell job on this machine: the run directory, the warm start, then `mpirun`.
+
+`run_cells(cfg)` writes RUN_DIR/config.yaml and re-executes under the venv's `mpirun -n 1+C`
+(gyre.sched.job; its rank 0 builds or reuses the warm start while the cells start up). Each rank runs inside `sh -c` with
+SIGUSR1 ignored and mpiexec's auto-cleanup off, so that a killed cell rank leaves the others running
+(MPICH otherwise tears the whole job down); the controller then carries on without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+import gyre
+from gyre.config.schema import RunConfig
+from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted
+from gyre.sched.policy import SCHEDULERS
+
+POLICY_FILE = "policy.json"  # the warm start the cells load, written by rank 0
+CONTROLLER_PID_FILE = "controller.pid"  # rank 0's pid, for passing stop signals on
+RANK_SHELL = 'trap "" USR1; "$0" -m mpi4py -m gyre.sched.job "$1"; exit $?'
+
+
+def mpirun_command(cfg: RunConfig, out: Path) -> list[str]:
+    mpirun = cfg.sched.mpirun or str(Path(sys.executable).parent / "mpirun")
+    if not Path(mpirun).exists():
+        raise FileNotFoundError(f"{mpirun} not found: `pip install mpi4py mpich` into this venv or set sched.mpirun")
+    ranks = 2 + len(cfg.cluster.satellites)
+    return [mpirun, "-disable-auto-cleanup", "-n", str(ranks), "sh", "-c", RANK_SHELL, sys.executable, str(out)]
+
+
+def run_forwarding_stops(argv: list[str], env: dict[str, str], controller_pid: Path) -> int:
+    """Run mpirun; a SIGTERM/SIGUSR1 to this process goes to the controller (rank 0) as SIGUSR2, which
+    checkpoints and stops the job (exit 75), rather than to mpiexec, which would tear it down."""
+    proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
+
+    def forward(signum: int, frame: object) -> None:
+        try:
+            os.kill(int(controller_pid.read_text()), signal.SIGUSR2)
+        except (FileNotFoundError, ValueError, ProcessLookupError):  # not started yet: nothing to save
+            proc.terminate()
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        return proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run_cells(cfg: RunConfig) -> Path:
+    if cfg.scheduler not in SCHEDULERS:
+        raise ValueError(f"scheduler={cfg.scheduler!r} is not a cell scheduler ({', '.join(SCHEDULERS)})")
+    out = Path(cfg.output_dir or f"outputs/{time.strftime('%Y-%m-%d_%H-%M-%S')}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    cfg.output_dir = str(out)
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    root = str(Path(gyre.__file__).resolve().parent.parent)
+    env = {**os.environ, "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")}
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    env["OMP_NUM_THREADS"] = str(cfg.sched.threads_per_cell)
+    # shards are immutable once renamed into place, and cells read them while the controller reads and writes
+    # others: HDF5's advisory locks only add spurious "unable to lock file" (EAGAIN) failures between ranks
+    env.setdefault("HDF5_USE_FILE_LOCKING", "FALSE")
+    (out / POLICY_FILE).unlink(missing_ok=True)
+    (out / CONTROLLER_PID_FILE).unlink(missing_ok=True)
+    rc = run_forwarding_stops(mpirun_command(cfg, out), env, out / CONTROLLER_PID_FILE)
+    if rc == PREEMPTED_EXIT_CODE:  # stopped by a signal and checkpointed: the same command resumes
+        raise Preempted("a stop signal")
+    summary = out / "summary.json"
+    if rc != 0:
+        dead = json.loads(summary.read_text()).get("dead_cells") if summary.exists() else None
+        if not dead:
+            raise RuntimeError(f"the cell job failed (mpirun exit code {rc}); see the output above and {out}")
+        print(f"gyre: cells {dead} died during the run; it finished without them (mpirun exit code {rc})")
+    return out

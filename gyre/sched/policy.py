@@ -1,0 +1,133 @@
+"""Which role each cell should have next: colocate, async and elastic as one pure function of the load.
+
+The controller calls `decide` after every change it sees (a session finished or queued, a micro-batch
+done, a cell died) with what it knows: each cell's role, whether a training cell holds work in flight,
+and the rollout level (queued + running sessions). Capacity is counted in concurrent sessions per
+rollout cell (a cell's KV budget); the staleness bound decides which steps' rollouts may start.
+
+- colocate_cells: every cell serves rollouts while any session of the step is queued or running, then
+  every cell trains; weights are never older than the step (staleness 0).
+- async: a fixed split, `rollout_cells` serving and the rest (the core first) training, rollouts one
+  step (or `staleness` steps) ahead of training.
+- elastic: a rollout cell is released to training as soon as the remaining rollout cells can still
+  serve every active session (the core goes first: it owns the optimizer). Training work that waits
+  (micro-batches of completed groups, or the step's optimizer update) also takes one cell, the core,
+  when none trains: the next version gates the next step's rollouts, so it is the critical path.
+  Idle training cells come back (satellites first) when sessions queue and nothing waits to train.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from gyre.comm.messages import Role
+
+SCHEDULERS = ("colocate_cells", "async", "elastic")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    kind: str  # one of SCHEDULERS
+    n_cells: int  # cell 0 is the core
+    capacity: int  # concurrent sessions one rollout cell serves
+    staleness: int  # rollouts of step s may start once weights of version s - staleness exist
+    rollout_cells: int = 0  # async: cells fixed to rollout (0: all but the core)
+
+    def __post_init__(self) -> None:
+        if self.kind not in SCHEDULERS:
+            raise ValueError(f"scheduler={self.kind!r}: the cell schedulers are {', '.join(SCHEDULERS)}")
+        if self.n_cells < 2:
+            raise ValueError(f"{self.kind} needs at least 2 cells (core + 1 satellite), got {self.n_cells}")
+        if self.capacity < 1:
+            raise ValueError(f"sched.capacity_per_cell must be at least 1, got {self.capacity}")
+        if self.staleness < 0:
+            raise ValueError(f"sched.staleness must be >= 0, got {self.staleness}")
+        if self.kind == "async" and not 0 < self.fixed_rollout_cells < self.n_cells:
+            raise ValueError(
+                f"sched.async_rollout_cells={self.rollout_cells} must leave at least one rollout and one "
+                f"training cell of {self.n_cells}"
+            )
+
+    @property
+    def max_lag(self) -> int:
+        """The staleness bound in force: colocate always trains on its own weights."""
+        return 0 if self.kind == "colocate_cells" else self.staleness
+
+    @property
+    def fixed_rollout_cells(self) -> int:
+        return self.rollout_cells or self.n_cells - 1
+
+
+@dataclass(frozen=True)
+class CellState:
+    cell: int
+    role: Role
+    busy: bool = False  # training work in flight: it leaves training only once that is done
+    alive: bool = True
+
+
+@dataclass(frozen=True)
+class Load:
+    queued: int = 0  # sessions allowed to start (staleness) that wait for capacity
+    running: int = 0  # sessions whose harness runs
+    trainable: int = 0  # training work of the current step nobody has taken (micro-batches, or its update)
+
+    @property
+    def level(self) -> int:
+        return self.queued + self.running
+
+
+@dataclass(frozen=True)
+class Switch:
+    cell: int
+    role: Role
+    reason: str = field(default="", compare=False)  # surplus | training_waits | sessions_queue | colocate
+
+
+def initial_roles(p: PolicyConfig) -> tuple[Role, ...]:
+    """async: satellites 1..rollout_cells serve, the core and the remaining satellites train; else all serve."""
+    if p.kind != "async":
+        return ("rollout",) * p.n_cells
+    serving = set(range(1, p.fixed_rollout_cells + 1))
+    return tuple("rollout" if c in serving else "train" for c in range(p.n_cells))
+
+
+def may_start(p: PolicyConfig, step: int, version: int) -> bool:
+    """Rollouts of `step` may start with the weights of `version` (= optimizer steps done)."""
+    return step - version <= p.max_lag
+
+
+def session_capacity(p: PolicyConfig, cells: Sequence[CellState]) -> int:
+    return p.capacity * sum(1 for c in cells if c.alive and c.role == "rollout")
+
+
+def cells_needed(p: PolicyConfig, load: Load) -> int:
+    return math.ceil(load.level / p.capacity)
+
+
+def decide(p: PolicyConfig, cells: Sequence[CellState], load: Load) -> list[Switch]:
+    """The switches to make now (possibly none)."""
+    alive = [c for c in cells if c.alive]
+    if p.kind == "async":
+        return []
+    if p.kind == "colocate_cells":
+        want: Role = "rollout" if load.level > 0 else "train"
+        return [
+            Switch(c.cell, want, "colocate") for c in alive if c.role != want and not (c.busy and want == "rollout")
+        ]
+    return _elastic(p, alive, load)
+
+
+def _elastic(p: PolicyConfig, alive: list[CellState], load: Load) -> list[Switch]:
+    serving = sorted((c for c in alive if c.role == "rollout"), key=lambda c: c.cell)  # core first
+    need = cells_needed(p, load)
+    if len(serving) > need:  # the others can still serve every active session: release the surplus
+        return [Switch(c.cell, "train", "surplus") for c in serving[: len(serving) - need]]
+    if load.trainable > 0 and len(serving) == len(alive):  # training waits and nobody trains
+        return [Switch(serving[0].cell, "train", "training_waits")]
+    if load.queued > 0 and len(serving) < need and load.trainable == 0:  # sessions queue: bring idle cells back
+        idle = sorted((c for c in alive if c.role == "train" and not c.busy), key=lambda c: (c.cell == 0, -c.cell))
+        return [Switch(c.cell, "rollout", "sessions_queue") for c in idle[: need - len(serving)]]
+    return []

@@ -1,0 +1,94 @@
+"""One training replica's side of streaming training: micro-batches from shards, gradients as one flat
+fp32 vector, and the core's step over the sum.
+
+Every replica trains its micro-batches with a rollout scale of 1 and accumulates gradients; the core
+sums the replicas' gradients and multiplies by 1 / (trainable rollouts of the step), which is exactly
+the gradient of GSPO's per-step mean (the loss is linear in the scale), known only once the last
+group is in. The core then clips and steps as a single replica would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from gyre.comm.messages import MicroBatchRef
+from gyre.config.schema import RunConfig
+from gyre.pipeline import RLMicroBatch, rl_micro_batches, trainable_rollouts
+
+if TYPE_CHECKING:  # the controller plans micro-batches without importing megatron
+    from gyre.train.megatron_trainer import MegatronTrainer
+
+
+def group_micro_batches(shard: Path | str, cfg: RunConfig) -> list[RLMicroBatch]:
+    """A group shard's trainable rollouts packed into micro-batches (deterministic: every cell packs alike)."""
+    rollouts = trainable_rollouts([Path(shard)])
+    return rl_micro_batches(rollouts, cfg.train.micro_batch_tokens, cfg.model.max_position_embeddings, 1)
+
+
+def plan_group(shard: Path | str, cfg: RunConfig) -> tuple[list[MicroBatchRef], list[str]]:
+    """The micro-batches of one group shard, and the ids of the rollouts they train."""
+    batches = group_micro_batches(shard, cfg)
+    refs = [MicroBatchRef(str(shard), i, b.n_tokens) for i, b in enumerate(batches)]
+    return refs, [rid for b in batches for rid in b.batch.rollout_ids]
+
+
+class MicroBatchSource:
+    """Resolves MicroBatchRefs, packing each shard once."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self._packed: dict[str, list[RLMicroBatch]] = {}
+
+    def get(self, ref: MicroBatchRef) -> RLMicroBatch:
+        if ref.shard not in self._packed:
+            self._packed[ref.shard] = group_micro_batches(ref.shard, self.cfg)
+        batches = self._packed[ref.shard]
+        if not 0 <= ref.index < len(batches):
+            raise IndexError(f"{ref.shard} packs into {len(batches)} micro-batches; there is no {ref.index}")
+        return batches[ref.index]
+
+    def forget(self, shards: Sequence[str]) -> None:
+        for s in shards:
+            self._packed.pop(s, None)
+
+
+def flat_grads(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(all parameters' gradients as one fp32 vector, uint8 [n_params] 1 where a parameter has a gradient)."""
+    params = list(model.parameters())
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
+    parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().reshape(-1) for p in params]
+    return torch.cat(parts) if parts else torch.zeros(0), has
+
+
+def grad_numel(model: torch.nn.Module) -> tuple[int, int]:
+    params = list(model.parameters())
+    return sum(p.numel() for p in params), len(params)
+
+
+def set_flat_grads(model: torch.nn.Module, flat: torch.Tensor, has: torch.Tensor) -> None:
+    """Make `flat` the gradients; parameters no replica gave a gradient keep none (the optimizer skips them)."""
+    offset = 0
+    for p, keep in zip(model.parameters(), has.tolist(), strict=True):
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p).to(p.dtype).clone() if keep else None
+        offset += n
+    if offset != flat.numel():
+        raise ValueError(f"flat gradient has {flat.numel()} values, the model {offset}")
+
+
+def core_step(trainer: MegatronTrainer, summed: torch.Tensor, has: torch.Tensor, scale: float) -> dict[str, float]:
+    """Install the summed gradients times `scale` on the core and take the optimizer step (clip included)."""
+    if getattr(trainer, "_mcore", None) is not None:
+        raise NotImplementedError(
+            "summed gradients go into param.grad, which megatron's DDP (CUDA) does not read; run the cell "
+            "schedulers with train.distributed_optimizer=false or on CPU"
+        )
+    if not bool(has.any()):
+        trainer.zero_grad()
+        return {"skipped_step": 1.0, "grad_norm": 0.0, "lr": trainer.lr}
+    set_flat_grads(trainer.model, summed * scale, has)
+    return trainer.optimizer_step()

@@ -1,0 +1,135 @@
+"""The controller's record of each step: its sessions as they finish, its group shards, its metrics.
+
+A group's shard is written the moment its last session is graded (gyre.pipeline.write_group_shard),
+and its micro-batches are planned from the shard at once, so training can start on it while the
+step's other groups still run.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gyre.comm.messages import MicroBatchRef
+from gyre.config.schema import RunConfig
+from gyre.harness.runner import RolloutOutcome
+from gyre.metrics import mean
+from gyre.pipeline import FinishedRollout, GroupShard, write_group_shard
+from gyre.proxy.call_log import CallRecord
+from gyre.sched.replica import plan_group
+from gyre.sched.rollout_driver import SessionDone, SessionJob
+from gyre.tasks.suite import TaskPool
+
+
+@dataclass
+class StepRecord:
+    step: int
+    jobs: list[SessionJob]
+    submitted: float = field(default_factory=time.monotonic)
+    groups: dict[int, list[FinishedRollout]] = field(default_factory=lambda: defaultdict(list))
+    shards: list[GroupShard] = field(default_factory=list)
+    trainable: int = 0
+    trained_ids: list[str] = field(default_factory=list)
+    micro_batches: int = 0
+    train_metrics: list[dict[str, float]] = field(default_factory=list)
+    rollouts_done_at: float = 0.0
+
+    @property
+    def group_size(self) -> int:
+        return len(self.jobs) // max(1, len({j.group for j in self.jobs}))
+
+    @property
+    def all_shards_written(self) -> bool:
+        return len(self.shards) == len({j.group for j in self.jobs})
+
+
+class StepBook:
+    def __init__(self, cfg: RunConfig, out: Path) -> None:
+        self.cfg = cfg
+        self.shard_dir = out / "shards"
+        self.shard_dir.mkdir(parents=True, exist_ok=True)
+        self.pool = TaskPool(cfg.tasks.families, cfg.tasks.pool_size, seed=cfg.seed)
+        self.steps: dict[int, StepRecord] = {}
+
+    def open(self, step: int) -> list[SessionJob]:
+        rl = self.cfg.rl
+        tasks = self.pool.for_step(step, rl.groups_per_step)
+        jobs = [SessionJob(step, g, t, f"s{step}-g{g}-r{i}") for g, t in enumerate(tasks) for i in range(rl.group_size)]
+        self.steps[step] = StepRecord(step, jobs)
+        return jobs
+
+    def finished(
+        self, done: SessionDone, calls: list[CallRecord], workdirs: Path
+    ) -> tuple[int, list[MicroBatchRef]] | None:
+        """Record a finished session; when it completes its group, write the shard and return
+        (trainable rollouts, micro-batches) of the group."""
+        if done.error or done.outcome is None:
+            raise RuntimeError(f"rollout {done.job.rollout_id} could not run: {done.error}")
+        rec = self.steps[done.job.step]
+        members = rec.groups[done.job.group]
+        members.append(FinishedRollout(done.job.group, done.outcome, calls))
+        if sum(len(m) for m in rec.groups.values()) == len(rec.jobs):
+            rec.rollouts_done_at = time.monotonic()
+        if len(members) < rec.group_size:
+            return None
+        members.sort(key=lambda r: r.outcome.rollout_id)
+        shard = write_group_shard(self.cfg, self.shard_dir, rec.step, done.job.group, members)
+        rec.shards.append(shard)
+        refs, trained = plan_group(shard.path, self.cfg)
+        rec.trainable += len(trained)
+        rec.trained_ids += trained
+        rec.micro_batches += len(refs)
+        if not self.cfg.harness.keep_workspaces:  # `workdirs`: where the step's sessions ran
+            for m in members:
+                shutil.rmtree(workdirs / m.outcome.rollout_id, ignore_errors=True)
+        return len(trained), refs
+
+    def summary(self, step: int) -> dict[str, Any]:
+        rec = self.steps[step]
+        finished = [r for g in sorted(rec.groups) for r in rec.groups[g]]
+        calls = [c for r in finished for c in r.calls]
+        lags = [step - int(c.weight_version) for c in calls if c.weight_version.isdigit()]
+        tokens, path_tokens = sum(s.tokens for s in rec.shards), sum(s.path_tokens for s in rec.shards)
+        train = _mean_metrics(rec.train_metrics)
+        return {
+            **outcome_summary([r.outcome for r in finished]),
+            "n_calls": len(calls),
+            "policy_tokens": sum(len(c.output_ids) for c in calls),
+            **{f"train/{k}": v for k, v in train.items()},
+            "tree_tokens": float(tokens),
+            "dedup_ratio": path_tokens / tokens if tokens else 1.0,
+            "excluded_from_training": float(sum(len(s.excluded) for s in rec.shards)),
+            "trainable_rollouts": rec.trainable,
+            "micro_batches": rec.micro_batches,
+            "behaviour_lag_max": max(lags, default=0),
+            "behaviour_lag_mean": statistics.fmean(lags) if lags else 0.0,
+            "rollout_s": round(rec.rollouts_done_at - rec.submitted, 3) if rec.rollouts_done_at else None,
+        }
+
+
+def outcome_summary(outcomes: list[RolloutOutcome]) -> dict[str, Any]:
+    """The step's rollouts as the colocate loop reports them (gyre.rollouts.StepRollouts.summary), computed
+    here so that the controller never imports the trainer."""
+    graded = [o for o in outcomes if o.grade.status != "failed"]
+    return {
+        "n_rollouts": len(outcomes),
+        "n_scored": len(graded),
+        "n_excluded": len(outcomes) - len(graded),
+        "n_timeouts": sum(1 for o in outcomes if o.grade.status == "timeout"),
+        "reward_mean": mean([o.grade.score for o in graded]),
+        "success_rate": mean([1.0 if o.grade.success else 0.0 for o in graded]),
+        "turns_mean": mean([float(o.turns) for o in outcomes]),
+        "turns_max": max((o.turns for o in outcomes), default=0),
+        "rollout_wall_max_s": max((o.wall_s for o in outcomes), default=0.0),
+        "excluded_reasons": sorted({o.grade.reason for o in outcomes if o.grade.status == "failed"}),
+    }
+
+
+def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
+    keys = {k for r in rows for k in r}
+    return {k: statistics.fmean(r[k] for r in rows if k in r) for k in sorted(keys)}

@@ -1,0 +1,124 @@
+"""The controller's side of streaming training: hand out micro-batches, close steps, sync weights.
+
+Only micro-batches of the step the current weights train (step == version) are handed out; each
+training cell gets the next one whenever it has room, so faster cells take more. A step closes when
+all its groups are in and every micro-batch is done: the contributors send their gradients to the
+core, which steps and publishes version + 1; every living cell then pulls it (training replicas and
+rollout engines alike), and the next step's micro-batches may go out.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from gyre.comm.messages import Ack, GradientReduce, MicroBatchAssignment, WeightVersion
+from gyre.config.schema import RunConfig
+from gyre.sched.cells import Cell, CellDied, CellTable, Outbox
+from gyre.sched.faults import FaultInjector
+from gyre.sched.ledger import MicroBatchLedger
+from gyre.sched.steps import StepBook
+
+
+class TrainPlane:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        table: CellTable,
+        outbox: Outbox,
+        book: StepBook,
+        faults: FaultInjector,
+        out: Path,
+        on_death: Callable[[list[int]], None],
+    ) -> None:
+        self.cfg, self.table, self.outbox, self.book, self.faults = cfg, table, outbox, book, faults
+        self.out = out
+        self.on_death = on_death
+        self.ledger = MicroBatchLedger()
+        self.version = 0  # optimizer steps done; the step being trained
+        self.handle: Any = None  # the newest weights' transfer handle
+
+    def busy(self, cell: Cell) -> bool:
+        return self.ledger.in_flight(cell.index) > 0
+
+    def assign(self) -> None:
+        depth = self.cfg.sched.micro_batches_in_flight
+        # least-loaded first; on a tie satellites before the core, which also reduces and steps
+        for cell in sorted(self.table.training(), key=lambda c: (self.ledger.in_flight(c.index), c.index == 0)):
+            while self.ledger.in_flight(cell.index) < depth and (ref := self.ledger.take(self.version, cell.index)):
+                self.outbox.send(cell.rank, MicroBatchAssignment(self.version, (ref.index,), (ref,)))
+                cell.micro_batches += 1
+                self.faults.after_assignment(cell)
+
+    def on_ack(self, body: Any, ack: Ack) -> None:
+        """Acks that arrive while the controller waits for something else: micro-batches done."""
+        if not isinstance(body, MicroBatchAssignment):
+            return  # a late answer to a sync that was redone after a cell died
+        cell = self.table.by_rank(ack.rank)
+        if not cell.alive:
+            return  # its work went back to pending when it was declared dead
+        for ref in body.refs:
+            self.ledger.done(cell.index, ref)
+        self.book.steps[body.step].train_metrics.append(ack.detail["metrics"])
+
+    def waiting_work(self) -> int:
+        """Work of the current step that no cell has taken: pending micro-batches, or (1) the optimizer
+        update once every micro-batch is done, which only the core can make."""
+        rec = self.book.steps.get(self.version)
+        if rec is None:
+            return 0
+        if pending := self.ledger.pending(self.version):
+            return pending
+        return int(rec.all_shards_written and self.ledger.open_work(self.version) == 0)
+
+    def ready(self) -> bool:
+        """All of the step's groups are in, every micro-batch is done, and the core is training (its
+        memory holds the optimizer step, not its engine)."""
+        rec = self.book.steps.get(self.version)
+        core_trains = self.table.cells[0].role == "train"
+        return rec is not None and rec.all_shards_written and self.ledger.open_work(self.version) == 0 and core_trains
+
+    def finish_step(self) -> dict[str, Any]:
+        """Reduce to the core, step, publish, sync every living cell; returns the step's training metrics."""
+        step = self.version
+        rec = self.book.steps[step]
+        core = self.table.cells[0]
+        contributors = [self.table.cells[c].rank for c in sorted(self.ledger.contributors(step))]
+        msg = GradientReduce(step, core.rank, tuple(contributors), 1.0 / max(rec.trainable, 1), str(step + 1))
+        t0 = time.monotonic()
+        try:
+            acks = self.outbox.call({r: msg for r in {core.rank, *contributors}}, self.on_ack, self._dead_ranks)
+        except CellDied as e:
+            raise RuntimeError(
+                f"cells at ranks {e.ranks} died while step {step}'s gradients were reduced; a death during the "
+                "reduction is not survived (only before it); rerun"
+            ) from e
+        reduced = self.ledger.close_step(step)
+        self.handle = acks[core.rank].detail["handle"]
+        t1 = time.monotonic()
+        self.version = step + 1
+        self.sync_weights()
+        return {
+            **{f"train/{k}": v for k, v in acks[core.rank].detail["metrics"].items()},
+            "contributors": {str(c): n for c, n in sorted(reduced.items())},
+            "mb_reassigned": self.ledger.reassigned.get(step, 0),
+            "reduce_s": round(t1 - t0, 4),
+            "sync_s": round(time.monotonic() - t1, 4),
+        }
+
+    def sync_weights(self) -> None:
+        """Every living cell loads the newest version (redone for the survivors if a cell dies meanwhile)."""
+        while True:
+            alive = self.table.alive()
+            peers = tuple(c.rank for c in alive if c.index != 0)
+            msgs = {c.rank: WeightVersion(str(self.version), self.handle, peers) for c in alive}
+            try:
+                self.outbox.call(msgs, self.on_ack, self._dead_ranks)
+                return
+            except CellDied as e:
+                self.on_death(e.ranks)
+
+    def _dead_ranks(self) -> list[int]:
+        return [c.rank for c in self.table.newly_dead()]

@@ -1,0 +1,1 @@
+"""Slurm adapter: heterogeneous jobs for the core and satellite cells (generated sbatch, submitit)."""

@@ -1,0 +1,189 @@
+"""Text of the heterogeneous sbatch script for a config and its planned steps (pure; golden-tested).
+
+Log names avoid `%j` and `%t`: in a heterogeneous job each component expands `%j` to its own id,
+and srun's `%t` is offset per component in a step over several components. Step logs are opened
+by each task instead, named by `$SLURM_JOB_ID` (the leader's id in every component) and
+`$SLURM_PROCID`.
+
+Preemption and requeue: scripts ask for `--requeue` and `--signal=B:TERM@<cluster.preempt_grace_s>`.
+That signal reaches only the batch shell, which passes it on to the job's processes; the run
+checkpoints and exits with PREEMPTED_EXIT_CODE, and the script then requeues the job, whose same
+command resumes from the run's output_dir (gyre/resume). On preemption or `scontrol requeue`,
+Slurm signals every process itself and requeues the job. Logs are opened in append mode, and each
+start prints SLURM_JOB_ID and SLURM_RESTART_COUNT.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gyre.config.schema import CellResources, ClusterConfig, RunConfig
+from gyre.resume.preemption import PREEMPTED_EXIT_CODE
+from gyre.sched.slurm_env import HET_TASKS_VAR
+from launch.slurm.plan import Step, cells
+
+LogNames = Callable[[Step], tuple[str, str | None]]
+# what gyre.sched.launch sets for a local cell job: shards are immutable once published, so HDF5's advisory
+# locks only add spurious EAGAIN failures between ranks; Mooncake's INFO lines drown the logs
+CELL_JOB_ENV = (
+    ("HDF5_USE_FILE_LOCKING", "FALSE"),
+    ("MC_LOG_LEVEL", "ERROR"),
+)  # step -> (stdout, stderr or None to merge), task-shell syntax
+
+
+def default_log_names(step: Step) -> tuple[str, str | None]:
+    return f"${{SLURM_JOB_ID}}_{step.name}_${{SLURM_PROCID}}.out", None
+
+
+@dataclass(frozen=True)
+class ScriptLayout:
+    log_dir: str  # absolute; created by the submitter (sbatch opens --output before the script runs)
+    config_path: str  # the resolved config the steps read, named in the header
+    batch_output: str = "%j_batch.out"  # sbatch patterns, relative to log_dir (component 0's %j)
+    batch_error: str | None = None
+    log_names: LogNames = default_log_names
+    exports: tuple[tuple[str, str], ...] = ()
+
+
+def _component_header(cfg: RunConfig, res: CellResources) -> list[str]:
+    options = [
+        ("partition", res.partition),
+        ("nodes", str(res.nodes)),
+        ("ntasks-per-node", "1"),
+        ("cpus-per-task", str(res.cpus_per_node)),
+        ("gpus-per-node", str(res.gpus_per_node) if res.gpus_per_node else ""),
+        ("mem", res.mem),
+        ("time", res.time),
+        ("account", cfg.cluster.account),
+        ("qos", cfg.cluster.qos),
+    ]
+    return [f"#SBATCH --{key}={shlex.quote(value)}" for key, value in options if value]
+
+
+def _requeue_header(cluster: ClusterConfig) -> list[str]:
+    lines = ["#SBATCH --requeue"] if cluster.requeue else []
+    if cluster.preempt_grace_s:
+        lines.append(f"#SBATCH --signal=B:TERM@{cluster.preempt_grace_s}")
+    return lines
+
+
+def _start_lines(pids: str, why: str = "the run checkpoints, then exits", as_signal: str = '"$1"') -> list[str]:
+    """Log this start; pass TERM/USR1 on to `pids` (an expression expanded when the signal comes), as
+    `as_signal` (default: the signal itself)."""
+    return [
+        'echo "gyre: job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}) on $(hostname) at $(date +%FT%T)"',
+        f"# a stop signal (scancel --signal, --signal=B:...) reaches only this shell: pass it on ({why})",
+        "stop_requested=0",
+        f"forward_stop() {{ stop_requested=1; kill -{as_signal} {pids} 2>/dev/null || true; }}",
+        "trap 'forward_stop TERM' TERM",
+        "trap 'forward_stop USR1' USR1",
+    ]
+
+
+def _wait_lines(pid: str) -> list[str]:
+    return [
+        "status=0",
+        f'wait "{pid}" || status=$?',
+        "# a trapped signal ends `wait` early while the process still runs: wait again for its exit status",
+        f'while kill -0 "{pid}" 2>/dev/null; do status=0; wait "{pid}" || status=$?; done',
+    ]
+
+
+def _requeue_lines(cluster: ClusterConfig) -> list[str]:
+    if not cluster.requeue:
+        return []
+    return [
+        f'if [ "$status" -eq {PREEMPTED_EXIT_CODE} ] && [ "$stop_requested" = 1 ]; then',
+        "    # checkpointed on a stop signal: back to the queue; the same command resumes from output_dir",
+        '    echo "gyre: stopped with a checkpoint; requeueing job ${SLURM_JOB_ID}"',
+        '    scontrol requeue "$SLURM_JOB_ID" || echo "gyre: requeue refused (already requeued by Slurm?)" >&2',
+        "fi",
+    ]
+
+
+def _task_wrapper(step: Step, layout: ScriptLayout) -> list[str]:
+    """`bash -c 'exec "$@" >>LOG' task`: each task opens its own log, named by its SLURM_PROCID."""
+    out, err = layout.log_names(step)
+    for name in (out, err or ""):
+        if "'" in name or '"' in name:
+            raise ValueError(f"log name {name!r} must not contain quotes")
+    redirect = f'>>"$GYRE_LOG_DIR/{out}" ' + (f'2>>"$GYRE_LOG_DIR/{err}"' if err else "2>&1")
+    return ["bash", "-c", f'exec "$@" {redirect}', "task"]
+
+
+def _srun_lines(step: Step, layout: ScriptLayout) -> list[str]:
+    """One srun over every component (`srun A : B : C`): a single MPI_COMM_WORLD across the het job."""
+    mpi = [f"--mpi={step.mpi}"] if step.mpi else []
+    lines = []
+    for i, comp in enumerate(step.components):
+        srun = [*(["srun"] if i == 0 else [":"]), f"--het-group={comp.group}", "--overlap", *mpi, *comp.srun_args]
+        lines += [("" if i == 0 else "    ") + f"{shlex.join(srun)} \\"]
+        lines += [f"    {shlex.join(_task_wrapper(step, layout))} \\"]
+        lines.append(f"    {shlex.join(step.argv)}" + (" \\" if i + 1 < len(step.components) else " &"))
+    return lines
+
+
+def render_sbatch(cfg: RunConfig, step: Step, layout: ScriptLayout) -> str:
+    cluster = cfg.cluster
+    all_cells = cells(cfg)
+    lines = [
+        "#!/bin/bash",
+        f"# Generated by gyre (launch/slurm): one heterogeneous job of {len(all_cells)} cells, component 0 the",
+        f"# core cell, components 1..{len(all_cells) - 1} the satellite cells. Submit with `sbatch <this file>`.",
+        f"# Resolved config: {layout.config_path}",
+        f"#SBATCH --job-name={shlex.quote(cluster.job_name)}",
+        f"#SBATCH --output={shlex.quote(layout.log_dir + '/' + layout.batch_output)}",
+    ]
+    if layout.batch_error:
+        lines.append(f"#SBATCH --error={shlex.quote(layout.log_dir + '/' + layout.batch_error)}")
+    lines.append("#SBATCH --open-mode=append")
+    lines += _requeue_header(cluster)
+    for cell, res in enumerate(all_cells):
+        if cell:
+            lines.append("#SBATCH hetjob")
+        lines += _component_header(cfg, res)
+    lines += ["", "set -euo pipefail"]
+    if cluster.workdir:
+        lines.append(f"cd {shlex.quote(cluster.workdir)}")
+    lines += cluster.setup
+    lines.append(f"export GYRE_LOG_DIR={shlex.quote(layout.log_dir)}")
+    # Slurm's per-component task counts describe the allocation; the step's own tell each rank its cell
+    env = [(HET_TASKS_VAR, ",".join(str(c.tasks) for c in step.components)), *CELL_JOB_ENV]
+    env += [("OMP_NUM_THREADS", str(cfg.sched.threads_per_cell)), *layout.exports]
+    lines += [f"export {key}={shlex.quote(value)}" for key, value in env]
+    # srun ends the step on SIGTERM but forwards SIGUSR2 to every rank: the controller checkpoints, exits 75
+    lines += ["", "job=", *_start_lines("$job", "as SIGUSR2, which srun forwards to the ranks", "USR2"), ""]
+    lines += [
+        f"# The cell job: {step.num_tasks} ranks, one MPI world over every component. Rank 0 (the controller) and",
+        "# rank 1 (the core cell) on component 0, rank 1+i on satellite i; each cell starts its engine and replica.",
+        "set +e",
+    ]
+    lines += _srun_lines(step, layout)
+    lines += ["job=$!", *_wait_lines("$job"), *_requeue_lines(cluster), 'exit "$status"', ""]
+    return "\n".join(lines)
+
+
+def render_main_job_sbatch(cfg: RunConfig, argv: list[str], log_dir: str) -> str:
+    """A one-component job running `argv` (the colocate main job, `python -m launch.run ... output_dir=...`)
+    on the core cell's resources, in the batch step. Requeued, the same argv resumes from its output_dir."""
+    cluster = cfg.cluster
+    lines = [
+        "#!/bin/bash",
+        "# Generated by gyre (launch/slurm): the main job as one Slurm job. Submit with `sbatch <this file>`;",
+        "# on requeue (preemption, time limit, `scontrol requeue`) it resumes from its output_dir.",
+        f"#SBATCH --job-name={shlex.quote(cluster.job_name)}",
+        f"#SBATCH --output={shlex.quote(log_dir + '/%j_main.out')}",
+        "#SBATCH --open-mode=append",
+        *_requeue_header(cluster),
+        *_component_header(cfg, cluster.core),
+        "",
+        "set -euo pipefail",
+    ]
+    if cluster.workdir:
+        lines.append(f"cd {shlex.quote(cluster.workdir)}")
+    lines += cluster.setup
+    lines += ["", "main=", *_start_lines("$main"), "", f"{shlex.join(argv)} &", "main=$!", *_wait_lines("$main")]
+    lines += [*_requeue_lines(cluster), 'exit "$status"', ""]
+    return "\n".join(lines)

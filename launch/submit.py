@@ -1,0 +1,108 @@
+"""`python -m launch.submit [--dry-run] [--via submitit|sbatch] cluster=slurm_cpu [key=value ...]`
+
+Turns the config into one heterogeneous Slurm job (component 0 the core cell, 1..N the satellite
+cells) running the cell job (scheduler=elastic|async|colocate_cells), and submits it through
+submitit (job handle, logs and results in the log folder) or as a plain sbatch script. Always
+writes `<out>/gyre.sbatch` and the resolved `<out>/config.yaml`; `--dry-run` stops there. Before
+submitting, the request is checked against the cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from gyre.config.load import ConfigKeyError, check_overrides, compose
+from gyre.config.schema import RunConfig
+from gyre.sched.launch import POLICY_FILE
+from gyre.sched.policy import SCHEDULERS as CELL_SCHEDULERS
+from launch.slurm.plan import LayoutError, cells, job_command, plan_step
+from launch.slurm.preflight import SlurmPreflightError, check_request, read_inventory
+from launch.slurm.sbatch import ScriptLayout, render_sbatch
+
+
+def plain_script(cfg: RunConfig, config_path: str, log_dir: str) -> str:
+    """The sbatch script a user can submit with `sbatch`: the cell job over every component."""
+    step = plan_step(cfg, job_command(cfg, str(Path(config_path).parent)))
+    return render_sbatch(cfg, step, ScriptLayout(log_dir=log_dir, config_path=config_path))
+
+
+def run_cell_job(run_dir: str) -> dict[str, Any]:
+    """What each task runs under submitit (imported there: importing MPI here would initialise it)."""
+    from gyre.sched.job import submitit_main
+
+    return submitit_main(run_dir)
+
+
+def write_job_files(cfg: RunConfig, out_dir: Path) -> tuple[Path, Path, Path]:
+    """Resolved config, log folder and plain sbatch script under out_dir (absolute paths)."""
+    out_dir = out_dir.resolve()
+    cfg.output_dir = str(out_dir)
+    log_dir = Path(cfg.cluster.log_dir).resolve() if cfg.cluster.log_dir else out_dir / "slurm"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    config_path = out_dir / "config.yaml"
+    config_path.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    (out_dir / POLICY_FILE).unlink(missing_ok=True)  # rank 0 writes it anew; the cells wait for it
+    script_path = out_dir / "gyre.sbatch"
+    script_path.write_text(plain_script(cfg, str(config_path), str(log_dir)))
+    return config_path, log_dir, script_path
+
+
+def submit(cfg: RunConfig, out_dir: Path, via: str, dry_run: bool) -> str:
+    if cfg.cluster.backend != "slurm":
+        raise SlurmPreflightError(
+            f"cluster.backend is {cfg.cluster.backend!r}: choose a Slurm cluster config, e.g. cluster=slurm_cpu"
+        )
+    if cfg.scheduler not in CELL_SCHEDULERS:
+        raise SlurmPreflightError(
+            f"scheduler={cfg.scheduler!r} runs on one machine; a Slurm het job runs cells: choose "
+            f"scheduler={'|'.join(CELL_SCHEDULERS)} (for the colocate loop on one node, sbatch the script of "
+            "launch.slurm.sbatch.render_main_job_sbatch)"
+        )
+    config_path, log_dir, script_path = write_job_files(cfg, out_dir)
+    print(f"gyre: wrote {script_path} and {config_path}")
+    if dry_run:
+        return ""
+    check_request(cells(cfg), read_inventory(os.environ))
+    if via == "sbatch":
+        proc = subprocess.run(["sbatch", "--parsable", str(script_path)], capture_output=True, text=True, timeout=60)
+        if proc.returncode != 0:
+            raise SlurmPreflightError(f"sbatch refused the job: {proc.stderr.strip()}")
+        job_id = proc.stdout.strip().split(";")[0]
+    else:
+        from launch.slurm.het_executor import HetSlurmExecutor
+
+        executor = HetSlurmExecutor(log_dir, cfg, config_path=str(config_path))
+        job_id = executor.submit(run_cell_job, str(config_path.parent)).job_id
+    print(f"gyre: submitted job {job_id}; logs in {log_dir}")
+    return job_id
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m launch.submit", description=__doc__.split("\n\n")[1])
+    parser.add_argument("--dry-run", action="store_true", help="write the script and resolved config, submit nothing")
+    parser.add_argument("--via", choices=("submitit", "sbatch"), default="submitit")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="job directory (default: output_dir or outputs/slurm/<time>)"
+    )
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. cluster=slurm_gpu steps=10")
+    args = parser.parse_args(argv)
+    try:
+        check_overrides(args.overrides)
+        cfg = compose(args.overrides)
+        stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+        out_dir = args.out or Path(cfg.output_dir or f"outputs/slurm/{stamp}")
+        submit(cfg, out_dir, args.via, args.dry_run)
+    except (ConfigKeyError, LayoutError, SlurmPreflightError) as e:
+        sys.exit(f"gyre: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""The tiny main job that tests/test_resume.py and tests/test_slurm_requeue.py stop and resume.
+
+Its warm start is just good enough for some rollouts to earn partial credit, so steps train
+(non-zero advantages) and the optimizer has state to restore. The warm-start cache is shared by
+both tests in one pytest session.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from gyre.metrics import read_metrics
+from gyre.store.reader import read_shard
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 4
+GROUPS, GROUP_SIZE = 2, 8  # 16 rollouts a step: a step whose rewards are all equal (nothing to train) is rare
+
+
+def tiny_args(cache_dir: Path, out: Path, hydra_dir: Path, *extra: str) -> list[str]:
+    return [
+        f"steps={STEPS}",
+        f"rl.groups_per_step={GROUPS}",
+        f"rl.group_size={GROUP_SIZE}",
+        "tasks.families=[write_value]",
+        "tasks.tool_delay_s=0.3",  # rollouts last long enough to be caught in flight
+        "warm_start.steps=60",
+        "warm_start.demos=64",
+        "warm_start.batch_size=8",
+        "tokenizer.corpus_tasks=60",
+        "tokenizer.vocab_size=512",
+        "harness.max_turns=3",
+        "harness.max_tokens=32",
+        f"warm_start.cache_dir={cache_dir}",
+        f"output_dir={out}",
+        f"hydra.run.dir={hydra_dir}",
+        *extra,
+    ]
+
+
+def wait_until(what: str, predicate: Callable[[], object], timeout_s: float, alive: Callable[[], bool]) -> object:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        if not alive():
+            raise AssertionError(f"the job ended before {what}")
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+def in_flight_after_trained_step(out: Path, first: int = 0, trained: bool = True) -> int | None:
+    """The step whose rollouts are calling the engine once a step >= `first` has completed (and trained,
+    if `trained`); None before. Fails the test when no such step comes before the last one."""
+    rows = read_metrics(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else []
+    done = [r["step"] for r in rows if r["step"] >= first and (r.get("train/trained") or not trained)]
+    if not done or done[0] + 1 >= STEPS:
+        assert not rows or rows[-1]["step"] + 1 < STEPS, "no step completed before the last one; nothing to stop"
+        return None
+    nxt = rows[-1]["step"] + 1
+    calls = (out / "calls.jsonl").read_text() if (out / "calls.jsonl").exists() else ""
+    return nxt if nxt < STEPS and f'"rollout_id": "s{nxt}-' in calls else None
+
+
+def state(out: Path) -> dict:
+    return json.loads((out / "checkpoint" / "state.json").read_text())
+
+
+def adam_steps(out: Path) -> int:
+    """AdamW's own step count in the checkpoint (one per optimizer update since the run began)."""
+    payload = torch.load(out / "checkpoint" / "trainer.pt", map_location="cpu", weights_only=True)
+    counts = {int(s["step"]) for s in payload["optimizer"]["state"].values()}
+    assert len(counts) <= 1, counts
+    return counts.pop() if counts else 0
+
+
+def shard_ids_by_step(out: Path) -> dict[int, list[str]]:
+    ids: dict[int, list[str]] = {}
+    for path in sorted((out / "shards").glob("*.h5")):
+        shard = read_shard(path)
+        ids.setdefault(int(shard.attrs["step"]), []).extend(str(r) for r in shard.rollouts["rollout_id"])
+    return ids
+
+
+def assert_each_rollout_once(out: Path, steps: int = STEPS) -> dict:
+    """Shards, ledger and metrics of a finished run: every step once, every rollout id once per step,
+    every trained rollout trained exactly once. Returns the final checkpoint state."""
+    st = state(out)
+    assert st["next_step"] == steps and st["weight_version"] == steps
+    assert [r["step"] for r in st["ledger"]] == list(range(steps)), "a step missing or trained twice"
+    shards = shard_ids_by_step(out)
+    assert sorted(shards) == list(range(steps))
+    for record in st["ledger"]:
+        step = record["step"]
+        expected = sorted(f"s{step}-g{g}-r{i}" for g in range(GROUPS) for i in range(GROUP_SIZE))
+        duplicated = [rid for rid, n in Counter(shards[step]).items() if n > 1]
+        assert not duplicated, f"step {step}: rollouts stored twice: {duplicated}"
+        assert sorted(shards[step]) == record["rollouts"]
+        assert sorted(record["rollouts"] + record["rejected"]) == expected, f"step {step}: rollouts lost"
+        assert set(record["trained"]) <= set(record["rollouts"])
+        trainable = sorted(
+            r.rollout_id for p in (out / "shards").glob(f"step{step:05d}-*.h5") for r in read_shard(p).trainable()
+            if r.meta.advantage
+        )  # fmt: skip
+        assert record["trained"] == trainable, f"step {step}: trained {record['trained']} != trainable {trainable}"
+    trained_steps = sum(1 for r in st["ledger"] if r["trained"])
+    assert adam_steps(out) == trained_steps, "the optimizer state was not carried over the restart"
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(steps))
+    assert not (out / "checkpoint.tmp").exists() and not (out / "checkpoint.old").exists()
+    return st

@@ -1,0 +1,124 @@
+"""The cell schedulers end to end: a real `mpirun` job (controller + 3 cells, each with its own engine and
+Megatron replica) through the real CLI, for async, elastic and colocate_cells, the last with a satellite
+and an engine killed on purpose. Uses the default warm start (cached under ~/.cache/gyre; built on the
+first run); about a minute per run on 2 busy cores."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import CELL_WORKLOAD
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+ROOT = Path(__file__).resolve().parents[1]
+WORKLOAD = [*CELL_WORKLOAD, "train.micro_batch_tokens=1536"]  # a few micro-batches per group: work to spread
+
+
+def run(tmp_path: Path, scheduler: str, *extra: str) -> tuple[Path, list[dict], dict]:
+    out = tmp_path / scheduler
+    args = [f"scheduler={scheduler}", *WORKLOAD, *extra, f"output_dir={out}", f"hydra.run.dir={tmp_path / 'hydra'}"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.run", *args], cwd=ROOT, capture_output=True, text=True, timeout=800
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return out, rows, json.loads((out / "summary.json").read_text())
+
+
+def check_common(out: Path, rows: list[dict], summary: dict, max_lag: int) -> list[dict]:
+    steps = [r for r in rows if r["event"] == "step"]
+    assert [r["step"] for r in steps] == [0, 1] and summary["steps"] == 2
+    assert len(list((out / "shards").glob("step*-group*.h5"))) == 4  # one shard per group
+    assert (out / "checkpoint" / "trainer.pt").stat().st_size > 0
+    assert (out / "timeline.png").stat().st_size > 1000 and (out / "learning_curve.png").exists()
+    for r in steps:
+        assert r["n_rollouts"] == 16 and r["wall_s"] > 0 and r["behaviour_lag_max"] <= max_lag
+        assert sum(r["contributors"].values()) == r["micro_batches"]  # each micro-batch reduced exactly once
+    calls = [json.loads(line) for line in (out / "calls.jsonl").read_text().splitlines()]
+    assert calls and all(c["weight_version"] in ("0", "1") for c in calls)  # every call carries its version
+    assert summary["continued_recomputed_tokens"] == 0  # rerouted calls recomputed nothing
+    return steps
+
+
+def switches(rows: list[dict], direction: str) -> list[dict]:
+    return [r for r in rows if r["event"] == "switch" and r["direction"] == direction and not r["initial"]]
+
+
+@pytest.mark.parametrize("scheduler", ["async", "elastic"])
+def test_scheduler_runs_as_an_mpi_job_of_cells(tmp_path: Path, scheduler: str) -> None:
+    out, rows, summary = run(tmp_path, scheduler)
+    check_common(out, rows, summary, max_lag=1)
+    cells = json.loads((out / "cells.json").read_text())
+    assert [c["cell"] for c in cells] == [0, 1, 2] and len({c["engine_url"] for c in cells}) == 3
+    assert all(c["cpus"] for c in cells)
+    to_train, to_rollout = switches(rows, "rollout->train"), switches(rows, "train->rollout")
+    if scheduler == "async":  # a static split: the core trains, the satellites serve, nobody moves
+        assert not to_train and not to_rollout
+        assert [(r["cell"], r["direction"]) for r in rows if r["event"] == "switch"] == [(0, "rollout->train")]
+    else:  # the core first; a release leaves capacity for every active session, or gives waiting training the core
+        assert to_train[0]["cell"] == 0
+        for r in to_train:
+            if r["reason"] == "surplus":
+                assert r["serving_after"] * 4 >= r["level"]  # sched.capacity_per_cell=4
+            else:
+                assert (r["reason"], r["cell"], r["together"]) == ("training_waits", 0, 1)
+        assert all(r["latency_s"] > 0 for r in to_train + to_rollout)
+        assert summary["switch_median_s"]["rollout->train"] > 0
+
+
+def test_colocate_cells_survive_a_killed_satellite_and_a_killed_engine(tmp_path: Path) -> None:
+    faults = "sched.faults=[kill_engine:1:after_calls:6,kill_cell:2:after_micro_batches:1]"
+    # small micro-batches: even a step with few trainable rollouts has one for every cell, the victim included
+    out, rows, summary = run(tmp_path, "colocate_cells", faults, "train.micro_batch_tokens=512")
+    steps = check_common(out, rows, summary, max_lag=0)
+    # every living cell switches, all together, both ways
+    to_train, to_rollout = switches(rows, "rollout->train"), switches(rows, "train->rollout")
+    assert len(to_train) >= 5 and len(to_rollout) >= 2 and all(r["latency_s"] > 0 for r in to_train + to_rollout)
+    assert {r["together"] for r in to_train[:3]} == {3}
+    # the engine died mid-request: the proxy rerouted, the cell started another, no harness failed
+    assert {r["cell"] for r in rows if r["event"] == "engine_died"} == {1}
+    assert all(r["n_excluded"] == 0 for r in steps)
+    # the satellite died mid-step: its micro-batches were trained again elsewhere, each counted once
+    assert summary["dead_cells"] == [2]
+    assert sorted(f["fault"] for f in summary["faults"]) == ["kill_cell", "kill_engine"]
+    (died,) = [r for r in rows if r["event"] == "cell_died"]
+    assert died["cell"] == 2 and died["requeued_micro_batches"] >= 1
+    assert sum(r["mb_reassigned"] for r in steps) >= 1
+    assert all("2" not in r["contributors"] for r in steps)
+
+
+def test_stopped_cell_job_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    """SIGTERM to `launch.run` mid-run: rank 0 checkpoints the completed steps, the job exits 75; the same
+    command resumes there and finishes, every step trained once."""
+    out = tmp_path / "elastic"
+    args = ["scheduler=elastic", *WORKLOAD, "steps=3", "tasks.tool_time_s=0.5", f"output_dir={out}"]
+    args += [f"hydra.run.dir={tmp_path / 'hydra'}"]
+    cmd = [sys.executable, "-m", "launch.run", *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while '"event": "step"' not in (
+            (out / "metrics.jsonl").read_text() if (out / "metrics.jsonl").exists() else ""
+        ):
+            assert proc.poll() is None and time.monotonic() < deadline, "no step completed"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        first, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 75, first[-3000:]
+    stopped = json.loads((out / "checkpoint" / "state.json").read_text())
+    assert 1 <= stopped["next_step"] < 3 and json.loads((out / "summary.json").read_text())["stopped_by"] == "SIGUSR2"
+    second = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=800)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert f"resuming {out} from {out / 'checkpoint'} at step {stopped['next_step']} of 3" in second.stdout
+    final = json.loads((out / "checkpoint" / "state.json").read_text())
+    assert [r["step"] for r in final["ledger"]] == [0, 1, 2] and len(final["starts"]) == 2
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["event"] == "step"] == [0, 1, 2]

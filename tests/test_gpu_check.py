@@ -1,0 +1,53 @@
+"""tools/gpu_check.py: every section exercised on CPU with a tiny Qwen3 (CI), and the real run on a GPU."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SECTIONS = ("environment", "generation", "trainer", "weight_sync", "role_switch", "tree_vs_expanded",
+            "tree_path_agreement")  # fmt: skip
+
+
+def run_check(out: Path, *flags: str, timeout: int) -> dict:
+    proc = subprocess.run([sys.executable, "tools/gpu_check.py", "--out", str(out), *flags], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert proc.returncode == 0 and report["ok"], json.dumps(report["errors"], indent=1)[-6000:]
+    return report
+
+
+def check_figures(figures: dict) -> None:
+    assert all(s in figures for s in SECTIONS)
+    gen = figures["generation"]
+    assert gen["proxy_completion_tokens"] > 0 and gen["proxy_tokens_per_s"] > 0 and gen["direct_tokens_per_s"] > 0
+    sw = figures["role_switch"]
+    assert 0 < sw["rollout_to_train_s"] and 0 < sw["train_to_rollout_s"] and sw["weight_load_s"] > 0
+    assert figures["weight_sync"]["engine_load_s"] > 0
+    for k in ("k5", "unbounded"):
+        tree = figures["tree_vs_expanded"][k]
+        assert tree["expanded_tokens"] >= tree["tree_tokens"] > 0 and tree["tree_fwd_bwd_s"] > 0
+    agree = figures["tree_path_agreement"]
+    assert agree["paths"] >= 2 and agree["tokens_compared"] > 0
+    assert agree["max_abs_logprob_diff"] < 1e-3  # fp32 trainer: tree-packed equals path by path
+
+
+@pytest.mark.integration
+def test_tiny_gpu_check_runs_every_section_on_cpu(tmp_path):
+    report = run_check(tmp_path / "tiny.json", "--tiny", timeout=600)
+    check_figures(report["figures"])
+    assert report["figures"]["environment"]["plan"]["device"] == "cpu"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_check_on_a_gpu_finishes_inside_ten_minutes(tmp_path):
+    report = run_check(tmp_path / "gpu.json", timeout=600)
+    check_figures(report["figures"])
+    assert report["figures"]["total_s"] < 600
+    assert report["figures"]["trainer"]["device"] == "cuda"

@@ -1,0 +1,241 @@
+"""Preemption-safe resume: checkpoint atomicity, moving unfinished steps aside, the stop signal, and the
+main job stopped by SIGTERM mid-run and started again on the same output_dir."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from resume_job import ROOT, STEPS, adam_steps, assert_each_rollout_once, in_flight_after_trained_step, state, tiny_args
+from resume_job import wait_until as wait_for
+
+from gyre.config.load import compose
+from gyre.config.schema import ModelConfig, TrainConfig
+from gyre.resume.checkpoint import load_checkpoint, save_checkpoint
+from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionGuard
+from gyre.resume.recovery import ResumeError, prepare_resume
+from gyre.resume.state import RunState, find_checkpoint, write_state
+from gyre.train.megatron_trainer import MegatronTrainer
+from launch.slurm.sbatch import render_main_job_sbatch
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def _trainer() -> MegatronTrainer:
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                      ffn_hidden_size=64)  # fmt: skip
+    return MegatronTrainer(cfg, TrainConfig(num_threads=1))
+
+
+def _train_once(trainer: MegatronTrainer) -> None:
+    batch = SimpleNamespace(tokens=torch.randint(1, 64, (2, 12)))
+    trainer.train_step([batch], lambda logp, mb: (-logp.mean(), {}))
+
+
+def _draws() -> tuple:
+    return random.random(), float(np.random.rand()), float(torch.rand(1))
+
+
+@pytest.mark.unit
+def test_checkpoint_round_trip_restores_weights_optimizer_state_and_rng(tmp_path):
+    torch.manual_seed(0)
+    trainer = _trainer()
+    _train_once(trainer)
+    run = RunState()
+    run.begin()
+    run.record_step(0, ["s0-g0-r0", "s0-g0-r1"], ["s0-g0-r1"], ["step00000-group0000.h5"])
+    save_checkpoint(tmp_path, run, trainer)
+    expected_draws = _draws()
+    _train_once(trainer)  # moves on after the checkpoint
+
+    restored = _trainer()
+    loaded = load_checkpoint(find_checkpoint(tmp_path), restored)
+    assert _draws() == expected_draws
+    assert loaded.next_step == 1 and loaded.weight_version == 1 and loaded.ledger[0].trained == ["s0-g0-r1"]
+    assert restored.step == 1 and adam_steps(tmp_path) == 1
+    assert {int(s["step"]) for s in restored.optimizer.state_dict()["state"].values()} == {1}
+    torch.manual_seed(0)
+    reference = _trainer()
+    _train_once(reference)
+    for (name, a), b in zip(reference.model.state_dict().items(), restored.model.state_dict().values(), strict=True):
+        if torch.is_tensor(a):
+            assert torch.equal(a, b), name
+
+
+@pytest.mark.unit
+def test_a_crash_between_the_renames_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    trainer = _trainer()
+    first = RunState(next_step=3, weight_version=3)
+    save_checkpoint(tmp_path, first, trainer)
+    real_rename = os.rename
+
+    def crash_on_publish(src, dst):
+        if str(src).endswith("checkpoint.tmp"):
+            raise OSError("simulated crash")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", crash_on_publish)
+    with pytest.raises(OSError, match="simulated"):
+        save_checkpoint(tmp_path, RunState(next_step=4, weight_version=4), trainer)
+    assert not (tmp_path / "checkpoint").exists()
+    assert find_checkpoint(tmp_path) == tmp_path / "checkpoint.old"
+    assert prepare_resume(tmp_path, "must", log=lambda _: None).state.next_step == 3
+    monkeypatch.setattr(os, "rename", real_rename)
+    save_checkpoint(tmp_path, RunState(next_step=4, weight_version=4), trainer)
+    assert find_checkpoint(tmp_path) == tmp_path / "checkpoint"
+    assert not (tmp_path / "checkpoint.old").exists() and not (tmp_path / "checkpoint.tmp").exists()
+
+
+def _jsonl(path: Path, rows: list) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _run_dir_stopped_in_step_2(out: Path) -> None:
+    """What a run stopped during step 2 leaves: checkpoint at step 2, plus step 2's partial outputs."""
+    (out / "checkpoint").mkdir(parents=True)
+    write_state(out / "checkpoint", RunState(next_step=2, weight_version=2))
+    (out / "shards").mkdir()
+    for name in ("step00000-group0000.h5", "step00001-group0000.h5", "step00002-group0000.h5",
+                 ".step00002-group0001.h5.77.deadbeef.tmp"):  # fmt: skip
+        (out / "shards" / name).write_bytes(b"x")
+    (out / "rollouts" / "step0002" / "s2-g0-r0").mkdir(parents=True)
+    _jsonl(out / "metrics.jsonl", [{"step": 0}, {"step": 1}, {"step": 2}])
+    _jsonl(out / "calls.jsonl", [{"rollout_id": f"s{s}-g0-r0", "call_id": s} for s in (0, 1, 2, 2)])
+    with (out / "calls.jsonl").open("a") as f:
+        f.write('{"rollout_id": "s2-g0-r1", "inp')  # cut short by the stop
+
+
+@pytest.mark.unit
+def test_outputs_of_unfinished_steps_are_moved_aside_not_deleted(tmp_path):
+    _run_dir_stopped_in_step_2(tmp_path)
+    logs = []
+    point = prepare_resume(tmp_path, "auto", log=logs.append)
+    assert point.checkpoint == tmp_path / "checkpoint" and point.state.next_step == 2
+    assert [r["step"] for r in point.metrics_rows] == [0, 1]
+    assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == [
+        "step00000-group0000.h5",
+        "step00001-group0000.h5",
+    ]
+    assert [json.loads(x)["rollout_id"] for x in (tmp_path / "calls.jsonl").read_text().splitlines()] == [
+        "s0-g0-r0",
+        "s1-g0-r0",
+    ]
+    aside = point.set_aside
+    assert aside is not None and aside.parent == tmp_path / "preempted" and "aside" in logs[0]
+    assert sorted(p.name for p in (aside / "shards").iterdir()) == [
+        ".step00002-group0001.h5.77.deadbeef.tmp",
+        "step00002-group0000.h5",
+    ]
+    assert (aside / "rollouts" / "step0002" / "s2-g0-r0").is_dir() and not (tmp_path / "rollouts" / "step0002").exists()
+    assert len((aside / "calls.jsonl").read_text().splitlines()) == 3 and (aside / "metrics.jsonl").exists()
+    manifest = json.loads((aside / "manifest.json").read_text())
+    assert manifest["first_step"] == 2 and manifest["moved"]["call-log lines"] == 3
+
+
+@pytest.mark.unit
+def test_resume_modes(tmp_path):
+    with pytest.raises(ResumeError, match="resume=must"):
+        prepare_resume(tmp_path / "fresh", "must")
+    with pytest.raises(ResumeError, match="auto, never, must"):
+        prepare_resume(tmp_path, "sometimes")
+    assert prepare_resume(tmp_path / "fresh", "auto").checkpoint is None
+    _run_dir_stopped_in_step_2(tmp_path / "old")
+    point = prepare_resume(tmp_path / "old", "never", log=lambda _: None)
+    assert point.checkpoint is None and point.state.next_step == 0 and point.metrics_rows == []
+    assert not (tmp_path / "old" / "checkpoint").exists() and (point.set_aside / "checkpoint" / "state.json").exists()
+    assert not list((tmp_path / "old" / "shards").iterdir())
+
+
+@pytest.mark.unit
+def test_a_step_is_recorded_once_and_in_order():
+    run = RunState()
+    run.begin({"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "1"})
+    assert run.starts[0]["slurm_job_id"] == "42" and run.starts[0]["slurm_restart_count"] == "1"
+    run.record_step(0, ["s0-g0-r0"], [], [])
+    with pytest.raises(RuntimeError, match="expected step 1"):
+        run.record_step(0, ["s0-g0-r0"], [], [])
+    with pytest.raises(RuntimeError, match="twice"):
+        run.record_step(1, ["s1-g0-r0", "s1-g0-r0"], [], [])
+
+
+@pytest.fixture
+def restore_signal_handlers():
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+@pytest.mark.unit
+def test_a_stop_signal_waits_for_a_deferred_section_and_cuts_anything_else(restore_signal_handlers):
+    guard = PreemptionGuard().install()
+    with guard.deferred():
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.01)
+        finished = True
+    assert finished and guard.requested and guard.signal_name == "SIGUSR1"
+    with pytest.raises(Preempted):
+        guard.raise_if_requested()
+    fresh = PreemptionGuard().install()
+    with pytest.raises(Preempted, match="SIGTERM"):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)
+    os.kill(os.getpid(), signal.SIGTERM)  # a second signal (Slurm's, then the batch shell's) is ignored
+    time.sleep(0.01)
+    assert fresh.signal_name == "SIGTERM" and not fresh.section_failed
+
+
+@pytest.mark.unit
+def test_main_job_sbatch_matches_golden():
+    cfg = compose(["cluster=slurm_cpu", "cluster.workdir=/shared/gyre"])
+    text = render_main_job_sbatch(cfg, ["python", "-m", "launch.run", "output_dir=/shared/runs/r1"], "/shared/runs/r1")
+    path = GOLDEN / "main_job.sbatch"
+    if os.environ.get("GYRE_UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert text == path.read_text(), "main_job.sbatch changed; if intended, regenerate with GYRE_UPDATE_GOLDEN=1"
+
+
+@pytest.mark.integration
+def test_main_job_stopped_by_sigterm_resumes_where_it_stopped(tmp_path, tmp_path_factory):
+    out = tmp_path / "run"
+    cache = tmp_path_factory.getbasetemp() / "resume-warm-start"
+    args = tiny_args(cache, out, tmp_path / "hydra", "checkpoint_every=0")  # only the stop writes a checkpoint
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    log1 = tmp_path / "first.log"
+    with log1.open("w") as f:
+        first = subprocess.Popen([sys.executable, "-m", "launch.run", *args], cwd=ROOT, stdout=f, stderr=f, env=env)
+    try:
+        stopped_in = wait_for("rollouts after a trained step", lambda: in_flight_after_trained_step(out), 300,
+                              lambda: first.poll() is None)  # fmt: skip
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=60) == PREEMPTED_EXIT_CODE, log1.read_text()[-3000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+    text = log1.read_text()
+    assert "SIGTERM received: checkpointing and stopping now" in text, text[-3000:]
+    assert f"stopped by SIGTERM before step {stopped_in}" in text
+    st = state(out)
+    assert st["next_step"] == stopped_in and [r["step"] for r in st["ledger"]] == list(range(stopped_in))
+    trained_before = sum(1 for r in st["ledger"] if r["trained"])
+    assert trained_before >= 1 and adam_steps(out) == trained_before
+
+    again = subprocess.run([sys.executable, "-m", "launch.run", *args], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300, env=env)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resuming {out} from {out / 'checkpoint'} at step {stopped_in} of {STEPS}" in again.stdout, again.stdout
+    assert f"moved outputs of unfinished steps >= {stopped_in} aside" in again.stdout
+    final = assert_each_rollout_once(out)
+    assert [r["start"] for r in final["ledger"]] == [0] * stopped_in + [1] * (STEPS - stopped_in)
+    assert [s["from_step"] for s in final["starts"]] == [0, stopped_in]
+    (aside,) = (out / "preempted").iterdir()
+    abandoned = {json.loads(line)["rollout_id"] for line in (aside / "calls.jsonl").read_text().splitlines()}
+    assert abandoned and all(rid.startswith(f"s{stopped_in}-") for rid in abandoned)

@@ -1,0 +1,168 @@
+"""The scheduler policy (colocate, async, elastic in one pure function) and the micro-batch ledger."""
+
+from __future__ import annotations
+
+import pytest
+
+from gyre.comm.messages import MicroBatchRef
+from gyre.sched.ledger import LedgerError, MicroBatchLedger
+from gyre.sched.policy import (
+    CellState,
+    Load,
+    PolicyConfig,
+    Switch,
+    decide,
+    initial_roles,
+    may_start,
+    session_capacity,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def cells(*roles: str, busy: tuple[int, ...] = (), dead: tuple[int, ...] = ()) -> list[CellState]:
+    return [CellState(i, r, i in busy, i not in dead) for i, r in enumerate(roles)]  # type: ignore[arg-type]
+
+
+ELASTIC = PolicyConfig("elastic", n_cells=3, capacity=4, staleness=1)
+
+
+def test_elastic_releases_cells_only_when_the_rest_can_serve_every_session_core_first() -> None:
+    three = cells("rollout", "rollout", "rollout")
+    assert decide(ELASTIC, three, Load(queued=1, running=11)) == []  # 12 sessions need all 3 cells
+    assert decide(ELASTIC, three, Load(running=9)) == []  # 9 > 2 cells x 4
+    assert decide(ELASTIC, three, Load(running=8)) == [Switch(0, "train")]  # 2 cells serve 8: the core goes
+    assert decide(ELASTIC, three, Load(running=3)) == [Switch(0, "train"), Switch(1, "train")]
+    assert decide(ELASTIC, three, Load()) == [Switch(0, "train"), Switch(1, "train"), Switch(2, "train")]
+    # the core already trains: the next release is the lowest satellite
+    assert decide(ELASTIC, cells("train", "rollout", "rollout"), Load(running=2)) == [Switch(1, "train")]
+
+
+def test_elastic_brings_idle_cells_back_when_sessions_queue_satellites_first() -> None:
+    two_train = cells("train", "train", "rollout")
+    assert decide(ELASTIC, two_train, Load(running=4)) == []  # full but nothing waits
+    assert decide(ELASTIC, two_train, Load(queued=1, running=4)) == [Switch(1, "rollout")]
+    assert decide(ELASTIC, two_train, Load(queued=9, running=4)) == [Switch(1, "rollout"), Switch(0, "rollout")]
+    # a cell with micro-batches in flight stays in training
+    busy = cells("train", "train", "rollout", busy=(1,))
+    assert decide(ELASTIC, busy, Load(queued=9, running=4)) == [Switch(0, "rollout")]
+    assert decide(ELASTIC, cells("train", "train", "rollout", busy=(0, 1)), Load(queued=9, running=4)) == []
+
+
+def test_dead_cells_neither_serve_nor_count() -> None:
+    state = cells("rollout", "rollout", "rollout", dead=(2,))
+    assert session_capacity(ELASTIC, state) == 8
+    assert decide(ELASTIC, state, Load(running=8)) == []
+    assert decide(ELASTIC, cells("train", "train", "train", dead=(2,)), Load(queued=5)) == [
+        Switch(1, "rollout"),
+        Switch(0, "rollout"),
+    ]
+
+
+def test_colocate_moves_every_cell_together() -> None:
+    p = PolicyConfig("colocate_cells", n_cells=3, capacity=4, staleness=1)
+    assert initial_roles(p) == ("rollout", "rollout", "rollout")
+    assert decide(p, cells("rollout", "rollout", "rollout"), Load(running=1)) == []
+    assert decide(p, cells("rollout", "rollout", "rollout"), Load()) == [Switch(i, "train") for i in range(3)]
+    assert decide(p, cells("train", "train", "train"), Load(queued=12)) == [Switch(i, "rollout") for i in range(3)]
+    assert decide(p, cells("train", "train", "train", busy=(0,)), Load(queued=1)) == [
+        Switch(1, "rollout"),
+        Switch(2, "rollout"),
+    ]
+    assert p.max_lag == 0 and not may_start(p, 1, 0) and may_start(p, 1, 1)
+
+
+def test_async_is_a_static_split_one_step_off_policy() -> None:
+    p = PolicyConfig("async", n_cells=3, capacity=4, staleness=1)
+    assert initial_roles(p) == ("train", "rollout", "rollout")
+    assert initial_roles(PolicyConfig("async", 4, 4, 1, rollout_cells=1)) == ("train", "rollout", "train", "train")
+    assert decide(p, cells("train", "rollout", "rollout"), Load(queued=50)) == []
+    assert decide(p, cells("train", "rollout", "rollout"), Load()) == []
+    assert may_start(p, 1, 0) and not may_start(p, 2, 0) and may_start(ELASTIC, 3, 2)
+
+
+def test_policy_config_errors_say_what_to_change() -> None:
+    with pytest.raises(ValueError, match="colocate_cells, async, elastic"):
+        PolicyConfig("ray", 3, 4, 1)
+    with pytest.raises(ValueError, match="async_rollout_cells=3"):
+        PolicyConfig("async", 3, 4, 1, rollout_cells=3)
+    with pytest.raises(ValueError, match="capacity_per_cell"):
+        PolicyConfig("elastic", 3, 0, 1)
+
+
+def ref(i: int, tokens: int = 10, shard: str = "a.h5") -> MicroBatchRef:
+    return MicroBatchRef(shard, i, tokens)
+
+
+def test_ledger_hands_out_largest_first_and_closes_a_step_once_all_are_done() -> None:
+    book = MicroBatchLedger()
+    book.add(0, [ref(0, 5), ref(1, 50), ref(2, 20)])
+    book.add(1, [ref(0, 99, "b.h5")])
+    assert book.take(0, cell=1) == ref(1, 50) and book.take(0, cell=2) == ref(2, 20)
+    assert book.in_flight(1) == 1 and book.open_work(0) == 3 and book.pending(0) == 1
+    book.done(1, ref(1, 50))
+    with pytest.raises(LedgerError, match="done, but it is assigned on cell 2"):
+        book.done(1, ref(2, 20))
+    with pytest.raises(LedgerError, match="not done"):
+        book.close_step(0)
+    book.done(2, ref(2, 20))
+    assert book.take(0, cell=1) == ref(0, 5)
+    book.done(1, ref(0, 5))
+    assert book.take(0, cell=1) is None
+    assert book.close_step(0) == {1: 2, 2: 1}
+    assert book.total(0) == 0 and book.total(1) == 1
+    with pytest.raises(LedgerError, match="added twice"):
+        book.add(1, [ref(0, 1, "b.h5")])
+
+
+def test_ledger_requeues_everything_a_dead_cell_trained_in_open_steps() -> None:
+    book = MicroBatchLedger()
+    book.add(0, [ref(i, 10 + i) for i in range(4)])
+    a, b, c = book.take(0, 1), book.take(0, 2), book.take(0, 2)
+    book.done(2, b)
+    book.done(1, a)
+    assert sorted(r.index for r in book.fail_cell(2)) == sorted([b.index, c.index])  # done and in flight
+    assert book.reassigned[0] == 2 and book.contributors(0) == {1: 1} and book.pending(0) == 3
+    while (r := book.take(0, 1)) is not None:
+        book.done(1, r)
+    assert book.close_step(0) == {1: 4}  # every micro-batch exactly once, all from the survivor
+
+
+def test_cpu_plan_shares_cpus_among_cells_the_same_way_for_every_scheduler() -> None:
+    from gyre.sched.affinity import cpu_plan, parse_cpu_list
+
+    assert parse_cpu_list("0-2,5") == {0, 1, 2, 5}
+    assert cpu_plan(4, [0, 1]) == [{0, 1}, {0}, {1}, {0}]  # 2 CPUs, 3 cells: cells 1 and 3 share CPU 0
+    assert cpu_plan(3, [0, 1, 2, 3], ["0", "1-2", "3"]) == [{0}, {1, 2}, {3}]
+    with pytest.raises(ValueError, match="one per rank"):
+        cpu_plan(4, [0, 1], ["0", "1"])
+    with pytest.raises(ValueError, match="CPUs \\[7\\]"):
+        cpu_plan(2, [0, 1], ["0", "7"])
+    with pytest.raises(ValueError, match="not N or N-M"):
+        parse_cpu_list("a-b")
+
+
+def test_fault_specs_are_checked() -> None:
+    from gyre.sched.faults import FaultInjector, parse_faults
+
+    (f,) = parse_faults(["kill_cell:2:after_micro_batches:3"])
+    assert (f.kind, f.cell, f.n) == ("kill_cell", 2, 3)
+    with pytest.raises(ValueError, match="kill_engine:<cell>:after_calls:<n>"):
+        parse_faults(["kill_engine:1:after_micro_batches:3"])
+    with pytest.raises(ValueError, match="core"):
+        FaultInjector(["kill_cell:0:after_micro_batches:1"], 3)
+    with pytest.raises(ValueError, match="cells are 0..2"):
+        FaultInjector(["kill_engine:5:after_calls:1"], 3)
+
+
+def test_elastic_gives_waiting_training_work_the_core_when_nobody_trains() -> None:
+    three = cells("rollout", "rollout", "rollout")
+    (release,) = decide(ELASTIC, three, Load(queued=20, running=12, trainable=3))
+    assert release == Switch(0, "train") and release.reason == "training_waits"
+    # somebody already trains: the queue keeps the others serving, and the trainer stays while work waits
+    one_trains = cells("train", "rollout", "rollout")
+    assert decide(ELASTIC, one_trains, Load(queued=20, running=8, trainable=3)) == []
+    assert decide(ELASTIC, one_trains, Load(queued=20, running=8)) == [Switch(0, "rollout")]
+    # the surplus rule still comes first
+    surplus = decide(ELASTIC, three, Load(running=3, trainable=1))
+    assert surplus == [Switch(0, "train"), Switch(1, "train")] and {s.reason for s in surplus} == {"surplus"}

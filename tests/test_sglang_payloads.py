@@ -1,0 +1,323 @@
+"""Every request gyre's engine client sends, and every SGLang command line it builds, checked against
+SGLang's own definitions (`pip install --no-deps sglang`, loaded by tests/sglang_io.py).
+
+Payloads are captured off the wire from the real EngineClient by a recording server on loopback, then
+parsed as SGLang's FastAPI server parses them (pydantic over the io_struct classes), and more strictly:
+a key the class lacks fails here, where SGLang would silently drop it.
+"""
+
+import asyncio
+import dataclasses
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from aiohttp import web
+from pydantic import TypeAdapter
+from sglang_io import light_common, load_io_struct, load_sampling_params, server_args_parser, sglang_version
+
+from gyre.config.schema import EngineConfig, ModelConfig
+from gyre.config.validate import ConfigValueError
+from gyre.engine.client import EngineClient, SamplingParams
+from gyre.engine.sglang_backend import free_port, sglang_launch_command, sglang_server_args
+from gyre.engine.sglang_weights import (
+    broadcast_state,
+    distributed_metadata,
+    open_weight_update_group,
+    serialize_named_tensors,
+)
+from gyre.model.random_model import SHAPES, random_hf_state
+
+pytestmark = pytest.mark.unit
+SGLANG_VERSION = "0.5.23"  # keep in step with tools/setup_env.sh
+ROOT = Path(__file__).resolve().parents[1]
+
+# endpoint -> SGLang request class its FastAPI handler parses the body into (http_server.py)
+ENDPOINT_CLASS = {
+    "/generate": "GenerateReqInput",
+    "/abort_request": "AbortReq",
+    "/pause_generation": "PauseGenerationReqInput",
+    "/continue_generation": "ContinueGenerationReqInput",
+    "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
+    "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
+    "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
+    "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
+    "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+    "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
+    "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
+    "/update_weight_version": "UpdateWeightVersionReqInput",
+}
+NO_BODY = {"/flush_cache"}  # SGLang reads only a `timeout` query parameter there
+GET_ONLY = {"/health", "/health_generate", "/get_server_info", "/get_model_info"}
+
+
+def test_the_pinned_sglang_is_installed():
+    assert sglang_version() == SGLANG_VERSION
+    setup = (ROOT / "tools" / "setup_env.sh").read_text()
+    assert f"SGLANG_VERSION={SGLANG_VERSION}\n" in setup and '--no-deps "sglang==$SGLANG_VERSION"' in setup
+
+
+def _fields(cls: type) -> tuple[set[str], set[str]]:
+    """(all field names, required field names) of a msgspec Struct or a dataclass."""
+    if isinstance(cls, type) and issubclass(cls, msgspec.Struct):
+        fields = msgspec.structs.fields(cls)
+        required = {f.name for f in fields if f.required}
+        return {f.name for f in fields}, required
+    fields = dataclasses.fields(cls)
+    required = {f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    return {f.name for f in fields}, required
+
+
+def parse_like_sglang(path: str, payload: dict) -> object:
+    """Parse a request body as SGLang's server does, after checking its keys exactly."""
+    cls = getattr(load_io_struct(), ENDPOINT_CLASS[path])
+    names, required = _fields(cls)
+    unknown = sorted(set(payload) - names)
+    assert not unknown, f"{path}: {unknown} are not fields of SGLang's {cls.__name__} (SGLang would drop them)"
+    missing = sorted(required - set(payload) - {"rid", "http_worker_ipc"})
+    assert not missing, f"{path}: required fields {missing} of {cls.__name__} are missing"
+    return TypeAdapter(cls).validate_json(json.dumps(payload))
+
+
+class Recorder:
+    """A loopback server that answers like SGLang and keeps each request's method, path and body."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, str, object]] = []
+
+    async def handle(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        self.requests.append((request.method, request.path, json.loads(raw) if raw.strip() else None))
+        if request.path == "/generate":
+            meta = {"id": "r", "finish_reason": {"type": "length", "length": 2}, "prompt_tokens": 3,
+                    "weight_version": "7", "output_token_logprobs": [[-0.5, 11, None], [-0.25, 12, None]]}  # fmt: skip
+            return web.json_response({"text": "", "output_ids": [11, 12], "meta_info": meta})
+        if request.path == "/get_server_info":
+            return web.json_response({"weight_version": "7"})
+        if request.path.startswith(("/update_weight", "/init_weights", "/destroy_weights")):
+            return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
+        return web.json_response({"status": "ok"}) if request.method == "POST" else web.Response(status=200)
+
+
+async def _drive_every_client_method(url: str) -> None:
+    client = EngineClient(url)
+    state = random_hf_state(SHAPES["qwen3-tiny"], seed=0, dtype=torch.bfloat16)
+    names, dtypes, shapes = distributed_metadata(state)
+    try:
+        res = await client.generate([1, 2, 3], SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=2,
+                                                              stop_token_ids=[2], seed=5), rid="call-1")  # fmt: skip
+        assert res.output_ids == [11, 12] and res.output_logprobs == [-0.5, -0.25] and res.weight_version == "7"
+        await client.generate([4, 5], SamplingParams())
+        await client.abort("call-1")
+        await client.abort(abort_all=True)
+        for mode in ("in_place", "retract", "abort"):
+            await client.pause_generation(mode)
+        await client.continue_generation()
+        await client.flush_cache()
+        await client.release_memory()
+        await client.release_memory(["kv_cache"])
+        await client.resume_memory(["weights"])
+        await client.resume_memory()
+        await client.update_weights_from_disk("/ckpt/v3", "3")
+        await client.update_weights_from_tensor(serialize_named_tensors(list(state.items())[:2], tp_size=2), "4")
+        await client.init_weights_update_group("10.0.0.1", 29600, rank_offset=1, world_size=3)
+        await client.update_weights_from_distributed(names, dtypes, shapes, "5")
+        await client.destroy_weights_update_group()
+        await client.update_weight_version("6")
+        assert await client.health() and await client.health_generate()
+        await client.server_info()
+        await client.model_info()
+    finally:
+        await client.close()
+
+
+@pytest.fixture(scope="module")
+def captured() -> list[tuple[str, str, object]]:
+    recorder = Recorder()
+
+    async def run() -> None:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", recorder.handle)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        host, port = runner.addresses[0][:2]
+        try:
+            await _drive_every_client_method(f"http://{host}:{port}")
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(run())
+    return recorder.requests
+
+
+def test_every_endpoint_the_client_uses_is_checked(captured):
+    paths = {path for _, path, _ in captured}
+    unchecked = paths - set(ENDPOINT_CLASS) - NO_BODY - GET_ONLY
+    assert not unchecked, f"the client calls {unchecked}; add them to ENDPOINT_CLASS with their SGLang class"
+    assert set(ENDPOINT_CLASS) <= paths, f"not exercised: {set(ENDPOINT_CLASS) - paths}"
+    for method, path, _ in captured:
+        assert (method == "GET") == (path in GET_ONLY), (method, path)
+
+
+def test_every_payload_parses_as_sglang_request(captured):
+    for _, path, payload in captured:
+        if path in ENDPOINT_CLASS:
+            parse_like_sglang(path, payload)
+        elif path in NO_BODY:
+            assert not payload, f"{path} takes no body in SGLang, the client sent {payload}"
+
+
+def test_generate_payload_normalizes_and_its_sampling_params_verify(captured):
+    io = load_io_struct()
+    SGLangSampling = load_sampling_params()
+    bodies = [p for _, path, p in captured if path == "/generate"]
+    for body in bodies:
+        obj = parse_like_sglang("/generate", body)
+        obj.normalize_batch_and_arguments()  # SGLang's own checks (input_ids vs text, batch shape, rid)
+        assert isinstance(obj, io.GenerateReqInput) and obj.return_logprob is True and obj.stream is False
+        params = SGLangSampling(**body["sampling_params"])  # unknown sampling keys raise TypeError
+        params.normalize(None)
+        params.verify(vocab_size=1000)
+    first = parse_like_sglang("/generate", bodies[0])
+    assert first.rid == "call-1" and first.input_ids == [1, 2, 3]
+    assert SGLangSampling(**bodies[0]["sampling_params"]).sampling_seed == 5
+
+
+def test_control_payloads_carry_the_intended_values(captured):
+    by_path: dict[str, list] = {}
+    for _, path, payload in captured:
+        if path in ENDPOINT_CLASS:
+            by_path.setdefault(path, []).append(parse_like_sglang(path, payload))
+    assert [p.mode for p in by_path["/pause_generation"]] == ["in_place", "retract", "abort"]
+    aborts = by_path["/abort_request"]
+    assert (aborts[0].rid, aborts[0].abort_all) == ("call-1", False) and aborts[1].abort_all is True
+    assert [r.tags for r in by_path["/release_memory_occupation"]] == [None, ["kv_cache"]]
+    assert [r.tags for r in by_path["/resume_memory_occupation"]] == [["weights"], None]
+    disk = by_path["/update_weights_from_disk"][0]
+    assert (disk.model_path, disk.weight_version, disk.abort_all_requests) == ("/ckpt/v3", "3", False)
+    tensor = by_path["/update_weights_from_tensor"][0]
+    assert tensor.weight_version == "4" and len(tensor.serialized_named_tensors) == 2  # one per TP rank
+    assert all(isinstance(b, bytes) for b in tensor.serialized_named_tensors)  # base64 decoded by SGLang's schema
+    group = by_path["/init_weights_update_group"][0]
+    assert (group.master_port, group.rank_offset, group.world_size, group.backend) == (29600, 1, 3, "nccl")
+    dist_req = by_path["/update_weights_from_distributed"][0]
+    assert dist_req.weight_version == "5" and dist_req.dtypes[0] == "bfloat16" and len(dist_req.names) > 10
+    assert by_path["/update_weight_version"][0].new_version == "6"
+    assert by_path["/update_weight_version"][0].abort_all_requests is False  # SGLang's default would abort all
+
+
+def test_unknown_or_missing_keys_are_caught():
+    with pytest.raises(AssertionError, match=r"\['mode_typo'\] are not fields"):
+        parse_like_sglang("/pause_generation", {"mode_typo": "in_place"})
+    with pytest.raises(AssertionError, match="required fields .*model_path"):
+        parse_like_sglang("/update_weights_from_disk", {"weight_version": "1"})
+    with pytest.raises(Exception, match="mode"):
+        parse_like_sglang("/pause_generation", {"mode": "sideways"})
+
+
+def test_tensor_payload_deserializes_with_sglangs_unpickler():
+    state = random_hf_state(SHAPES["qwen3-tiny"], seed=1, dtype=torch.bfloat16)
+    payloads = serialize_named_tensors(state.items(), tp_size=2)
+    common = light_common()
+    for payload in payloads:  # what each TP rank's scheduler does with its entry
+        named = common.MultiprocessingSerializer.deserialize(payload)
+        assert [n for n, _ in named] == list(state)
+        assert all(torch.equal(t, state[n]) and t.dtype == torch.bfloat16 for n, t in named)
+
+
+def test_distributed_update_interoperates_with_sglangs_group_join(tmp_path):
+    """Trainer rank 0 (gyre) and an engine rank (SGLang's init_custom_process_group, gloo on CPU)."""
+    state = random_hf_state(SHAPES["qwen3-tiny"], seed=2, dtype=torch.float32)
+    names, dtypes, shapes = distributed_metadata(state)
+    meta = tmp_path / "meta.json"
+    meta.write_text(json.dumps({"names": names, "dtypes": dtypes, "shapes": shapes}))
+    port = free_port()
+    engine_side = textwrap.dedent(f"""
+        import json, sys, torch
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from sglang_io import light_common
+        meta = json.load(open({str(meta)!r}))
+        group = light_common().init_custom_process_group(
+            backend="gloo", init_method="tcp://127.0.0.1:{port}", world_size=2, rank=1, group_name="weight_update_group")
+        total = 0.0
+        for name, dtype, shape in zip(meta["names"], meta["dtypes"], meta["shapes"]):
+            t = torch.empty(shape, dtype=getattr(torch, dtype))
+            torch.distributed.broadcast(t, src=0, group=group)
+            total += float(t.double().sum())
+        print(f"SUM {{total:.6f}}")
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", engine_side], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT)  # fmt: skip
+    try:
+        group = open_weight_update_group("127.0.0.1", port, world_size=2, backend="gloo", timeout_s=60)
+        broadcast_state(state, group)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    expected = sum(float(t.double().sum()) for t in state.values())
+    assert abs(float(out.split("SUM")[1]) - expected) < 1e-3
+
+
+# ----- server command lines -----
+
+SGLANG = EngineConfig(backend="sglang", tp_size=2, mem_fraction_static=0.7, dtype="bfloat16", port=30000,
+                      enable_hierarchical_cache=True, hicache_storage_backend="mooncake", chunked_prefill_size=4096,
+                      extra_args=["--schedule-policy", "lpm"])  # fmt: skip
+QWEN3 = SHAPES["qwen3-0.6b"]
+
+
+def test_server_args_parse_with_sglangs_own_parser():
+    argv = sglang_server_args("/models/qwen3", SGLANG, 30001, QWEN3, weight_version="12", served_model_name="policy")
+    parser = server_args_parser()
+    ns, unknown = parser.parse_known_args(argv)
+    assert not unknown, f"flags SGLang does not declare: {unknown}"
+    assert ns.model_path == "/models/qwen3" and ns.port == 30001 and ns.host == "127.0.0.1"
+    assert (ns.tp_size, ns.mem_fraction_static, ns.dtype, ns.load_format) == (2, 0.7, "bfloat16", "auto")
+    assert ns.enable_memory_saver and not ns.enable_weights_cpu_backup and ns.weight_version == "12"
+    assert ns.enable_hierarchical_cache and ns.hicache_storage_backend == "mooncake"
+    assert (ns.context_length, ns.max_running_requests, ns.chunked_prefill_size) == (4096, 64, 4096)
+    assert ns.served_model_name == "policy" and ns.schedule_policy == "lpm" and ns.random_seed == 0
+
+
+def test_every_config_switch_maps_to_a_declared_flag():
+    on = EngineConfig(backend="sglang", enable_weights_cpu_backup=True, disable_radix_cache=True,
+                      enable_memory_saver=False, load_format="dummy", dtype="auto", log_level="debug")  # fmt: skip
+    ns, unknown = server_args_parser().parse_known_args(sglang_server_args("/m", on, 1234))
+    assert not unknown and ns.enable_weights_cpu_backup and ns.disable_radix_cache and not ns.enable_memory_saver
+    assert ns.load_format == "dummy" and ns.log_level == "debug"
+    assert sglang_launch_command("/m", on, 1234)[:3] == ["python", "-m", "sglang.launch_server"]
+
+
+def test_server_args_reject_invalid_layouts_with_clear_errors():
+    with pytest.raises(ConfigValueError, match=r"engine.tp_size=3: does not divide model.num_attention_heads=16"):
+        sglang_server_args("/m", dataclasses.replace(SGLANG, tp_size=3), 1, QWEN3)
+    kv3 = dataclasses.replace(QWEN3, num_query_groups=4, num_attention_heads=12)
+    with pytest.raises(ConfigValueError, match="neither divides nor is a multiple of model.num_query_groups=4"):
+        sglang_server_args("/m", dataclasses.replace(SGLANG, tp_size=6), 1, kv3)
+    with pytest.raises(ValueError, match="engine.backend=sglang"):
+        sglang_server_args("/m", EngineConfig(), 1)
+    with pytest.raises(ConfigValueError, match="unknown engine backend"):
+        EngineConfig(backend="vllm")
+    with pytest.raises(ConfigValueError, match="mem_fraction_static"):
+        EngineConfig(backend="sglang", mem_fraction_static=1.5)
+    with pytest.raises(ConfigValueError, match="enable_hierarchical_cache"):
+        EngineConfig(backend="sglang", hicache_storage_backend="mooncake")
+    with pytest.raises(ConfigValueError, match="max_position_embeddings"):
+        sglang_server_args("/m", dataclasses.replace(SGLANG, max_context_tokens=8192), 1,
+                           ModelConfig(num_attention_heads=4, max_position_embeddings=4096))  # fmt: skip
+
+
+def test_engine_preset_composes():
+    from gyre.config.load import compose
+
+    cfg = compose(["engine=sglang"])
+    assert cfg.engine.backend == "sglang" and cfg.engine.enable_memory_saver
+    assert not server_args_parser().parse_known_args(sglang_server_args("/m", cfg.engine, 30000, cfg.model))[1]

@@ -1,0 +1,141 @@
+"""Real jobs on the local Slurm cluster of slurm/cluster.sh (3 nodes; started by tests/conftest.py)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import cloudpickle
+import pytest
+from conftest import start_slurm_cluster, stop_slurm_cluster
+from omegaconf import OmegaConf
+
+from gyre.config.load import compose
+from gyre.config.schema import RunConfig
+from launch.slurm.het_executor import ACTIVE, HetSlurmExecutor, het_job_state
+from launch.slurm.plan import plan_step
+from launch.slurm.sbatch import ScriptLayout, render_sbatch
+from launch.submit import main as submit_main
+
+pytestmark = pytest.mark.slurm
+ROOT = Path(__file__).resolve().parents[1]
+PROBE = [sys.executable, "-m", "gyre.sched.slurm_env"]
+LINE = re.compile(r"rank=(\d+) cell=(\d+) role=(\w+) local_rank=(\d+) .* node=(\w+)")
+
+
+def _cpu_cfg() -> RunConfig:
+    return compose(["cluster=slurm_cpu", f"cluster.python={sys.executable}", f"cluster.workdir={ROOT}"])
+
+
+def _wait_for_end(job_id: str, timeout_s: float = 60) -> str:
+    """The final state of a het job (`sbatch --wait` polls at growing intervals, seconds each)."""
+    deadline = time.monotonic() + timeout_s
+    while (state := het_job_state(job_id)) in ACTIVE and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return state
+
+
+def _ranks(text: str) -> list[tuple[int, int, str, str]]:
+    return [(int(m[1]), int(m[2]), m[3], m[5]) for m in LINE.finditer(text)]
+
+
+def test_het_job_across_three_nodes_gives_each_rank_its_cell(tmp_path):
+    cfg = _cpu_cfg()
+    script = tmp_path / "job.sbatch"
+    script.write_text(
+        render_sbatch(cfg, plan_step(cfg, PROBE), ScriptLayout(log_dir=str(tmp_path), config_path="(test)"))
+    )
+    proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    job = proc.stdout.strip().split(";")[0]
+    state = _wait_for_end(job)
+    assert state == "COMPLETED", state + "".join(p.read_text() for p in tmp_path.glob("*batch.out"))
+    ranks = sorted(r for p in tmp_path.glob(f"{job}_cells_*.out") for r in _ranks(p.read_text()))
+    # the controller (rank 0) and the core cell share component 0; then one rank per satellite
+    assert [r[:3] for r in ranks] == [(0, 0, "core"), (1, 0, "core"), (2, 1, "satellite"), (3, 2, "satellite")]
+    assert ranks[0][3] == ranks[1][3] and len({r[3] for r in ranks}) == 3  # one component per node
+
+
+def _where() -> tuple[int, int, str]:
+    from gyre.sched.slurm_env import cell_rank_from_env
+
+    rank = cell_rank_from_env(os.environ)
+    return rank.rank, rank.cell, rank.role
+
+
+def _fail() -> None:
+    raise ValueError("raised inside the het job")
+
+
+def test_submitit_handle_returns_every_control_task_result(tmp_path):
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the nodes cannot import this test module
+    executor = HetSlurmExecutor(tmp_path / "jobs", _cpu_cfg())
+    job = executor.submit(_where)
+    assert job.results() == [(0, 0, "core"), (1, 0, "core"), (2, 1, "satellite"), (3, 2, "satellite")]
+    assert "Job completed successfully" in (job.stderr() or "") + (job.stdout() or "")
+    assert _wait_for_end(job.job_id) == "COMPLETED"
+    failing = executor.submit(_fail)
+    with pytest.raises(Exception, match="raised inside the het job"):
+        failing.results()
+    with pytest.raises(ValueError, match="%j"):
+        HetSlurmExecutor(tmp_path / "%j", _cpu_cfg())
+
+
+def _sweep(app: str, sweep: Path, minutes: int, overrides: list[str], timeout_s: int) -> subprocess.CompletedProcess:
+    """`python -m <app> -m hydra/launcher=submitit_slurm ...` on the local cluster's batch partition."""
+    launcher = ["hydra/launcher=submitit_slurm", "hydra.launcher.partition=batch", "hydra.launcher.mem_gb=1"]
+    launcher += [f"hydra.launcher.timeout_min={minutes}", f"hydra.sweep.dir={sweep}"]
+    cmd = [sys.executable, "-m", app, "-m", *launcher, *overrides]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+
+
+def test_hydra_multirun_sweep_of_the_main_job_through_submitit_launcher(tmp_path):
+    """Two real runs of the embedded main job (one small RL step each), as a Slurm array."""
+    sweep = tmp_path / "sweep"
+    small = ["seed=1,2", "steps=1", "rl.groups_per_step=1", "rl.group_size=4", "harness.max_turns=2"]
+    proc = _sweep("launch.run", sweep, 10, small, 600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    runs = sorted(p.parent for p in sweep.glob("*/metrics.jsonl"))
+    assert [r.name for r in runs] == ["0", "1"]  # each run in its own output directory
+    seeds = []
+    for run in runs:
+        steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in steps if "reward_mean" in r] == [0]
+        assert (run / "checkpoint" / "trainer.pt").stat().st_size > 0
+        assert len(list((run / "shards").glob("step*-group*.h5"))) == 1
+        seeds.append(int(OmegaConf.load(run / "config.yaml").seed))
+    assert sorted(seeds) == [1, 2]
+
+
+def test_hydra_multirun_sweep_through_submitit_launcher(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = _sweep("launch.probe", sweep, 5, ["scheduler=elastic,colocate", "seed=3"], 120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/probe.json"))]
+    assert sorted(r["scheduler"] for r in reports) == ["colocate", "elastic"]
+    assert len({r["output_dir"] for r in reports}) == 2 and all(r["seed"] == 3 and r["slurm_job_id"] for r in reports)
+
+
+def test_unknown_partition_and_impossible_request_are_refused_with_a_hint(tmp_path):
+    with pytest.raises(SystemExit, match=r"cluster.core.partition='gpu'.*it has: batch, debug"):
+        submit_main(["--via", "sbatch", "--out", str(tmp_path), "cluster=slurm_cpu", "cluster.core.partition=gpu"])
+    with pytest.raises(SystemExit, match=r"cluster.satellites.0 asks for 1 node.*64 CPUs.*largest node has 4 CPUs"):
+        submit_main(
+            ["--via", "sbatch", "--out", str(tmp_path), "cluster=slurm_cpu", "cluster.satellites.0.cpus_per_node=64"]
+        )
+    queue = subprocess.run(["squeue", "-h"], capture_output=True, text=True, timeout=30)
+    assert queue.returncode == 0 and queue.stdout.strip() == ""  # nothing was submitted
+
+
+def test_het_job_on_a_single_node_cluster_is_refused_before_submitting(tmp_path, monkeypatch):
+    conf = start_slurm_cluster(nodes=1)
+    try:
+        monkeypatch.setenv("SLURM_CONF", str(conf))
+        with pytest.raises(SystemExit, match=r"needs 3 distinct nodes.*single node \(node1\)"):
+            submit_main(["--via", "sbatch", "--out", str(tmp_path), "cluster=slurm_cpu"])
+        assert subprocess.run(["squeue", "-h"], capture_output=True, text=True, timeout=30).stdout.strip() == ""
+    finally:
+        stop_slurm_cluster(conf)

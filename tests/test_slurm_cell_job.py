@@ -1,0 +1,105 @@
+"""The embedded RL run as a heterogeneous job on the local Slurm cluster (3 nodes; tests/conftest.py):
+`launch.submit` writes the script and submits it, plainly or through submitit; the cell job runs as
+one MPI world over the components (controller and core cell on node 1, a satellite on each other
+node), trains two steps and writes shards and a checkpoint. Uses the default warm start (cached
+under ~/.cache/gyre; built on the first run)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import pytest
+from conftest import CELL_WORKLOAD
+from resume_job import adam_steps, shard_ids_by_step, wait_until
+from slurm_jobs import job_active, wait_for_end
+
+from launch.slurm.het_executor import ACTIVE, HetSlurmJob, het_job_state
+from launch.submit import main as submit_main
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _wait_for_end(job_id: str, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while (state := het_job_state(job_id)) in ACTIVE and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return state
+
+
+@pytest.mark.parametrize("via", ["sbatch", "submitit"])
+def test_embedded_rl_run_as_a_het_job_across_three_nodes(tmp_path: Path, via: str, capsys) -> None:
+    out = tmp_path / "run"
+    args = ["--via", via, "--out", str(out), "cluster=slurm_cpu", f"cluster.python={sys.executable}"]
+    submit_main([*args, f"cluster.workdir={ROOT}", *CELL_WORKLOAD])
+    job_id = capsys.readouterr().out.split("submitted job ")[1].split(";")[0]
+    if via == "submitit":  # submitit's own handle: one result per task, rank 0's the run's summary
+        job = HetSlurmJob(folder=out / "slurm", job_id=job_id, tasks=range(4))
+        results = job.results()
+        assert results[0]["steps"] == 2 and results[1:] == [{"cell": 0}, {"cell": 1}, {"cell": 2}]
+    state = _wait_for_end(job_id, 600)
+    logs = "".join(p.read_text()[-3000:] for p in sorted((out / "slurm").glob("*.out")))
+    assert state == "COMPLETED", f"{state}\n{logs}"
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["dead_cells"] == []
+    cells = json.loads((out / "cells.json").read_text())
+    assert [c["cell"] for c in cells] == [0, 1, 2] and len({c["slurm_node"] for c in cells}) == 3
+    assert (out / "checkpoint" / "trainer.pt").stat().st_size > 0
+    shards = sorted((out / "shards").glob("step*-group*.h5"))
+    assert len(shards) == 4  # one per group
+    ids = []
+    for path in shards:
+        with h5py.File(path, "r") as f:
+            ids += [x.decode() if isinstance(x, bytes) else str(x) for x in f["rollouts"]["rollout_id"][:]]
+    assert len(ids) == 32 and len(set(ids)) == 32  # every rollout once
+
+
+def test_het_job_stopped_mid_run_resumes_from_its_checkpoint(tmp_path: Path, capsys) -> None:
+    """The time-limit signal (`--signal=B:TERM`, sent here with `scancel --batch`) mid-run: the script
+    passes it to the ranks, the controller checkpoints the completed steps and exits 75, the script
+    requeues the job, and the requeued job resumes there: every step once, every rollout once."""
+    out, steps = tmp_path / "run", 4
+    args = ["--via", "sbatch", "--out", str(out), "cluster=slurm_cpu", f"cluster.python={sys.executable}"]
+    args += [f"cluster.workdir={ROOT}", *CELL_WORKLOAD, f"steps={steps}", "tasks.tool_time_s=0.5"]
+    submit_main(args)
+    job = capsys.readouterr().out.split("submitted job ")[1].split(";")[0]
+    log = out / "slurm" / f"{job}_batch.out"
+    try:
+        wait_until("a completed step", lambda: completed_steps(out), 300, lambda: job_active(job))
+        subprocess.run(["scancel", "--batch", "--signal=TERM", job], check=True, timeout=30)
+        final_state = wait_for_end(job, 600)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True, timeout=30)
+    controller = (out / "slurm" / f"{job}_cells_0.out").read_text()
+    assert final_state == "COMPLETED", f"{final_state}\n{log.read_text()[-3000:]}\n{controller[-3000:]}"
+    assert "requeueing job" in log.read_text() and f"gyre: job {job} (restart 1)" in log.read_text()
+    assert "SIGUSR2: stopping at step" in controller
+    resumed = re.search(rf"resuming {re.escape(str(out))} from \S+ at step (\d+) of {steps}", controller)
+    assert resumed is not None and 1 <= int(resumed[1]) < steps, controller[-3000:]
+
+    st = json.loads((out / "checkpoint" / "state.json").read_text())
+    assert [r["step"] for r in st["ledger"]] == list(range(steps)), "a step missing or trained twice"
+    assert [r["start"] for r in st["ledger"]] == [0] * int(resumed[1]) + [1] * (steps - int(resumed[1]))
+    assert [s.get("slurm_restart_count", "0") for s in st["starts"]] == ["0", "1"]
+    stored = shard_ids_by_step(out)
+    for record in st["ledger"]:
+        step = record["step"]
+        expected = sorted(f"s{step}-g{g}-r{i}" for g in range(2) for i in range(8))
+        assert sorted(stored[step]) == expected == record["rollouts"], f"step {step}: rollouts lost or stored twice"
+        assert set(record["trained"]) <= set(record["rollouts"])
+    assert adam_steps(out) == sum(1 for r in st["ledger"] if r["trained"]), "optimizer state not carried over"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["event"] == "step"] == list(range(steps))
+
+
+def completed_steps(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    text = path.read_text() if path.exists() else ""
+    return sum(1 for line in text.splitlines() if '"event": "step"' in line)

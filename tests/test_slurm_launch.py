@@ -1,0 +1,168 @@
+"""The Slurm adapter without a cluster: golden sbatch text, layouts, preflight checks on parsed inventories."""
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from gyre.config.load import compose
+from gyre.config.schema import CellResources, RunConfig
+from launch.slurm.plan import LayoutError, cells, job_command, plan_step
+from launch.slurm.preflight import (
+    SlurmPreflightError,
+    check_request,
+    parse_inventory,
+    parse_mem_mb,
+    parse_time_s,
+    require_slurm,
+)
+from launch.submit import main as submit_main
+from launch.submit import plain_script
+
+pytestmark = pytest.mark.unit
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = Path(__file__).parent / "golden"
+
+
+@pytest.fixture(scope="module")
+def gpu_cfg() -> RunConfig:
+    return compose(["cluster=slurm_gpu"])
+
+
+def _golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("GYRE_UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert path.exists(), f"missing {path}; create it with GYRE_UPDATE_GOLDEN=1"
+    assert text == path.read_text(), f"{name} changed; if intended, regenerate with GYRE_UPDATE_GOLDEN=1"
+
+
+@pytest.mark.parametrize("preset", ["slurm_cpu", "slurm_gpu"])
+def test_generated_sbatch_matches_golden(preset):
+    cfg = compose([f"cluster={preset}", "cluster.workdir=/shared/gyre"])
+    _golden(f"{preset}.sbatch", plain_script(cfg, "/shared/runs/r1/config.yaml", "/shared/runs/r1/slurm"))
+
+
+def test_the_cell_job_is_one_mpi_world_over_every_component(gpu_cfg):
+    step = plan_step(gpu_cfg, job_command(gpu_cfg, "/runs/r1"))
+    assert step.argv == ("python", "-m", "mpi4py", "-m", "gyre.sched.job", "/runs/r1") and step.mpi == "pmix"
+    assert step.het_groups == (0, 1, 2) and [c.tasks for c in step.components] == [2, 1, 1]  # controller + core
+    assert "--gpus-per-node=8" in step.components[1].srun_args and "--cpus-per-task=48" in step.components[0].srun_args
+    script = plain_script(gpu_cfg, "/runs/r1/config.yaml", "/runs/r1/slurm")
+    assert script.count("\nsrun ") == 1 and script.count(" : --het-group=") == 2 and "GYRE_HET_TASKS=2,1,1" in script
+
+
+def test_layouts_the_cell_runtime_cannot_hold_fail_with_the_key_to_change(gpu_cfg):
+    cfg = copy.deepcopy(gpu_cfg)
+    cfg.engine.tp_size = 16
+    with pytest.raises(LayoutError, match="engine.tp_size=16 needs that many GPUs on one node.*cluster.core has"):
+        plan_step(cfg, ["x"])
+    cfg = copy.deepcopy(gpu_cfg)
+    cfg.train.pipeline_parallel = 2
+    with pytest.raises(LayoutError, match="train.tensor_parallel x train.pipeline_parallel = 2.*set both to 1"):
+        plan_step(cfg, ["x"])
+    cfg = copy.deepcopy(gpu_cfg)
+    cfg.cluster.satellites[1].nodes = 2
+    with pytest.raises(LayoutError, match="cluster.satellites.1.nodes=2: .* set cluster.satellites.1.nodes=1"):
+        plan_step(cfg, ["x"])
+
+
+def test_slurm_time_and_memory_syntax():
+    assert parse_time_s("30") == 1800 and parse_time_s("01:30") == 90 and parse_time_s("02:00:00") == 7200
+    assert parse_time_s("2-00:00:00") == 172800 and parse_time_s("1-12") == 129600 and parse_time_s("UNLIMITED") is None
+    assert parse_mem_mb("4000") == 4000 and parse_mem_mb("16G") == 16384 and parse_mem_mb("1T") == 1048576
+    with pytest.raises(SlurmPreflightError, match="16G"):
+        parse_mem_mb("lots")
+
+
+PARTITIONS = """\
+PartitionName=gpu AllowGroups=ALL Default=NO MaxNodes=4 MaxTime=2-00:00:00 State=UP TotalNodes=3
+PartitionName=cpu AllowGroups=ALL Default=YES MaxNodes=UNLIMITED MaxTime=UNLIMITED State=UP TotalNodes=1
+"""
+NODES = """\
+NodeName=g1 CPUTot=96 RealMemory=1000000 Gres=gpu:h100:8(S:0-1) State=IDLE Partitions=gpu OS=Linux 6.1 #1 SMP
+NodeName=g2 CPUTot=96 RealMemory=1000000 Gres=gpu:8 State=MIXED Partitions=gpu
+NodeName=g3 CPUTot=96 RealMemory=1000000 Gres=gpu:8 State=IDLE+DRAIN Partitions=gpu
+NodeName=c1 CPUTot=4 RealMemory=4000 Gres=(null) State=IDLE Partitions=cpu
+"""
+
+
+def _cells(cfg: RunConfig, **changes: object) -> list[CellResources]:
+    """The cells of a copy of cfg with `changes` ("core__nodes"-style keys) applied."""
+    result = copy.deepcopy(cells(cfg))
+    for key, value in changes.items():
+        cell, name = key.split("__")
+        setattr(result[0 if cell == "core" else int(cell[3:])], name, value)  # sat1 = cells[1]
+    return result
+
+
+def test_inventory_parsing():
+    inv = parse_inventory(PARTITIONS, NODES)
+    assert inv.partitions["gpu"].max_time_s == 172800 and inv.partitions["gpu"].max_nodes == 4
+    assert inv.partitions["cpu"].max_time_s is None and inv.partitions["cpu"].max_nodes is None
+    assert [(n.name, n.gpus) for n in inv.nodes_of("gpu")] == [("g1", 8), ("g2", 8)]  # g3 is draining
+
+
+def test_preflight_names_what_to_change(gpu_cfg):
+    inv = parse_inventory(PARTITIONS, NODES)
+    check_request(_cells(gpu_cfg)[:2], inv)
+    with pytest.raises(SlurmPreflightError, match="cluster.satellites.1.partition='gpux'.*it has: cpu, gpu"):
+        check_request(_cells(gpu_cfg, sat2__partition="gpux"), inv)
+    with pytest.raises(SlurmPreflightError, match="cluster.core asks for 1 node.*has 0 such node.*largest node has 96"):
+        check_request(_cells(gpu_cfg, core__cpus_per_node=128), inv)
+    with pytest.raises(SlurmPreflightError, match="exceeds the MaxTime"):
+        check_request(_cells(gpu_cfg, core__time="3-00:00:00"), inv)
+    with pytest.raises(SlurmPreflightError, match="needs 3 distinct nodes.*only 2 nodes fit"):
+        check_request(_cells(gpu_cfg), inv)
+
+
+def test_het_job_on_a_single_node_cluster_is_refused_before_submitting(gpu_cfg):
+    inv = parse_inventory(PARTITIONS, NODES)
+    small = {"nodes": 1, "cpus_per_node": 2, "gpus_per_node": 0, "mem": "", "partition": "cpu"}
+    changes = {f"{cell}__{k}": v for cell in ("core", "sat1", "sat2") for k, v in small.items()}
+    with pytest.raises(SlurmPreflightError, match=r"3 cells needs 3 distinct nodes.*single node \(c1\).*cluster=local"):
+        check_request(_cells(gpu_cfg, **changes), inv)
+
+
+def test_no_slurm_on_path():
+    with pytest.raises(SlurmPreflightError, match="no Slurm on the PATH.*cluster=local.*slurm/cluster.sh start"):
+        require_slurm({"PATH": "/nonexistent"})
+
+
+def test_dry_run_writes_script_and_resolved_config(tmp_path, capsys):
+    submit_main(["--dry-run", "--out", str(tmp_path), "cluster=slurm_gpu", "seed=7"])
+    assert "wrote" in capsys.readouterr().out
+    script = (tmp_path / "gyre.sbatch").read_text()
+    assert script.count("#SBATCH hetjob") == 2 and f"gyre.sched.job {tmp_path} " in script
+    saved = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(tmp_path / "config.yaml"))
+    resolved = OmegaConf.to_object(saved)
+    assert resolved.seed == 7 and resolved.cluster.mooncake.protocol == "rdma" and resolved.output_dir == str(tmp_path)
+    assert (tmp_path / "slurm").is_dir()
+    with pytest.raises(SystemExit, match="engine.tp_size=16 needs that many GPUs"):
+        submit_main(["--dry-run", "--out", str(tmp_path), "cluster=slurm_gpu", "engine.tp_size=16"])
+    with pytest.raises(SystemExit, match="scheduler='colocate' runs on one machine.*scheduler=colocate_cells"):
+        submit_main(["--dry-run", "--out", str(tmp_path), "cluster=slurm_gpu", "scheduler=colocate"])
+
+
+def test_submit_without_slurm_on_path_fails_with_a_hint(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.submit", "--out", str(tmp_path), "cluster=slurm_cpu"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/nonexistent", "HOME": str(tmp_path)},
+    )
+    assert proc.returncode != 0 and "no Slurm on the PATH" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_engines_bound_to_every_interface_are_advertised_at_the_node_address(gpu_cfg):
+    from gyre.sched.cell import advertised_url
+
+    assert gpu_cfg.engine.host == "0.0.0.0" and gpu_cfg.comm.hostname == "auto"
+    assert advertised_url("http://0.0.0.0:30000", "10.1.2.3") == "http://10.1.2.3:30000"
+    assert advertised_url("http://127.0.0.1:30000", "10.1.2.3") == "http://127.0.0.1:30000"  # one machine: as is

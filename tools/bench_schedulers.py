@@ -1,0 +1,161 @@
+"""Elastic vs colocate vs async on the embedded workload, side by side, at an equal hardware budget.
+
+    python tools/bench_schedulers.py --steps 6 --repeats 2 [--out DIR] [key=value ...]
+
+Each scheduler runs as the real cell job (`python -m launch.run scheduler=...`: mpirun, controller + 3
+cells, same CPU mapping, same per-cell session capacity) on the same seeds, tasks and number of steps,
+in interleaved order (colocate, async, elastic, colocate, ...) so that the machine's background load
+hits all alike; figures are medians over the repeats. The workload has long-tail rollouts whose wall
+time is mostly harness tool time (tasks.tool_time_s, a per-rollout lognormal factor seeded by the
+rollout id, identical across schedulers). Reported: the controller's wall clock per run (startup
+excluded; the same for all), final scores, median switch latency each way, and prefill tokens
+recomputed on reroute (with KV migration; and what they would have been without, as measured by the
+engines' prefix caches when the keys/values arrived). Extra `key=value` arguments go to every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEDULERS = ("colocate_cells", "async", "elastic")
+WORKLOAD = [
+    "rl.groups_per_step=4",
+    "rl.group_size=8",
+    "harness.max_turns=6",
+    "harness.temperature=1.6",  # spread of rewards within a group: something to train
+    "tasks.tool_time_s=2.0",
+    # per-rollout factor ~ lognormal(sigma): at 0.5 the slowest of 32 rollouts takes ~2.5x the mean, and
+    # session capacity binds; at 1.0 (~7x) each step waits on its one slowest rollout whatever the scheduler
+    # (staleness 1 admits step s+2 only once step s is trained): pass tasks.tool_time_sigma=1.0 to see it
+    "tasks.tool_time_sigma=0.5",
+    "sched.capacity_per_cell=4",  # 32 sessions a step outnumber even the whole pool (12): capacity binds
+    "sched.staleness=1",
+    "seed=0",
+]
+
+
+# Equal hardware budget two ways. shared3: three cells share the CPUs (cells 0 and 2 on CPU 0, cell 1 on
+# CPU 1), so a cell that idles leaves its CPU to the others whatever the scheduler. disjoint2: each of two
+# cells owns one CPU, as a cell owns its GPUs on a cluster: what a static split leaves idle stays idle.
+LAYOUTS = {
+    "shared3": [],
+    "disjoint2": ["cluster.satellites=[{}]", "sched.cpu_sets=[0-1,0,1]", "sched.capacity_per_cell=6"],
+}
+
+
+def run_once(scheduler: str, steps: int, out: Path, extra: list[str]) -> dict[str, Any]:
+    args = [f"scheduler={scheduler}", f"steps={steps}", *WORKLOAD, *extra]
+    args += [f"output_dir={out}", f"hydra.run.dir={out}/hydra"]
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "launch.run", *args], cwd=ROOT, capture_output=True, text=True)
+    total = time.monotonic() - start
+    (out / "bench.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{scheduler} failed (exit {proc.returncode}); see {out / 'bench.log'}")
+    summary = json.loads((out / "summary.json").read_text())
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps_rows = [r for r in rows if r["event"] == "step"]
+    switches = [r for r in rows if r["event"] == "switch" and not r["initial"]]
+    return {
+        "scheduler": scheduler,
+        "wall_s": summary["wall_s"],
+        "job_s": round(total, 1),
+        "final_reward": summary["final_reward"],
+        "mean_reward": statistics.fmean(r["reward_mean"] for r in steps_rows),
+        "switch_s": {
+            d: [r["latency_s"] for r in switches if r["direction"] == d] for d in ("rollout->train", "train->rollout")
+        },
+        "recomputed_tokens": summary["continued_recomputed_tokens"],
+        "continued_calls": summary["continued_calls"],
+        "migrated_sessions": summary["migrated_sessions"],
+        "migrated_idle_sessions": summary.get("migrated_idle_sessions", 0),
+        "same_engine_followups": same_engine_followups(out / "calls.jsonl"),
+        "would_recompute_tokens": summary["would_recompute_tokens"],
+        "rollout_wall_max_s": max(r["rollout_wall_max_s"] for r in steps_rows),
+        "role_seconds": summary["role_seconds"],
+        "out": str(out),
+    }
+
+
+def same_engine_followups(calls_jsonl: Path) -> float:
+    """Share of a session's calls after its first that ran on the engine of its previous call (its
+    context cached there, or moved there with the session)."""
+    by_rollout: dict[str, list[dict[str, Any]]] = {}
+    for line in calls_jsonl.read_text().splitlines():
+        row = json.loads(line)
+        by_rollout.setdefault(row["rollout_id"], []).append(row)
+    ordered = [sorted(calls, key=lambda c: c["call_id"]) for calls in by_rollout.values()]
+    pairs = [pair for calls in ordered for pair in itertools.pairwise(calls)]
+    moved = sum(1 for a, b in pairs if a["engine_url"] != b["engine_url"])
+    return round(1 - moved / len(pairs), 3) if pairs else 1.0
+
+
+def median_of(runs: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def report(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    table: dict[str, Any] = {}
+    for sched, runs in results.items():
+        lat = {d: [x for r in runs for x in r["switch_s"][d]] for d in ("rollout->train", "train->rollout")}
+        table[sched] = {
+            "wall_s": median_of(runs, "wall_s"),
+            "job_s": median_of(runs, "job_s"),
+            "final_reward": median_of(runs, "final_reward"),
+            "mean_reward": median_of(runs, "mean_reward"),
+            "switch_median_s": {d: round(statistics.median(v), 3) if v else None for d, v in lat.items()},
+            "switches": {d: len(v) for d, v in lat.items()},
+            "recomputed_tokens": sum(r["recomputed_tokens"] for r in runs),
+            "would_recompute_tokens": sum(r["would_recompute_tokens"] for r in runs),
+            "rerouted_calls": sum(r["continued_calls"] for r in runs),
+            "migrated_idle_sessions": sum(r["migrated_idle_sessions"] for r in runs),
+            "same_engine_followups": statistics.median(r["same_engine_followups"] for r in runs),
+            "walls": [r["wall_s"] for r in runs],
+        }
+    e = table.get("elastic", {}).get("wall_s")
+    for other in ("colocate_cells", "async"):
+        if e and other in table:
+            table[f"elastic_speedup_vs_{other}"] = round(table[other]["wall_s"] / e, 3)
+    return table
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--schedulers", default=",".join(SCHEDULERS))
+    p.add_argument(
+        "--layout",
+        choices=sorted(LAYOUTS),
+        default="shared3",
+        help="shared3: 3 cells sharing this machine's CPUs (the default mapping); disjoint2: 2 cells, one CPU each",
+    )
+    p.add_argument("--out", default=f"outputs/bench_schedulers_{time.strftime('%Y%m%d_%H%M%S')}")
+    args, extra = p.parse_known_args()
+    extra = [*LAYOUTS[args.layout], *extra]
+    root = Path(args.out).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    results: dict[str, list[dict[str, Any]]] = {s: [] for s in args.schedulers.split(",")}
+    for rep in range(args.repeats):
+        for sched in results:
+            res = run_once(sched, args.steps, root / f"{sched}-{rep}", extra)
+            results[sched].append(res)
+            print(f"{sched:15s} run {rep}: {res['wall_s']:7.1f} s  reward {res['final_reward']:.3f}", flush=True)
+    table = report(results)
+    meta = {"workload": WORKLOAD, "layout": args.layout, "extra": extra, "steps": args.steps}
+    (root / "results.json").write_text(json.dumps({"runs": results, "table": table, **meta}, indent=1))
+    print(json.dumps(table, indent=1))
+    print(f"bench_schedulers: results in {root / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main()
