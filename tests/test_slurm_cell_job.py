@@ -41,11 +41,13 @@ def test_embedded_rl_run_as_a_het_job_across_three_nodes(tmp_path: Path, via: st
     job_id = capsys.readouterr().out.split("submitted job ")[1].split(";")[0]
     if via == "submitit":  # submitit's own handle: one result per task, rank 0's the run's summary
         job = HetSlurmJob(folder=out / "slurm", job_id=job_id, tasks=range(4))
-        results = job.results()
+        try:
+            results = job.results()
+        except Exception as exc:  # submitit shows task 0's log only: the failing rank is often another one
+            raise AssertionError(f"{het_job_state(job_id)}\n{job_logs(out)}") from exc
         assert results[0]["steps"] == 2 and results[1:] == [{"cell": 0}, {"cell": 1}, {"cell": 2}]
     state = _wait_for_end(job_id, 600)
-    logs = "".join(p.read_text()[-3000:] for p in sorted((out / "slurm").glob("*.out")))
-    assert state == "COMPLETED", f"{state}\n{logs}"
+    assert state == "COMPLETED", f"{state}\n{job_logs(out)}"
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["dead_cells"] == []
@@ -97,6 +99,11 @@ def test_het_job_stopped_mid_run_resumes_from_its_checkpoint(tmp_path: Path, cap
     assert adam_steps(out) == sum(1 for r in st["ledger"] if r["trained"]), "optimizer state not carried over"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["event"] == "step"] == list(range(steps))
+
+
+def job_logs(out: Path) -> str:
+    """The end of every log of the job (batch script and each rank, stdout and stderr)."""
+    return "".join(f"--- {p.name}\n{p.read_text()[-3000:]}\n" for p in sorted((out / "slurm").glob("*.[oe][ur][tr]")))
 
 
 def completed_steps(out: Path) -> int:

@@ -7,7 +7,6 @@ transfer never interleaves with the trainer's collectives on the default group.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -20,17 +19,16 @@ from gyre.comm.transfer import BufferHandle
 
 
 def init_gloo_from_mpi(comm: Any, hostname: str = "127.0.0.1", timeout_s: float = 300.0) -> None:
-    """Start torch.distributed (gloo) over the ranks of an mpi4py communicator: rank 0 picks a free
-    port and broadcasts its address; torch ranks equal the communicator's ranks."""
-    addr = None
-    if comm.Get_rank() == 0:
-        with socket.socket() as s:
-            s.bind((hostname, 0))
-            addr = f"tcp://{hostname}:{s.getsockname()[1]}"
-    addr = comm.bcast(addr, root=0)
-    dist.init_process_group(
-        "gloo", init_method=addr, rank=comm.Get_rank(), world_size=comm.Get_size(), timeout=timedelta(seconds=timeout_s)
-    )
+    """Start torch.distributed (gloo) over the ranks of an mpi4py communicator: rank 0 starts the store
+    on a port the kernel picks (port 0: no window in which another process can take it) and broadcasts
+    it; torch ranks equal the communicator's ranks."""
+    timeout = timedelta(seconds=timeout_s)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    store = dist.TCPStore(hostname, 0, size, True, timeout, wait_for_workers=False) if rank == 0 else None
+    port = comm.bcast(store.port if store is not None else None, root=0)
+    if store is None:
+        store = dist.TCPStore(hostname, port, size, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
 
 
 class GlooTransport:

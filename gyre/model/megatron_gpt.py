@@ -7,7 +7,6 @@ gyre/train/tree_attention_megatron.py). On a machine without CUDA the CPU shim i
 
 from __future__ import annotations
 
-import socket
 import warnings
 
 import torch
@@ -30,23 +29,17 @@ with warnings.catch_warnings():
     from megatron.core.transformer.transformer_config import TransformerConfig
 
 
-def _free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_megatron_single_process() -> None:
     """A one-process world (gloo; NCCL on CUDA) and tensor/pipeline parallel size 1. Idempotent.
 
-    If torch.distributed is already initialized (e.g. by a launcher) that world is reused.
+    If torch.distributed is already initialized (e.g. by a launcher) that world is reused. The world's
+    store is in-process (HashStore): no port to pick, so no race with other processes picking theirs.
     """
     apply_cpu_shim()
     if not torch.distributed.is_initialized():
-        port = _free_loopback_port()
         torch.distributed.init_process_group(
             backend="nccl" if torch.cuda.is_available() else "gloo",  # megatron's DDP/optimizer collectives on CUDA
-            init_method=f"tcp://127.0.0.1:{port}",
+            store=torch.distributed.HashStore(),
             world_size=1,
             rank=0,
         )
