@@ -239,7 +239,7 @@ def test_distributed_update_interoperates_with_sglangs_group_join(tmp_path):
     meta.write_text(json.dumps({"names": names, "dtypes": dtypes, "shapes": shapes}))
     port = free_port()
     engine_side = textwrap.dedent(f"""
-        import json, sys, torch
+        import json, os, sys, torch
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from sglang_io import light_common
         meta = json.load(open({str(meta)!r}))
@@ -250,7 +250,12 @@ def test_distributed_update_interoperates_with_sglangs_group_join(tmp_path):
             t = torch.empty(shape, dtype=getattr(torch, dtype))
             torch.distributed.broadcast(t, src=0, group=group)
             total += float(t.double().sum())
-        print(f"SUM {{total:.6f}}")
+        print(f"SUM {{total:.6f}}", flush=True)
+        torch.distributed.destroy_process_group(group)  # as SGLang's /destroy_weights_update_group does
+        # torch's exit-time destructors abort now and then ("terminate called without an active
+        # exception", no Python frame) once a gloo group has existed; SGLang's processes are killed
+        # by their parent rather than torn down, so leave the same way
+        os._exit(0)
     """)
     proc = subprocess.Popen([sys.executable, "-c", engine_side], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=ROOT)  # fmt: skip
@@ -258,6 +263,7 @@ def test_distributed_update_interoperates_with_sglangs_group_join(tmp_path):
         group = open_weight_update_group("127.0.0.1", port, world_size=2, backend="gloo", timeout_s=60)
         broadcast_state(state, group)
         out, err = proc.communicate(timeout=120)
+        torch.distributed.destroy_process_group(group)
     finally:
         if proc.poll() is None:
             proc.kill()

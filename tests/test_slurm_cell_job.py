@@ -63,6 +63,24 @@ def test_embedded_rl_run_as_a_het_job_across_three_nodes(tmp_path: Path, via: st
     assert len(ids) == 32 and len(set(ids)) == 32  # every rollout once
 
 
+def test_a_start_that_never_brings_the_mpi_world_up_is_ended_and_run_again(tmp_path: Path, capsys) -> None:
+    """A rank stuck before the world is up (as in a hung MPI_Init; here an injected stall of satellite 1
+    on the first start): the script's start-up guard ends that start after cluster.mpi_start_timeout_s
+    and starts the step again, and the run completes on the second start."""
+    out = tmp_path / "run"
+    args = ["--via", "sbatch", "--out", str(out), "cluster=slurm_cpu", f"cluster.python={sys.executable}"]
+    args += [f"cluster.workdir={ROOT}", *CELL_WORKLOAD, "steps=1", "cluster.mpi_start_timeout_s=20"]
+    submit_main([*args, "sched.faults=['stall_start:1:attempts:1']"])
+    job_id = capsys.readouterr().out.split("submitted job ")[1].split(";")[0]
+    state = _wait_for_end(job_id, 600)
+    batch_log = (out / "slurm" / f"{job_id}_batch.out").read_text()
+    assert state == "COMPLETED", f"{state}\n{job_logs(out)}"
+    assert "gyre: the MPI world did not come up (start 1 of 3, 20 s); ending the step" in batch_log, batch_log
+    assert "start 2 of 3" not in batch_log
+    assert json.loads((out / "summary.json").read_text())["steps"] == 1
+    assert not list((out / "slurm").glob("*.world_up"))  # the marker of the start that came up is removed
+
+
 def test_het_job_stopped_mid_run_resumes_from_its_checkpoint(tmp_path: Path, capsys) -> None:
     """The time-limit signal (`--signal=B:TERM`, sent here with `scancel --batch`) mid-run: the script
     passes it to the ranks, the controller checkpoints the completed steps and exits 75, the script

@@ -187,6 +187,10 @@ class ClusterConfig:
     # sbatch --signal=B:TERM@<this>: SIGTERM this long before the time limit; the run checkpoints, exits 75 and
     # the script requeues it (0: no signal). Also what a stop may take: finishing an update + a checkpoint write
     preempt_grace_s: int = 120
+    # the cell job's start: rank 0 marks the MPI world up once every rank is past MPI_Init; a start that
+    # fails or hangs before that (PMI-2 start-ups do, now and then, on a loaded machine) is ended and run again
+    mpi_start_timeout_s: int = 120
+    mpi_start_attempts: int = 3
     core: CellResources = field(default_factory=CellResources)
     satellites: list[CellResources] = field(default_factory=lambda: [CellResources(), CellResources()])
     mooncake: MooncakeConfig = field(default_factory=MooncakeConfig)

@@ -4,6 +4,8 @@
   assignment is sent, so it dies mid-step holding training work.
 - `kill_engine:<cell>:after_calls:<n>`: once the proxy has served n calls, SIGKILL the cell's engine
   while it has requests in flight.
+- `stall_start:<cell>:attempts:<n>`: on the first n starts of a Slurm cell job, the cell's rank stalls
+  before the MPI world is up, as a hung MPI_Init would (the script's start-up guard ends and reruns it).
 Cells are numbered as in gyre.comm.control (0 is the core at rank 1).
 """
 
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 
 from gyre.sched.cells import Cell, CellTable, kill_pid
 
-TRIGGERS = {"kill_cell": "after_micro_batches", "kill_engine": "after_calls"}
+TRIGGERS = {"kill_cell": "after_micro_batches", "kill_engine": "after_calls", "stall_start": "attempts"}
 
 
 @dataclass
@@ -35,6 +37,11 @@ def parse_faults(specs: list[str]) -> list[Fault]:
             raise ValueError(f"sched.faults entry {spec!r} is not one of {allowed}")
         faults.append(Fault(parts[0], int(parts[1]), int(parts[3])))
     return faults
+
+
+def stalls_start(specs: list[str], cell: int, attempt: int) -> bool:
+    """Whether this start attempt of the cell's rank stalls before the world is up (stall_start)."""
+    return any(f.kind == "stall_start" and f.cell == cell and attempt <= f.n for f in parse_faults(specs))
 
 
 class FaultInjector:

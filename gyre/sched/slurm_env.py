@@ -21,6 +21,10 @@ from dataclasses import dataclass
 
 HET_GROUPS_VAR = "GYRE_HET_GROUPS"
 HET_TASKS_VAR = "GYRE_HET_TASKS"  # a step's tasks per component ("2,1,1"), when they differ from the allocation's
+# set by the generated script for each start of the cell job: rank 0 creates WORLD_UP_VAR's file once
+# every rank is past MPI_Init; START_ATTEMPT_VAR counts the starts of this run of the script (1, 2, ...)
+WORLD_UP_VAR = "GYRE_WORLD_UP_FILE"
+START_ATTEMPT_VAR = "GYRE_START_ATTEMPT"
 
 
 class NotInSlurmStep(RuntimeError):
@@ -100,6 +104,18 @@ def cell_rank_from_env(env: Mapping[str, str]) -> CellRank:
         world_size=step_tasks,
         num_cells=num_groups,
     )
+
+
+def start_attempt(env: Mapping[str, str]) -> int:
+    """Which start of the cell job this is, under the generated script (1 elsewhere)."""
+    return int(env.get(START_ATTEMPT_VAR, "1"))
+
+
+def mark_world_up(env: Mapping[str, str]) -> None:
+    """Tell the generated script that the MPI world is up (rank 0, once every rank has joined it)."""
+    if path := env.get(WORLD_UP_VAR):
+        with open(path, "w") as f:
+            f.write(f"{os.getpid()}\n")
 
 
 def describe(rank: CellRank, env: Mapping[str, str]) -> str:

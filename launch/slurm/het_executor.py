@@ -107,6 +107,7 @@ class HetSlurmExecutor(submitit.SlurmExecutor):
             batch_error="%j_batch.err",
             log_names=_submitit_log_names,
             exports=(("SUBMITIT_EXECUTOR", "slurm"),),
+            stale_on_restart=('"$GYRE_LOG_DIR/${SLURM_JOB_ID}"_*_result.pkl',),  # a failed start's error results
         )
         return render_sbatch(self.cfg, plan_step(self.cfg, shlex.split(command)), layout)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from gyre.config.schema import CellResources, ClusterConfig, RunConfig
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE
-from gyre.sched.slurm_env import HET_TASKS_VAR
+from gyre.sched.slurm_env import HET_TASKS_VAR, START_ATTEMPT_VAR, WORLD_UP_VAR
 from launch.slurm.plan import Step, cells
 
 LogNames = Callable[[Step], tuple[str, str | None]]
@@ -45,6 +45,7 @@ class ScriptLayout:
     batch_error: str | None = None
     log_names: LogNames = default_log_names
     exports: tuple[tuple[str, str], ...] = ()
+    stale_on_restart: tuple[str, ...] = ()  # shell globs of a failed start's outputs, removed before the next
 
 
 def _component_header(cfg: RunConfig, res: CellResources) -> list[str]:
@@ -160,9 +161,40 @@ def render_sbatch(cfg: RunConfig, step: Step, layout: ScriptLayout) -> str:
         "# rank 1 (the core cell) on component 0, rank 1+i on satellite i; each cell starts its engine and replica.",
         "set +e",
     ]
-    lines += _srun_lines(step, layout)
-    lines += ["job=$!", *_wait_lines("$job"), *_requeue_lines(cluster), 'exit "$status"', ""]
+    lines += _guarded_start_lines(step, layout, cluster)
+    lines += [*_wait_lines("$job"), *_requeue_lines(cluster), 'exit "$status"', ""]
     return "\n".join(lines)
+
+
+def _guarded_start_lines(step: Step, layout: ScriptLayout, cluster: ClusterConfig) -> list[str]:
+    """Start the step; if the MPI world is not up within cluster.mpi_start_timeout_s (rank 0 creates
+    $GYRE_WORLD_UP_FILE once every rank has joined), end the step and start it again, at most
+    cluster.mpi_start_attempts times. PMI-2 start-ups now and then fail or hang inside MPI_Init on a
+    loaded machine; a start that got past it is never rerun here (resume handles everything later)."""
+    timeout, attempts = cluster.mpi_start_timeout_s, cluster.mpi_start_attempts
+    up = f'"${WORLD_UP_VAR}"'
+    body = [
+        "attempt=$((attempt + 1))",
+        f"export {START_ATTEMPT_VAR}=$attempt",
+        f'export {WORLD_UP_VAR}="$GYRE_LOG_DIR/${{SLURM_JOB_ID}}_${{SLURM_RESTART_COUNT:-0}}_$attempt.world_up"',
+        *_srun_lines(step, layout),
+        "job=$!",
+        "waited=0",
+        f'while [ ! -e {up} ] && [ "$stop_requested" = 0 ] && [ "$waited" -lt {timeout} ] && kill -0 "$job" 2>/dev/null; do',
+        "    sleep 1; waited=$((waited + 1))",
+        "done",
+        f'if [ -e {up} ] || [ "$stop_requested" = 1 ]; then rm -f {up}; break; fi',
+        f'echo "gyre: the MPI world did not come up (start $attempt of {attempts}, ${{waited}} s); ending the step" >&2',
+        'kill -TERM "$job" 2>/dev/null',
+        'for _ in $(seq 10); do kill -0 "$job" 2>/dev/null || break; sleep 1; done',
+        'kill -KILL "$job" 2>/dev/null; wait "$job"',
+        f'if [ "$attempt" -ge {attempts} ]; then',
+        f'    echo "gyre: no MPI world after {attempts} starts; see the ranks\' logs in $GYRE_LOG_DIR" >&2',
+        "    exit 1",
+        "fi",
+        *[f"rm -f {pattern}" for pattern in layout.stale_on_restart],
+    ]
+    return ["attempt=0", "while :; do", *["    " + line for line in body], "done"]
 
 
 def render_main_job_sbatch(cfg: RunConfig, argv: list[str], log_dir: str) -> str:
