@@ -31,7 +31,7 @@ from launch.slurm.sbatch import ScriptLayout, render_sbatch
 def plain_script(cfg: RunConfig, config_path: str, log_dir: str) -> str:
     """The sbatch script a user can submit with `sbatch`: the cell job over every component."""
     step = plan_step(cfg, job_command(cfg, str(Path(config_path).parent)))
-    return render_sbatch(cfg, step, ScriptLayout(log_dir=log_dir, config_path=config_path))
+    return render_sbatch(cfg, step, ScriptLayout(log_dir=log_dir, config_path=config_path, start_guard=True))
 
 
 def run_cell_job(run_dir: str) -> dict[str, Any]:
@@ -79,7 +79,7 @@ def submit(cfg: RunConfig, out_dir: Path, via: str, dry_run: bool) -> str:
     else:
         from launch.slurm.het_executor import HetSlurmExecutor
 
-        executor = HetSlurmExecutor(log_dir, cfg, config_path=str(config_path))
+        executor = HetSlurmExecutor(log_dir, cfg, config_path=str(config_path), start_guard=True)
         job_id = executor.submit(run_cell_job, str(config_path.parent)).job_id
     print(f"gyre: submitted job {job_id}; logs in {log_dir}")
     return job_id

@@ -76,12 +76,13 @@ class HetSlurmExecutor(submitit.SlurmExecutor):
 
     `job.results()` holds one result per task (task i = SLURM_PROCID i; task 0 is the controller,
     task 1 the core cell, both on component 0; task 1+i satellite cell i). For the cell job, fn is
-    `gyre.sched.job.submitit_main`.
+    `gyre.sched.job.submitit_main`, with `start_guard=True`: the script reruns a start whose MPI world
+    never comes up (launch/slurm/sbatch.py); any other fn runs once, however long it takes.
     """
 
     job_class = HetSlurmJob
 
-    def __init__(self, folder: str | Path, cfg: RunConfig, config_path: str = "") -> None:
+    def __init__(self, folder: str | Path, cfg: RunConfig, config_path: str = "", start_guard: bool = False) -> None:
         if "%" in str(folder):
             raise ValueError(
                 f"folder {folder!r} has a % pattern: in a het job each component would expand %j to its own id; "
@@ -90,6 +91,7 @@ class HetSlurmExecutor(submitit.SlurmExecutor):
         super().__init__(folder, python=shlex.quote(cfg.cluster.python))
         self.cfg = cfg
         self.config_path = config_path
+        self.start_guard = start_guard  # fn is the cell job (gyre.sched.job.submitit_main): guard its MPI start
         self.step = plan_step(cfg, ["(submitit)"])  # fails early on a bad layout
         minutes = max((parse_time_s(c.time) or 0) for c in cells(cfg)) // 60
         self.update_parameters(time=minutes or 60)  # submitit's timeout bookkeeping; not written to sbatch
@@ -107,6 +109,7 @@ class HetSlurmExecutor(submitit.SlurmExecutor):
             batch_error="%j_batch.err",
             log_names=_submitit_log_names,
             exports=(("SUBMITIT_EXECUTOR", "slurm"),),
+            start_guard=self.start_guard,
             stale_on_restart=('"$GYRE_LOG_DIR/${SLURM_JOB_ID}"_*_result.pkl',),  # a failed start's error results
         )
         return render_sbatch(self.cfg, plan_step(self.cfg, shlex.split(command)), layout)

@@ -45,6 +45,8 @@ class ScriptLayout:
     batch_error: str | None = None
     log_names: LogNames = default_log_names
     exports: tuple[tuple[str, str], ...] = ()
+    # the step is the cell job, whose rank 0 marks the MPI world up: rerun a start that never gets there
+    start_guard: bool = False
     stale_on_restart: tuple[str, ...] = ()  # shell globs of a failed start's outputs, removed before the next
 
 
@@ -161,7 +163,9 @@ def render_sbatch(cfg: RunConfig, step: Step, layout: ScriptLayout) -> str:
         "# rank 1 (the core cell) on component 0, rank 1+i on satellite i; each cell starts its engine and replica.",
         "set +e",
     ]
-    lines += _guarded_start_lines(step, layout, cluster)
+    lines += (
+        _guarded_start_lines(step, layout, cluster) if layout.start_guard else [*_srun_lines(step, layout), "job=$!"]
+    )
     lines += [*_wait_lines("$job"), *_requeue_lines(cluster), 'exit "$status"', ""]
     return "\n".join(lines)
 
