@@ -4,8 +4,9 @@
   assignment is sent, so it dies mid-step holding training work.
 - `kill_engine:<cell>:after_calls:<n>`: once the proxy has served n calls, SIGKILL the cell's engine
   while it has requests in flight.
-- `stall_start:<cell>:attempts:<n>`: on the first n starts of a Slurm cell job, the cell's rank stalls
-  before the MPI world is up, as a hung MPI_Init would (the script's start-up guard ends and reruns it).
+- `stall_start:<cell>:attempts:<n>`: on the first n starts of a Slurm cell job under the script's
+  start-up guard, the cell's rank stalls before the MPI world is up, as a hung MPI_Init would (the
+  guard ends and reruns the start); ignored elsewhere, where nothing would end the stall.
 Cells are numbered as in gyre.comm.control (0 is the core at rank 1).
 """
 

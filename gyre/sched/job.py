@@ -30,7 +30,7 @@ from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted
 from gyre.sched.affinity import available_cpus, cpu_plan, pin
 from gyre.sched.faults import stalls_start
 from gyre.sched.launch import CONTROLLER_PID_FILE
-from gyre.sched.slurm_env import cell_rank_from_env, mark_world_up, start_attempt
+from gyre.sched.slurm_env import WORLD_UP_VAR, cell_rank_from_env, mark_world_up, start_attempt
 
 
 def run(out: Path) -> tuple[bool, dict[str, Any], int]:
@@ -49,7 +49,7 @@ def run(out: Path) -> tuple[bool, dict[str, Any], int]:
         os.environ["OMP_NUM_THREADS"] = str(threads)  # keep the CPUs Slurm bound this task to
     else:
         pin(cpu_plan(world.Get_size(), available_cpus(), cfg.sched.cpu_sets)[rank], threads)
-    if rank > 0 and stalls_start(cfg.sched.faults, rank - 1, start_attempt(os.environ)):
+    if rank > 0 and WORLD_UP_VAR in os.environ and stalls_start(cfg.sched.faults, rank - 1, start_attempt(os.environ)):
         threading.Event().wait()  # an injected stall: the start-up guard of the Slurm script ends this start
     start_id = world.bcast(uuid.uuid4().hex if rank == 0 else None, root=0)  # names this start's policy.json
     cp = world_control_plane([1] * n_cells, cfg.comm.idle_poll_max_s)  # collective: every rank has joined
