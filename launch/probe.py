@@ -9,14 +9,14 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from gyre.config.load import ConfigKeyError, check_overrides, register_configs, to_run_config
+from gyre.config.load import register_configs, to_run_config
+from launch.run import run_app
 
 register_configs()
 
@@ -39,8 +39,4 @@ def main(dict_cfg: DictConfig) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    try:
-        check_overrides([a for a in sys.argv[1:] if not a.startswith("-")])
-    except ConfigKeyError as e:
-        sys.exit(f"gyre: {e}")
-    main()
+    run_app(main)

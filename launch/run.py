@@ -8,6 +8,7 @@ stopped by SIGTERM/SIGUSR1 checkpoints and exits with code 75.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -44,9 +45,14 @@ def main(dict_cfg: DictConfig) -> None:
         sys.exit(f"gyre: {e}")
 
 
-if __name__ == "__main__":
+def run_app(app: Callable[[], object]) -> None:
+    """Check the command line's overrides (a mistyped key names the valid ones), then run the Hydra app."""
     try:
         check_overrides([a for a in sys.argv[1:] if not a.startswith("-")])
     except ConfigKeyError as e:
         sys.exit(f"gyre: {e}")
-    main()
+    app()
+
+
+if __name__ == "__main__":
+    run_app(main)

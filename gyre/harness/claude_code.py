@@ -1,6 +1,6 @@
 """Claude Code (the real `claude` CLI from npm) as a black-box harness, offline, against the proxy.
 
-The runner starts `python -m gyre.harness.claude_code ...` (see `claude_code_command`); this wrapper
+The runner starts `python -m gyre.harness.claude_code ...` (see `gyre.harness.runner.claude_code_command`); this wrapper
 runs `claude -p <task prompt>` in the workspace with a private HOME, no network traffic besides the
 proxy, and the rollout id in the base-URL path (`<proxy>/rollout/<id>`, which sub-agents inherit),
 then turns Claude Code's JSON result into the runner's result file (turns, stop reason, errors).
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gyre.harness.runner import HarnessLaunch
+    pass
 
 CLAUDE_CODE_VERSION = "2.1.197"  # the npm version tools/setup_env.sh installs and the tests ran against
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -75,19 +75,6 @@ def claude_args(max_turns: int) -> list[str]:
 def user_lines(prompts: list[str]) -> str:
     """The prompts as Claude Code's stream-json input, one user message a line."""
     return "".join(json.dumps({"type": "user", "message": {"role": "user", "content": p}}) + "\n" for p in prompts)
-
-
-def claude_code_command(launch: HarnessLaunch) -> list[str]:
-    """The runner's command for harness kind "claude_code" (max_tokens/temperature are Claude Code's own)."""
-    return [
-        sys.executable, "-m", "gyre.harness.claude_code",
-        "--base-url", launch.base_url,
-        "--rollout-id", launch.rollout_id,
-        "--workspace", str(launch.workspace),
-        "--task-file", str(launch.task_file),
-        "--result-file", str(launch.result_file),
-        "--max-turns", str(launch.max_turns),
-    ]  # fmt: skip
 
 
 def _results(stdout: str) -> list[dict[str, Any]]:

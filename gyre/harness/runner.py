@@ -21,7 +21,6 @@ from typing import Any
 
 import gyre
 from gyre.config.schema import HarnessConfig, TaskConfig
-from gyre.harness.claude_code import claude_code_command
 from gyre.tasks.grading import Grade, grade_workspace
 from gyre.tasks.task import Task
 
@@ -46,21 +45,33 @@ class HarnessLaunch:
     tool_time_sigma: float = 1.0
 
 
-def builtin_command(launch: HarnessLaunch) -> list[str]:
+def harness_argv(module: str, launch: HarnessLaunch) -> list[str]:
+    """`python -m <module>` with what every harness process gets: proxy URL, rollout id, workspace, files."""
     return [
-        sys.executable, "-m", "gyre.harness.builtin",
+        sys.executable, "-m", module,
         "--base-url", launch.base_url,
         "--rollout-id", launch.rollout_id,
         "--workspace", str(launch.workspace),
         "--task-file", str(launch.task_file),
         "--result-file", str(launch.result_file),
         "--max-turns", str(launch.max_turns),
+    ]  # fmt: skip
+
+
+def builtin_command(launch: HarnessLaunch) -> list[str]:
+    return [
+        *harness_argv("gyre.harness.builtin", launch),
         "--max-tokens", str(launch.max_tokens),
         "--temperature", str(launch.temperature),
         "--tool-delay", str(launch.tool_delay),
         "--tool-time", str(launch.tool_time),
         "--tool-time-sigma", str(launch.tool_time_sigma),
     ]  # fmt: skip
+
+
+def claude_code_command(launch: HarnessLaunch) -> list[str]:
+    """Harness kind "claude_code" (gyre.harness.claude_code; max_tokens/temperature are Claude Code's own)."""
+    return harness_argv("gyre.harness.claude_code", launch)
 
 
 HARNESS_COMMANDS: dict[str, Callable[[HarnessLaunch], list[str]]] = {
