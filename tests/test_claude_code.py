@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from gyre.harness.claude_code import anthropic_base_url, claude_bin, claude_env, result_summary, user_lines
-from gyre.proxy.call_log import CallRecord, SplicedSpan
+from gyre.proxy.call_log import CallRecord, read_call_log
 from gyre.proxy.roles import ROLES
 from tools.record_claude_code import DEFAULT_OUT, Recording, off_loopback, record_session
 
@@ -67,9 +67,8 @@ def test_off_loopback_flags_only_foreign_addresses(tmp_path):
 @pytest.mark.unit
 def test_saved_recording_is_a_consistent_call_log():
     """tests/data/claude_code_calls.jsonl (regenerate: python -m tools.record_claude_code)."""
-    lines = DEFAULT_OUT.read_text().splitlines()
     assert DEFAULT_OUT.stat().st_size < 2 << 20
-    records = [CallRecord(**{**d, "spliced": [SplicedSpan(**s) for s in d["spliced"]]}) for d in map(json.loads, lines)]
+    records = read_call_log(DEFAULT_OUT)
     assert THREADS.match("".join(f"{r.role} " for r in records)) and {r.role for r in records} <= set(ROLES)
     check_splices(records)
 

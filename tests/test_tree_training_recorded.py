@@ -4,7 +4,6 @@ The calls of a real session (main thread, compaction summary, sub-agent and its 
 prefix-shared tree; its tree-packed logprobs must equal each root-to-leaf path run alone (fp32, 1e-5).
 """
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 from gyre.config.schema import ModelConfig, TrainConfig
-from gyre.proxy.call_log import CallRecord, SplicedSpan
+from gyre.proxy.call_log import CallRecord, read_call_log
 from gyre.train.megatron_trainer import MegatronTrainer
 from gyre.train.tree_pack import pack_trees
 from gyre.traj.build import build_tree
@@ -23,8 +22,7 @@ RECORDING = Path(__file__).parent / "data" / "claude_code_calls.jsonl"
 
 
 def recorded_calls() -> list[CallRecord]:
-    rows = [json.loads(line) for line in RECORDING.read_text().splitlines()]
-    return [CallRecord(**{**r, "spliced": [SplicedSpan(**s) for s in r["spliced"]]}) for r in rows]
+    return read_call_log(RECORDING)
 
 
 def test_recorded_session_builds_one_tree_with_every_role_and_every_call_recoverable():

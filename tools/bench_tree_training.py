@@ -12,7 +12,14 @@ Forward-backward is MegatronTrainer.forward_backward with per-token weights, 1 t
 default ModelConfig; times are CPU seconds (medians over --repeats, the variants interleaved).
 Then peak memory: resident-set growth of one forward-backward in a fresh process, vs tree size.
 
-    python -m tools.bench_tree_training [--scale 40] [--calls 100] [--p-retry 0.02 0.1] [--repeats 3]
+Before the timings, two token counts that need no training:
+- the recorded Claude Code session (tests/data/claude_code_calls.jsonl, tools/record_claude_code.py):
+  its structure (what a sub-agent, a compacted thread and a summary share with the main thread) and
+  its tree vs paths vs calls tokens;
+- full-size synthetic rollouts (default shape: 300 calls, ~1M tokens, 20K-token system prompt and
+  tools, 160K context), median over --seeds.
+
+    python -m tools.bench_tree_training [--scale 40] [--calls 300] [--p-retry 0 0.02 0.1] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -26,11 +33,13 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from gyre.config.schema import ModelConfig, TrainConfig
+from gyre.proxy.call_log import CallRecord, read_call_log
 from gyre.train.megatron_trainer import MegatronTrainer
 from gyre.train.tree_pack import TreeMicroBatch, pack_trees, weighted_token_loss
 from gyre.traj.build import build_tree
@@ -39,10 +48,10 @@ from gyre.traj.synthetic import RolloutShape, claude_code_like_rollout
 from gyre.traj.tree import TrajectoryTree
 
 UNBOUNDED = 1 << 30
+RECORDING = Path(__file__).resolve().parents[1] / "tests" / "data" / "claude_code_calls.jsonl"
 
 
-def scaled_shape(scale: int, calls: int, p_retry: float, vocab: int) -> RolloutShape:
-    d = RolloutShape()
+def scaled_shape(d: RolloutShape, scale: int, calls: int, p_retry: float, vocab: int) -> RolloutShape:
     return replace(
         d,
         n_calls=calls,
@@ -99,6 +108,120 @@ def variants(tree: TrajectoryTree, k: int, budget: int) -> tuple[SampledTree, li
     return sampled, [Variant("tree", packed), Variant("paths", path_batches)], call_tokens
 
 
+def token_counts(tree: TrajectoryTree, k: int) -> tuple[int, int, int, int]:
+    """(paths kept, tree tokens, path tokens, call tokens) of a tree bounded to k paths; no training."""
+    sampled = sample_tree(tree, k=k)
+    t = sampled.tree
+    path_tokens = sum(int(t.depth[leaf]) + 1 for leaf in sampled.path_leaves)
+    call_tokens = sum(int(t.depth[leaf]) + 1 for leaf in trained_call_leaves(sampled))
+    return sampled.n_paths, t.n_tokens, path_tokens, call_tokens
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n
+
+
+def thread_stats(calls: list[CallRecord]) -> dict[str, dict[str, int]]:
+    """Per thread role ("main", "subagent") of a recorded session, token counts read off its calls:
+    `first` (the thread's first prompt), `with_main` (what that prompt shares with main's first), and
+    once compacted `summarized` / `summary_shares` / `summary_adds` (the thread its summary call
+    covers, the part of it the summary's prompt shares, what the summary's prompt adds) and `system`
+    (what the compacted thread's first prompt shares with the thread's first: system prompt and tools)."""
+    calls = sorted(calls, key=lambda c: c.call_id)
+    first = {role: next((c for c in calls if c.role == role), None) for role in ("main", "subagent")}
+    stats: dict[str, dict[str, int]] = {}
+    for role, head in first.items():
+        if head is None:
+            continue
+        st = stats[role] = {"first": len(head.input_ids)}
+        if first["main"] is not None:
+            st["with_main"] = common_prefix(head.input_ids, first["main"].input_ids)
+        summary = next((c for c in calls if c.role == f"{role}_summary"), None)
+        if summary is None:
+            continue
+        before = [c for c in calls if c.role == role and c.call_id < summary.call_id][-1]
+        thread = before.input_ids + before.output_ids
+        shared = common_prefix(summary.input_ids, thread)
+        st.update(summarized=len(thread), summary_shares=shared, summary_adds=len(summary.input_ids) - shared)
+        after = next((c for c in calls if c.role == role and c.call_id > summary.call_id), None)
+        if after is not None:
+            st["system"] = common_prefix(after.input_ids, head.input_ids)
+    return stats
+
+
+def recorded_structure(calls: list[CallRecord]) -> list[str]:
+    """What the threads of a recorded session share, one fact a line."""
+    lines = [", ".join(f"{sum(c.role == r for c in calls)} {r}" for r in dict.fromkeys(c.role for c in calls))]
+    for role, st in thread_stats(calls).items():
+        if role != "main" and "with_main" in st:
+            lines.append(f"{role}: first prompt {st['first']} tokens, shares {st['with_main']} with main's")
+        if "summarized" in st:
+            lines.append(
+                f"{role} summary: shares {st['summary_shares']} of the {st['summarized']} tokens of the thread it "
+                f"summarizes, adds {st['summary_adds']}"
+            )
+        if "system" in st:
+            lines.append(
+                f"{role} after compaction: shares {st['system']} tokens (system prompt and tools) with the "
+                f"thread's first prompt of {st['first']}"
+            )
+    return lines
+
+
+def recorded_shape(calls: list[CallRecord], base: RolloutShape | None = None) -> RolloutShape:
+    """`base` (default: RolloutShape()) with the sub-agent's system prompt and tools sized as recorded, relative to main's (both
+    threads compacted in the recording); base itself when the recording cannot tell."""
+    base = base or RolloutShape()
+    st = thread_stats(calls)
+    main, sub = st.get("main", {}), st.get("subagent", {})
+    if not main.get("system") or not sub.get("system"):
+        return base
+    return replace(base, subagent_system_tokens=round(base.system_tokens * sub["system"] / main["system"]))
+
+
+def token_row(label: str, tree: TrajectoryTree) -> str:
+    cells = []
+    for k in (5, UNBOUNDED):
+        n_paths, tree_tok, path_tok, call_tok = token_counts(tree, k)
+        cells.append(
+            f"K={'all' if k == UNBOUNDED else k}: {n_paths} paths, tree {tree_tok:,} path {path_tok:,} "
+            f"({path_tok / tree_tok:.2f}x) call {call_tok:,} ({call_tok / tree_tok:.1f}x)"
+        )
+    return f"{label:<22} " + " | ".join(cells)
+
+
+def recorded_session(calls: list[CallRecord], shape: RolloutShape) -> None:
+    print(f"\nrecorded Claude Code session ({RECORDING.name}):")
+    for line in recorded_structure(calls):
+        print(f"  {line}")
+    print("  " + token_row("tokens", build_tree(calls[0].rollout_id, calls)))
+    print(
+        f"  synthetic shape: system prompt and tools {shape.system_tokens:,} tokens (Claude Code's ~78 KB request "
+        f"body), sub-agent's {shape.subagent_system_tokens:,} (the recorded ratio)"
+    )
+
+
+def full_size_tokens(shape: RolloutShape, p_retries: list[float], seeds: int) -> None:
+    """Median token counts of full-size rollouts; paths/tree is set by the shape alone."""
+    print(f"\nfull-size synthetic rollouts ({shape.n_calls} calls), medians over {seeds} seeds:")
+    print(
+        f"{'p_retry':>7} {'K':>5} {'paths':>5} {'tree tok':>10} {'path tok':>10} {'call tok':>11} {'tok x':>6} {'call x':>6}"
+    )
+    for p_retry in p_retries:
+        trees = [rollout_tree(replace(shape, p_retry=p_retry), seed) for seed in range(seeds)]
+        for k in (5, UNBOUNDED):
+            rows = np.array([token_counts(t, k) for t in trees], dtype=float)
+            n_paths, tree_tok, path_tok, call_tok = np.median(rows, axis=0)
+            tok_x, call_x = np.median(rows[:, 2] / rows[:, 1]), np.median(rows[:, 3] / rows[:, 1])
+            print(
+                f"{p_retry:>7} {'all' if k == UNBOUNDED else k:>5} {n_paths:>5.0f} {tree_tok:>10,.0f} {path_tok:>10,.0f} "
+                f"{call_tok:>11,.0f} {tok_x:>6.2f} {call_x:>6.1f}",
+                flush=True,
+            )
+
+
 def fwd_bwd_seconds(trainer: MegatronTrainer, batches: list[TreeMicroBatch]) -> float:
     """CPU seconds of one forward-backward: with one torch thread on a shared machine, CPU time is what the
     work costs; wall time also counts other processes' turns on the cores."""
@@ -108,14 +231,16 @@ def fwd_bwd_seconds(trainer: MegatronTrainer, batches: list[TreeMicroBatch]) -> 
     return time.process_time() - t0
 
 
-def compare(args: argparse.Namespace, trainer: MegatronTrainer) -> None:
+def compare(args: argparse.Namespace, shape: RolloutShape, trainer: MegatronTrainer) -> None:
     print(
         f"{'p_retry':>7} {'K':>5} {'paths':>5} {'tree tok':>9} {'path tok':>9} {'call tok':>9} "
         f"{'tok x':>6} {'call x':>6} {'tree s':>7} {'paths s':>8} {'time x':>6}"
         + ("  calls s" if args.time_calls else "")
     )
     for p_retry in args.p_retry:
-        tree = rollout_tree(scaled_shape(args.scale, args.calls, p_retry, trainer.model_cfg.vocab_size), args.seed)
+        tree = rollout_tree(
+            scaled_shape(shape, args.scale, args.calls, p_retry, trainer.model_cfg.vocab_size), args.seed
+        )
         per_k: dict[int, tuple[int, float]] = {}
         for k in (5, UNBOUNDED):
             sampled, vs, call_tokens = variants(tree, k, args.budget)
@@ -161,10 +286,11 @@ def memory_child(args: argparse.Namespace) -> None:
     """One forward-backward of one tree in this (fresh) process; prints its size and the RSS high-water growth
     over the resident set just before it (model, optimizer and packed tree already in memory)."""
     trainer = make_trainer()
-    tree = rollout_tree(scaled_shape(args.scale, args.memory_child, args.p_retry[0], trainer.model_cfg.vocab_size), 0)
+    shape, vocab = recorded_shape(read_call_log(RECORDING)), trainer.model_cfg.vocab_size
+    tree = rollout_tree(scaled_shape(shape, args.scale, args.memory_child, args.p_retry[0], vocab), 0)
     sampled = sample_tree(tree, k=UNBOUNDED)
     batches = pack_trees([sampled.tree], sampled.tree.n_tokens, [sampled.loss_weight])
-    warm = sample_tree(rollout_tree(scaled_shape(args.scale, 3, 0.0, trainer.model_cfg.vocab_size), 1), k=UNBOUNDED)
+    warm = sample_tree(rollout_tree(scaled_shape(shape, args.scale, 3, 0.0, vocab), 1), k=UNBOUNDED)
     trainer.forward_backward(pack_trees([warm.tree], warm.tree.n_tokens, [warm.loss_weight]), weighted_token_loss)
     trainer.zero_grad()  # a small warm-up pass first: lazy initialisation is not the tree's memory
     before = current_rss_mb()
@@ -218,11 +344,15 @@ def make_trainer() -> MegatronTrainer:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scale", type=int, default=40, help="divide the default shape's token counts by this")
-    parser.add_argument("--calls", type=int, default=100)
-    parser.add_argument("--p-retry", type=float, nargs="+", default=[0.02, 0.1])
+    parser.add_argument(
+        "--calls", type=int, default=300, help="calls a rollout (300: as many compactions as full size)"
+    )
+    parser.add_argument("--p-retry", type=float, nargs="+", default=[0.0, 0.02, 0.1])
+    parser.add_argument("--seeds", type=int, default=5, help="full-size rollouts per p_retry in the token table")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget", type=int, default=16384, help="micro-batch token budget")
+    parser.add_argument("--tokens-only", action="store_true", help="only the token counts (no training, seconds)")
     parser.add_argument("--time-calls", action="store_true", help="also time per-call sequences (slow)")
     parser.add_argument("--memory-calls", type=int, nargs="*", default=[50, 100, 200, 400])
     parser.add_argument("--memory-child", type=int, default=0, help=argparse.SUPPRESS)
@@ -238,7 +368,14 @@ def main() -> None:
         f"seed {args.seed}; medians of {args.repeats}\n"
         "tok x = path tokens / tree tokens, call x = call tokens / tree tokens, time x = paths s / tree s"
     )
-    compare(args, make_trainer())
+    calls = read_call_log(RECORDING)
+    shape = recorded_shape(calls)
+    recorded_session(calls, shape)
+    full_size_tokens(shape, args.p_retry, args.seeds)
+    if args.tokens_only:
+        return
+    print(f"\nforward-backward, scale 1/{args.scale}, {args.calls} calls:")
+    compare(args, shape, make_trainer())
     if args.memory_calls:
         memory_vs_size(args)
 

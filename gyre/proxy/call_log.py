@@ -51,6 +51,16 @@ class CallRecord:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_json(cls, row: dict[str, Any]) -> CallRecord:
+        return cls(**{**row, "spliced": [SplicedSpan(**s) for s in row["spliced"]]})
+
+
+def read_call_log(jsonl_path: str | Path) -> list[CallRecord]:
+    """The records of a call log written by `CallLog(jsonl_path)` (one JSON object a line)."""
+    lines = Path(jsonl_path).read_text().splitlines()
+    return [CallRecord.from_json(json.loads(line)) for line in lines if line.strip()]
+
 
 def tool_call_id(call_id: int, n: int) -> str:
     """The id handed to the client for the n-th tool call of a call; `parse_tool_call_id` inverts it."""
