@@ -24,8 +24,9 @@ from sglang_io import light_common, load_io_struct, load_sampling_params, server
 from gyre.config.schema import EngineConfig, ModelConfig
 from gyre.config.validate import ConfigValueError
 from gyre.engine.client import EngineClient, SamplingParams
-from gyre.engine.sglang_backend import free_port, sglang_launch_command, sglang_server_args
+from gyre.engine.sglang_backend import sglang_launch_command, sglang_server_args
 from gyre.engine.sglang_weights import (
+    bind_weight_update_store,
     broadcast_state,
     distributed_metadata,
     open_weight_update_group,
@@ -237,7 +238,8 @@ def test_distributed_update_interoperates_with_sglangs_group_join(tmp_path):
     names, dtypes, shapes = distributed_metadata(state)
     meta = tmp_path / "meta.json"
     meta.write_text(json.dumps({"names": names, "dtypes": dtypes, "shapes": shapes}))
-    port = free_port()
+    store = bind_weight_update_store("127.0.0.1", world_size=2, timeout_s=60)  # bound first: no port race
+    port = store.port
     engine_side = textwrap.dedent(f"""
         import json, os, sys, torch
         sys.path.insert(0, {str(Path(__file__).parent)!r})
@@ -260,7 +262,7 @@ def test_distributed_update_interoperates_with_sglangs_group_join(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", engine_side], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=ROOT)  # fmt: skip
     try:
-        group = open_weight_update_group("127.0.0.1", port, world_size=2, backend="gloo", timeout_s=60)
+        group = open_weight_update_group("127.0.0.1", port, world_size=2, backend="gloo", timeout_s=60, store=store)
         broadcast_state(state, group)
         out, err = proc.communicate(timeout=120)
         torch.distributed.destroy_process_group(group)

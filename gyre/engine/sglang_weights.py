@@ -48,6 +48,13 @@ def distributed_metadata(state: dict[str, torch.Tensor]) -> tuple[list[str], lis
     return names, [dtype_name(state[n].dtype) for n in names], [list(state[n].shape) for n in names]
 
 
+def bind_weight_update_store(master_address: str, world_size: int, timeout_s: float = 600.0) -> dist.TCPStore:
+    """Trainer rank 0's TCP store for the group, bound to a port the OS picks (`.port`): tell the
+    engines that port in `/init_weights_update_group`; no other process can take it meanwhile."""
+    timeout = timedelta(seconds=timeout_s)
+    return dist.TCPStore(master_address, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+
+
 def open_weight_update_group(
     master_address: str,
     master_port: int,
@@ -56,18 +63,22 @@ def open_weight_update_group(
     backend: str = "nccl",
     rank: int = 0,
     timeout_s: float = 600.0,
+    store: dist.Store | None = None,
 ) -> dist.ProcessGroup:
     """A process group beside the trainer's default one, joined by the engines' TP ranks.
 
     Rendezvous as SGLang's init_custom_process_group does on the engine side: a TCP store at
     master_address:master_port, keys under a PrefixStore named after the group. Call it while the
     engines' `/init_weights_update_group` requests are in flight (both sides block until all join).
+    Rank 0 passes the store from `bind_weight_update_store` (then master_port is its `.port`).
     """
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
     timeout = timedelta(seconds=timeout_s)
-    url = f"tcp://{master_address}:{master_port}"
-    store, rank, world_size = next(rendezvous(url, rank, world_size, timeout=timeout))
+    if store is None:
+        store, rank, world_size = next(
+            rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
+        )
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(
