@@ -22,9 +22,10 @@ def test_tree_path_and_call_tokens_of_a_hand_built_rollout():
     retry = make_record(2, [1, 2, 3], [5])  # same prompt again: a dead branch
     second = make_record(3, [1, 2, 3, 4, 6], [7], spliced=[(3, 1, 1)])
     tree = build_tree("r", [first, retry, second])
-    # tree 1 2 3 {4 6 7 | 5}: 7 tokens; paths [1 2 3 4 6 7] + [1 2 3 5]; calls 4 + 4 + 6 tokens
-    assert token_counts(tree, UNBOUNDED) == (2, 7, 10, 14)
-    assert token_counts(tree, 1) == (1, 6, 6, 10)  # the retry's branch is left out
+    # tree 1 2 3 {4 6 7 | 5}: 7 tokens; paths [1 2 3 4 6 7] + [1 2 3 5]; calls 4 + 4 + 6 tokens;
+    # attention pairs: depths 0-5 and 3 -> 21 + 4 in the tree, 21 + 10 as paths
+    assert token_counts(tree, UNBOUNDED) == (2, 7, 10, 14, 25, 31)
+    assert token_counts(tree, 1) == (1, 6, 6, 10, 21, 21)  # the retry's branch is left out
 
 
 def test_recorded_structure_reads_what_the_threads_share():

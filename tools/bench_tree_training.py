@@ -1,25 +1,26 @@
 """Tree-packed training vs expanded sequences on Claude-Code-shaped rollouts: tokens, forward-backward time, memory.
 
 Rollouts come from gyre.traj.synthetic (main thread re-sending its whole conversation each call,
-sub-agents, compactions, dropped retries) with every token count of its default shape divided by
---scale (call count and probabilities as given), built into trees by gyre.traj.build and bounded
-to K root-to-leaf paths by gyre.traj.sampling (K=5, and unbounded). For each, side by side:
+sub-agents, compactions, dropped retries). Their shape is RolloutShape's default (300 calls, ~1M
+tokens, a 20K-token system prompt and tools as in Claude Code's ~78 KB requests, 160K context)
+with the sub-agent's system prompt and tools sized by the ratio recorded from Claude Code
+(tests/data/claude_code_calls.jsonl, tools/record_claude_code.py). Trees are built by
+gyre.traj.build and bounded to K root-to-leaf paths by gyre.traj.sampling (K=5, and unbounded).
+Counted side by side:
 - tree:  one tree-packed micro-batch, every token once (gyre.train.tree_pack);
 - paths: every kept root-to-leaf path as its own plain sequence (same trainer, same attention
          kernel: a path is a one-chain tree); shared target tokens counted once in the loss;
 - calls: every kept call's own context + output as a sequence (tokens only; --time-calls times it).
-Forward-backward is MegatronTrainer.forward_backward with per-token weights, 1 torch thread, the
-default ModelConfig; times are CPU seconds (medians over --repeats, the variants interleaved).
-Then peak memory: resident-set growth of one forward-backward in a fresh process, vs tree size.
 
-Before the timings, two token counts that need no training:
-- the recorded Claude Code session (tests/data/claude_code_calls.jsonl, tools/record_claude_code.py):
-  its structure (what a sub-agent, a compacted thread and a summary share with the main thread) and
-  its tree vs paths vs calls tokens;
-- full-size synthetic rollouts (default shape: 300 calls, ~1M tokens, 20K-token system prompt and
-  tools, 160K context), median over --seeds.
+1. The recorded session: what a sub-agent, a summary and a compacted thread share with the thread
+   they come from, and its tree / path / call tokens.
+2. Full-size rollouts, tokens only (the ratios depend on the shape alone), medians over --seeds.
+3. Forward-backward at 1/--scale of every token count, same call count and probabilities (so as many
+   compactions and sub-agents as full size): MegatronTrainer.forward_backward with per-token weights,
+   1 torch thread, the default ModelConfig; CPU seconds, medians over --repeats, variants interleaved.
+4. Peak memory: resident-set growth of one forward-backward in a fresh process, vs tree size.
 
-    python -m tools.bench_tree_training [--scale 40] [--calls 300] [--p-retry 0 0.02 0.1] [--repeats 3]
+    python -m tools.bench_tree_training [--tokens-only] [--scale 40] [--calls 300] [--p-retry 0 0.02 0.1]
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import time
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -97,6 +99,14 @@ class Variant:
     def tokens(self) -> int:
         return sum(mb.n_tokens for mb in self.batches)
 
+    @property
+    def attention_pairs(self) -> int:
+        """(query, key) pairs the attention kernel scores: about sum over tokens of depth + 1, the cost
+        that dominates long contexts (deterministic, unlike seconds on a shared machine)."""
+        return sum(
+            (qb - qa) * sum(b - a for a, b in keys) for mb in self.batches for qa, qb, keys in mb.attention.blocks
+        )
+
 
 def variants(tree: TrajectoryTree, k: int, budget: int) -> tuple[SampledTree, list[Variant], int]:
     sampled = sample_tree(tree, k=k)
@@ -108,13 +118,27 @@ def variants(tree: TrajectoryTree, k: int, budget: int) -> tuple[SampledTree, li
     return sampled, [Variant("tree", packed), Variant("paths", path_batches)], call_tokens
 
 
-def token_counts(tree: TrajectoryTree, k: int) -> tuple[int, int, int, int]:
-    """(paths kept, tree tokens, path tokens, call tokens) of a tree bounded to k paths; no training."""
+class Counts(NamedTuple):
+    """Of a tree bounded to K paths: paths kept; tokens tree-packed, as paths, as calls; and exact
+    attention's (query, key) pairs, sum of (depth + 1), tree-packed and as paths."""
+
+    paths: int
+    tree_tokens: int
+    path_tokens: int
+    call_tokens: int
+    tree_attention: int
+    path_attention: int
+
+
+def token_counts(tree: TrajectoryTree, k: int) -> Counts:
+    """Counts of `tree` bounded to k paths (no training)."""
     sampled = sample_tree(tree, k=k)
     t = sampled.tree
-    path_tokens = sum(int(t.depth[leaf]) + 1 for leaf in sampled.path_leaves)
+    path_len = np.array([int(t.depth[leaf]) + 1 for leaf in sampled.path_leaves], dtype=np.int64)
     call_tokens = sum(int(t.depth[leaf]) + 1 for leaf in trained_call_leaves(sampled))
-    return sampled.n_paths, t.n_tokens, path_tokens, call_tokens
+    tree_attention = int(t.depth.astype(np.int64).sum()) + t.n_tokens
+    path_attention = int((path_len * (path_len + 1) // 2).sum())
+    return Counts(sampled.n_paths, t.n_tokens, int(path_len.sum()), call_tokens, tree_attention, path_attention)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -181,22 +205,24 @@ def recorded_shape(calls: list[CallRecord], base: RolloutShape | None = None) ->
     return replace(base, subagent_system_tokens=round(base.system_tokens * sub["system"] / main["system"]))
 
 
-def token_row(label: str, tree: TrajectoryTree) -> str:
-    cells = []
+def token_row(tree: TrajectoryTree) -> list[str]:
+    rows = []
     for k in (5, UNBOUNDED):
-        n_paths, tree_tok, path_tok, call_tok = token_counts(tree, k)
-        cells.append(
-            f"K={'all' if k == UNBOUNDED else k}: {n_paths} paths, tree {tree_tok:,} path {path_tok:,} "
-            f"({path_tok / tree_tok:.2f}x) call {call_tok:,} ({call_tok / tree_tok:.1f}x)"
+        c = token_counts(tree, k)
+        rows.append(
+            f"K={'all' if k == UNBOUNDED else k}: {c.paths} paths, tokens tree {c.tree_tokens:,} paths "
+            f"{c.path_tokens:,} ({c.path_tokens / c.tree_tokens:.2f}x) calls {c.call_tokens:,} "
+            f"({c.call_tokens / c.tree_tokens:.1f}x), attention pairs {c.path_attention / c.tree_attention:.2f}x"
         )
-    return f"{label:<22} " + " | ".join(cells)
+    return rows
 
 
 def recorded_session(calls: list[CallRecord], shape: RolloutShape) -> None:
     print(f"\nrecorded Claude Code session ({RECORDING.name}):")
     for line in recorded_structure(calls):
         print(f"  {line}")
-    print("  " + token_row("tokens", build_tree(calls[0].rollout_id, calls)))
+    for row in token_row(build_tree(calls[0].rollout_id, calls)):
+        print(f"  {row}")
     print(
         f"  synthetic shape: system prompt and tools {shape.system_tokens:,} tokens (Claude Code's ~78 KB request "
         f"body), sub-agent's {shape.subagent_system_tokens:,} (the recorded ratio)"
@@ -207,17 +233,19 @@ def full_size_tokens(shape: RolloutShape, p_retries: list[float], seeds: int) ->
     """Median token counts of full-size rollouts; paths/tree is set by the shape alone."""
     print(f"\nfull-size synthetic rollouts ({shape.n_calls} calls), medians over {seeds} seeds:")
     print(
-        f"{'p_retry':>7} {'K':>5} {'paths':>5} {'tree tok':>10} {'path tok':>10} {'call tok':>11} {'tok x':>6} {'call x':>6}"
+        f"{'p_retry':>7} {'K':>5} {'paths':>5} {'tree tok':>10} {'path tok':>10} {'call tok':>11} {'tok x':>6} "
+        f"{'call x':>6} {'attn x':>6}"
     )
     for p_retry in p_retries:
         trees = [rollout_tree(replace(shape, p_retry=p_retry), seed) for seed in range(seeds)]
         for k in (5, UNBOUNDED):
             rows = np.array([token_counts(t, k) for t in trees], dtype=float)
-            n_paths, tree_tok, path_tok, call_tok = np.median(rows, axis=0)
+            n_paths, tree_tok, path_tok, call_tok = np.median(rows[:, :4], axis=0)
             tok_x, call_x = np.median(rows[:, 2] / rows[:, 1]), np.median(rows[:, 3] / rows[:, 1])
+            attn_x = np.median(rows[:, 5] / rows[:, 4])
             print(
                 f"{p_retry:>7} {'all' if k == UNBOUNDED else k:>5} {n_paths:>5.0f} {tree_tok:>10,.0f} {path_tok:>10,.0f} "
-                f"{call_tok:>11,.0f} {tok_x:>6.2f} {call_x:>6.1f}",
+                f"{call_tok:>11,.0f} {tok_x:>6.2f} {call_x:>6.1f} {attn_x:>6.2f}",
                 flush=True,
             )
 
@@ -234,7 +262,7 @@ def fwd_bwd_seconds(trainer: MegatronTrainer, batches: list[TreeMicroBatch]) -> 
 def compare(args: argparse.Namespace, shape: RolloutShape, trainer: MegatronTrainer) -> None:
     print(
         f"{'p_retry':>7} {'K':>5} {'paths':>5} {'tree tok':>9} {'path tok':>9} {'call tok':>9} "
-        f"{'tok x':>6} {'call x':>6} {'tree s':>7} {'paths s':>8} {'time x':>6}"
+        f"{'tok x':>6} {'call x':>6} {'attn x':>6} {'tree s':>7} {'paths s':>8} {'time x':>6}"
         + ("  calls s" if args.time_calls else "")
     )
     for p_retry in args.p_retry:
@@ -258,7 +286,8 @@ def compare(args: argparse.Namespace, shape: RolloutShape, trainer: MegatronTrai
             per_k[k] = (tree_tok, med["tree"])
             print(
                 f"{p_retry:>7} {'all' if k == UNBOUNDED else k:>5} {sampled.n_paths:>5} {tree_tok:>9,} {path_tok:>9,} "
-                f"{call_tokens:>9,} {path_tok / tree_tok:>6.2f} {call_tokens / tree_tok:>6.1f} {med['tree']:>7.2f} "
+                f"{call_tokens:>9,} {path_tok / tree_tok:>6.2f} {call_tokens / tree_tok:>6.1f} "
+                f"{vs[1].attention_pairs / vs[0].attention_pairs:>6.2f} {med['tree']:>7.2f} "
                 f"{med['paths']:>8.2f} {med['paths'] / med['tree']:>6.2f}"
                 + (f" {med['calls']:>8.2f} ({med['calls'] / med['tree']:.1f}x)" if args.time_calls else ""),
                 flush=True,
@@ -366,7 +395,8 @@ def main() -> None:
         f"model: hidden {cfg.hidden_size}, {cfg.num_layers} layers, {cfg.num_attention_heads} heads "
         f"({cfg.num_query_groups} kv), vocab {cfg.vocab_size}; 1 thread; scale 1/{args.scale}, {args.calls} calls, "
         f"seed {args.seed}; medians of {args.repeats}\n"
-        "tok x = path tokens / tree tokens, call x = call tokens / tree tokens, time x = paths s / tree s"
+        "tok x = path tokens / tree tokens, call x = call tokens / tree tokens, attn x = (query, key) pairs scored\n"
+        "by attention, paths / tree; time x = paths s / tree s"
     )
     calls = read_call_log(RECORDING)
     shape = recorded_shape(calls)
