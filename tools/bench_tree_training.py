@@ -53,7 +53,14 @@ UNBOUNDED = 1 << 30
 RECORDING = Path(__file__).resolve().parents[1] / "tests" / "data" / "claude_code_calls.jsonl"
 
 
-def scaled_shape(d: RolloutShape, scale: int, calls: int, p_retry: float, vocab: int) -> RolloutShape:
+def bench_shape() -> RolloutShape:
+    """RolloutShape's default with the sub-agent's system prompt sized as recorded (see recorded_shape)."""
+    return recorded_shape(read_call_log(RECORDING))
+
+
+def scaled_shape(scale: int, calls: int, p_retry: float, vocab: int, base: RolloutShape | None = None) -> RolloutShape:
+    """`base` (default: bench_shape()) with every token count divided by `scale`."""
+    d = base or bench_shape()
     return replace(
         d,
         n_calls=calls,
@@ -267,7 +274,7 @@ def compare(args: argparse.Namespace, shape: RolloutShape, trainer: MegatronTrai
     )
     for p_retry in args.p_retry:
         tree = rollout_tree(
-            scaled_shape(shape, args.scale, args.calls, p_retry, trainer.model_cfg.vocab_size), args.seed
+            scaled_shape(args.scale, args.calls, p_retry, trainer.model_cfg.vocab_size, shape), args.seed
         )
         per_k: dict[int, tuple[int, float]] = {}
         for k in (5, UNBOUNDED):
@@ -315,11 +322,11 @@ def memory_child(args: argparse.Namespace) -> None:
     """One forward-backward of one tree in this (fresh) process; prints its size and the RSS high-water growth
     over the resident set just before it (model, optimizer and packed tree already in memory)."""
     trainer = make_trainer()
-    shape, vocab = recorded_shape(read_call_log(RECORDING)), trainer.model_cfg.vocab_size
-    tree = rollout_tree(scaled_shape(shape, args.scale, args.memory_child, args.p_retry[0], vocab), 0)
+    shape, vocab = bench_shape(), trainer.model_cfg.vocab_size
+    tree = rollout_tree(scaled_shape(args.scale, args.memory_child, args.p_retry[0], vocab, shape), 0)
     sampled = sample_tree(tree, k=UNBOUNDED)
     batches = pack_trees([sampled.tree], sampled.tree.n_tokens, [sampled.loss_weight])
-    warm = sample_tree(rollout_tree(scaled_shape(shape, args.scale, 3, 0.0, vocab), 1), k=UNBOUNDED)
+    warm = sample_tree(rollout_tree(scaled_shape(args.scale, 3, 0.0, vocab, shape), 1), k=UNBOUNDED)
     trainer.forward_backward(pack_trees([warm.tree], warm.tree.n_tokens, [warm.loss_weight]), weighted_token_loss)
     trainer.zero_grad()  # a small warm-up pass first: lazy initialisation is not the tree's memory
     before = current_rss_mb()
