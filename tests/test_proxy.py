@@ -31,7 +31,7 @@ from gyre.model.chat_template import (
 from gyre.model.hf_io import save_hf_checkpoint
 from gyre.model.llama import LlamaForCausalLM
 from gyre.model.tokenizer import Tokenizer
-from gyre.proxy.call_log import CallLog, CallRecord, parse_tool_call_id, tool_call_id
+from gyre.proxy.call_log import CallLog, CallRecord, parse_tool_call_id, read_call_log, tool_call_id
 from gyre.proxy.calls import cut_at_stop
 from gyre.proxy.errors import ProxyError
 from gyre.proxy.openai_api import KNOWN_FIELDS, Reply, completion_body, parse_chat_request, stream_chunks
@@ -263,6 +263,17 @@ def test_call_log_ids_are_unique_across_threads(tokenizer, tmp_path):
     popped = log.pop_rollout("r0")
     assert len(popped) == 20 and log.for_rollout("r0") == [] and log.get(popped[0].call_id) is None
     assert len(log) == 60
+
+
+@pytest.mark.unit
+def test_a_written_call_log_reads_back_and_a_truncated_line_is_named(tokenizer, tmp_path):
+    log = CallLog(tmp_path / "calls.jsonl")
+    records = [make_record(tokenizer, log, "r0", "hello" + IM_END, input_ids=[1, 2, 3 + n]) for n in range(3)]
+    assert read_call_log(tmp_path / "calls.jsonl") == records
+    text = (tmp_path / "calls.jsonl").read_text()
+    (tmp_path / "cut.jsonl").write_text(text[:-40])  # the last line half-written
+    with pytest.raises(ValueError, match=r"cut\.jsonl:3 is not a call record: JSONDecodeError"):
+        read_call_log(tmp_path / "cut.jsonl")
 
 
 @pytest.mark.unit

@@ -57,9 +57,17 @@ class CallRecord:
 
 
 def read_call_log(jsonl_path: str | Path) -> list[CallRecord]:
-    """The records of a call log written by `CallLog(jsonl_path)` (one JSON object a line)."""
-    lines = Path(jsonl_path).read_text().splitlines()
-    return [CallRecord.from_json(json.loads(line)) for line in lines if line.strip()]
+    """The records of a call log written by `CallLog(jsonl_path)` (one JSON object a line); a line
+    that is not a record (truncated, another format) is a ValueError naming the file and line."""
+    records = []
+    for n, line in enumerate(Path(jsonl_path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(CallRecord.from_json(json.loads(line)))
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"{jsonl_path}:{n} is not a call record: {type(e).__name__}: {e}") from e
+    return records
 
 
 def tool_call_id(call_id: int, n: int) -> str:
