@@ -202,8 +202,8 @@ def recorded_structure(calls: list[CallRecord]) -> list[str]:
 
 
 def recorded_shape(calls: list[CallRecord], base: RolloutShape | None = None) -> RolloutShape:
-    """`base` (default: RolloutShape()) with the sub-agent's system prompt and tools sized as recorded, relative to main's (both
-    threads compacted in the recording); base itself when the recording cannot tell."""
+    """`base` (default: RolloutShape()) with the sub-agent's system prompt and tools sized as recorded,
+    relative to main's (both threads compacted in the recording); base itself when it cannot tell."""
     base = base or RolloutShape()
     st = thread_stats(calls)
     main, sub = st.get("main", {}), st.get("subagent", {})
