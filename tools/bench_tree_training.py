@@ -97,6 +97,11 @@ def trained_call_leaves(sampled: SampledTree) -> list[int]:
     return [c.leaf for c in sampled.tree.calls if c.trained and not c.excluded and c.role != "side"]
 
 
+def call_tokens(sampled: SampledTree) -> int:
+    """Tokens if every trained call's own context + output were a sequence of its own."""
+    return sum(int(sampled.tree.depth[leaf]) + 1 for leaf in trained_call_leaves(sampled))
+
+
 @dataclass
 class Variant:
     name: str
@@ -121,8 +126,7 @@ def variants(tree: TrajectoryTree, k: int, budget: int) -> tuple[SampledTree, li
     paths, path_w = chains(sampled, sampled.path_leaves.tolist())
     longest = max(p.n_tokens for p in paths)
     path_batches = pack_trees(paths, max(budget, longest), path_w)
-    call_tokens = sum(int(sampled.tree.depth[leaf]) + 1 for leaf in trained_call_leaves(sampled))
-    return sampled, [Variant("tree", packed), Variant("paths", path_batches)], call_tokens
+    return sampled, [Variant("tree", packed), Variant("paths", path_batches)], call_tokens(sampled)
 
 
 class Counts(NamedTuple):
@@ -142,10 +146,11 @@ def token_counts(tree: TrajectoryTree, k: int) -> Counts:
     sampled = sample_tree(tree, k=k)
     t = sampled.tree
     path_len = np.array([int(t.depth[leaf]) + 1 for leaf in sampled.path_leaves], dtype=np.int64)
-    call_tokens = sum(int(t.depth[leaf]) + 1 for leaf in trained_call_leaves(sampled))
     tree_attention = int(t.depth.astype(np.int64).sum()) + t.n_tokens
     path_attention = int((path_len * (path_len + 1) // 2).sum())
-    return Counts(sampled.n_paths, t.n_tokens, int(path_len.sum()), call_tokens, tree_attention, path_attention)
+    return Counts(
+        sampled.n_paths, t.n_tokens, int(path_len.sum()), call_tokens(sampled), tree_attention, path_attention
+    )
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -278,7 +283,7 @@ def compare(args: argparse.Namespace, shape: RolloutShape, trainer: MegatronTrai
         )
         per_k: dict[int, tuple[int, float]] = {}
         for k in (5, UNBOUNDED):
-            sampled, vs, call_tokens = variants(tree, k, args.budget)
+            sampled, vs, n_call_tokens = variants(tree, k, args.budget)
             if args.time_calls:
                 calls, w = chains(sampled, trained_call_leaves(sampled))
                 vs.append(Variant("calls", pack_trees(calls, max(args.budget, max(c.n_tokens for c in calls)), w)))
@@ -293,7 +298,7 @@ def compare(args: argparse.Namespace, shape: RolloutShape, trainer: MegatronTrai
             per_k[k] = (tree_tok, med["tree"])
             print(
                 f"{p_retry:>7} {'all' if k == UNBOUNDED else k:>5} {sampled.n_paths:>5} {tree_tok:>9,} {path_tok:>9,} "
-                f"{call_tokens:>9,} {path_tok / tree_tok:>6.2f} {call_tokens / tree_tok:>6.1f} "
+                f"{n_call_tokens:>9,} {path_tok / tree_tok:>6.2f} {n_call_tokens / tree_tok:>6.1f} "
                 f"{vs[1].attention_pairs / vs[0].attention_pairs:>6.2f} {med['tree']:>7.2f} "
                 f"{med['paths']:>8.2f} {med['paths'] / med['tree']:>6.2f}"
                 + (f" {med['calls']:>8.2f} ({med['calls'] / med['tree']:.1f}x)" if args.time_calls else ""),

@@ -1,7 +1,7 @@
 """Claude Code (the real `claude` CLI from npm) as a black-box harness, offline, against the proxy.
 
-The runner starts `python -m gyre.harness.claude_code ...` (see `gyre.harness.runner.claude_code_command`); this wrapper
-runs `claude -p <task prompt>` in the workspace with a private HOME, no network traffic besides the
+The runner starts `python -m gyre.harness.claude_code ...` (gyre.harness.runner.claude_code_command);
+this wrapper runs `claude -p <task prompt>` in the workspace with a private HOME, no network traffic besides the
 proxy, and the rollout id in the base-URL path (`<proxy>/rollout/<id>`, which sub-agents inherit),
 then turns Claude Code's JSON result into the runner's result file (turns, stop reason, errors).
 
@@ -20,10 +20,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    pass
+from typing import Any
 
 CLAUDE_CODE_VERSION = "2.1.197"  # the npm version tools/setup_env.sh installs and the tests ran against
 REPO_ROOT = Path(__file__).resolve().parents[2]
