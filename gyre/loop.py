@@ -153,7 +153,11 @@ def train_step(trainer: MegatronTrainer, shards: list[Shard], cfg: RunConfig) ->
     """One optimizer update on the step's shards; returns its metrics and the rollout ids it trained."""
     rollouts = [r for s in shards for r in s.trainable() if r.meta.advantage]  # zero advantage trains nothing
     batches = rl_micro_batches(
-        rollouts, cfg.train.micro_batch_tokens, cfg.model.max_position_embeddings, step_rollouts=len(rollouts) or 1
+        rollouts,
+        cfg.train.micro_batch_tokens,
+        cfg.model.max_position_embeddings,
+        step_rollouts=len(rollouts) or 1,
+        logprob_distribution=cfg.rl.logprob_distribution,
     )
     if not batches:
         return {"trained": 0.0}, []

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from gyre.config.schema import RunConfig
+from gyre.config.schema import LogprobDistribution, RunConfig
 from gyre.harness.runner import RolloutOutcome
 from gyre.proxy.call_log import CallRecord
 from gyre.store.reader import ShardRollout, read_shard
@@ -117,14 +117,22 @@ class RLMicroBatch:
 
 
 def rl_micro_batches(
-    rollouts: Sequence[ShardRollout], token_budget: int, max_len: int, step_rollouts: int
+    rollouts: Sequence[ShardRollout],
+    token_budget: int,
+    max_len: int,
+    step_rollouts: int,
+    logprob_distribution: LogprobDistribution = LogprobDistribution.tempered,
 ) -> list[RLMicroBatch]:
-    """Pack whole trees by token budget; each rollout's loss is scaled by 1/step_rollouts."""
+    """Pack whole trees by token budget; each rollout's loss is scaled by 1/step_rollouts. Training logprobs
+    describe `logprob_distribution` (rl.logprob_distribution), as the behaviour logprobs the proxy recorded."""
     if not rollouts:
         return []
     trees = [r.tree for r in rollouts]
     adv = {r.rollout_id: float(r.meta.advantage) for r in rollouts}
     batches = pack_trees(trees, token_budget, [r.loss_weight for r in rollouts], max_len=max_len)
+    truncated = logprob_distribution is LogprobDistribution.truncated
+    for b in batches:
+        b.sampling = replace(b.sampling, truncated=truncated)
     return [
         RLMicroBatch(b, torch.tensor([adv[rid] for rid in b.rollout_ids], dtype=torch.float32), 1.0 / step_rollouts)
         for b in batches

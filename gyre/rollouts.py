@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from gyre.config.schema import RunConfig
+from gyre.config.schema import LogprobDistribution, RunConfig
 from gyre.engine.client import EngineClient
 from gyre.engine.launcher import start_engine_from_config
 from gyre.harness.runner import RolloutOutcome, run_rollouts
@@ -75,7 +75,10 @@ class RolloutService:
         self.engine = start_engine_from_config(
             self.policy.checkpoint_dir, self.cfg.engine, log_path=self.out / "engine.log"
         )
-        self.proxy = ProxyServer(self.tokenizer, [self.engine.url], self.cfg.proxy, self.call_log)
+        truncated = self.cfg.rl.logprob_distribution is LogprobDistribution.truncated
+        self.proxy = ProxyServer(
+            self.tokenizer, [self.engine.url], self.cfg.proxy, self.call_log, truncated_logprobs=truncated
+        )
         self.proxy_url = self.proxy.start()
         return self
 

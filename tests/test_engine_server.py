@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -119,13 +120,35 @@ def test_sampling_follows_inverse_cdf_with_top_p_and_top_k() -> None:
     def counts(**kw: float) -> list[int]:
         spec = SamplingSpec(temperature=1.0, **kw)
         params = BatchSamplingParams.build([spec] * 1000, 3)
-        tokens, logprobs = sample_tokens(logits, params, grid)
-        assert torch.allclose(logprobs, logits.gather(1, tokens[:, None])[:, 0], atol=1e-6)  # raw logprobs
+        tokens, logprobs, _ = sample_tokens(logits, params, grid)
+        assert torch.allclose(logprobs, logits.gather(1, tokens[:, None])[:, 0], atol=1e-6)  # T=1: raw logprobs
         return torch.bincount(tokens, minlength=3).tolist()
 
     assert counts() == [700, 200, 100]
     assert counts(top_p=0.8) == [778, 222, 0]  # 0.7/0.9, 0.2/0.9
     assert counts(top_k=1) == [1000, 0, 0]
+    assert counts(min_p=0.25) == [778, 222, 0]  # 0.1 < 0.25 * 0.7
+    assert counts(min_p=0.5) == [1000, 0, 0]
+    greedy = BatchSamplingParams.build([SamplingSpec(temperature=0.0)], 3)
+    banned = torch.tensor([[True, False, False]])
+    assert sample_tokens(logits[:1], greedy, None, banned)[0].tolist() == [1]
+
+
+@pytest.mark.unit
+def test_sampled_logprobs_are_tempered_and_truncated_by_hand() -> None:
+    """Hand-computed: p = (0.7, 0.2, 0.1); at T=0.5 the tempered distribution is p^2 / 0.54."""
+    logits = torch.tensor([[0.7, 0.2, 0.1]]).log()
+    tempered = torch.tensor([0.49, 0.04, 0.01]) / 0.54
+    for token, u in ((0, 0.1), (1, 0.95)):
+        spec = SamplingSpec(temperature=0.5)
+        out = sample_tokens(logits, BatchSamplingParams.build([spec], 3), torch.tensor([u]))
+        assert out.tokens.tolist() == [token]
+        assert out.logprobs.item() == pytest.approx(tempered[token].log().item(), abs=1e-6)
+        assert out.truncated_logprobs.item() == pytest.approx(out.logprobs.item(), abs=1e-6)  # nothing truncated
+        spec = SamplingSpec(temperature=0.5, top_k=2)  # keeps 0 and 1: mass 0.53 / 0.54
+        out = sample_tokens(logits, BatchSamplingParams.build([spec], 3), torch.tensor([u]))
+        assert out.logprobs.item() == pytest.approx(tempered[token].log().item(), abs=1e-6)
+        assert out.truncated_logprobs.item() == pytest.approx(math.log([0.49, 0.04][token] / 0.53), abs=1e-6)
     greedy = BatchSamplingParams.build([SamplingSpec(temperature=0.0)], 3)
     banned = torch.tensor([[True, False, False]])
     assert sample_tokens(logits[:1], greedy, None, banned)[0].tolist() == [1]
@@ -143,6 +166,7 @@ def test_sampling_params_validation() -> None:
         {"min_new_tokens": 6, "max_new_tokens": 5},
         {"stop_token_ids": [10]},
         {"frequency_penalty": 0.5},
+        {"min_p": 1.5},
         {"tempreature": 1.0},
         {"max_new_tokens": "5"},
     ):
@@ -216,11 +240,12 @@ def test_logprobs_equal_a_full_forward(ckpts, tokenizer) -> None:
             return await asyncio.gather(*(client.generate(ps[i], s) for i, s in enumerate(sampling))), ps
 
     results, ps = run(main())
-    for prompt, res in zip(ps[: len(results)], results, strict=True):
+    for prompt, res, s in zip(ps[: len(results)], results, sampling, strict=True):
         seq = torch.tensor(prompt + res.output_ids)
         with torch.no_grad():
             logits, _ = model(seq[None, :-1], torch.arange(len(seq) - 1)[None])
-        ref = torch.log_softmax(logits[0], -1).gather(1, seq[1:, None])[:, 0][len(prompt) - 1 :]
+        tempered = torch.log_softmax(logits[0] / s.temperature, -1)  # top-p truncation ignored (the default)
+        ref = tempered.gather(1, seq[1:, None])[:, 0][len(prompt) - 1 :]
         assert torch.allclose(torch.tensor(res.output_logprobs), ref, atol=1e-4)
 
 

@@ -50,9 +50,9 @@ def hand_tree(rollout_id: str = "r0") -> TrajectoryTree:
         call_id=np.array([-1, -1, -1, -1, 0, 0, -1, -1, 1, 1, -1, 2], dtype=np.int64),
         role=np.array([m] * 10 + [s, s], dtype=np.uint8),
         calls=[
-            CallInfo(0, "main", 5, 4, 2, "v0", "stop", 100.0, 101.5),
-            CallInfo(1, "main", 9, 8, 2, "v1", "stop", 102.0, 103.0),
-            CallInfo(2, "main_summary", 11, 5, 1, "v1", "length", 104.0, 104.5),
+            CallInfo(0, "main", 5, 4, 2, "v0", "stop", 100.0, 101.5, temperature=0.7, top_p=0.95),
+            CallInfo(1, "main", 9, 8, 2, "v1", "stop", 102.0, 103.0, temperature=1.6, top_k=20, min_p=0.05),
+            CallInfo(2, "main_summary", 11, 5, 1, "v1", "length", 104.0, 104.5, temperature=0.0),
         ],
     )
 
@@ -117,7 +117,7 @@ def test_round_trip(tmp_path):
     )
 
     shard = read_shard(path)
-    assert shard.attrs["schema"] == "gyre.trajectory_shard" and shard.attrs["schema_version"] == 1
+    assert shard.attrs["schema"] == "gyre.trajectory_shard" and shard.attrs["schema_version"] == 2
     assert shard.attrs["run_id"] == "run-a" and shard.attrs["step"] == 7
     assert shard.attrs["n_tokens"] == sum(t.n_tokens for t in trees)
     rollouts = list(shard)
@@ -331,13 +331,31 @@ def test_truncated_file_is_a_shard_error(tmp_path, keep):
     assert str(path) in str(err.value)
 
 
+SAMPLING_COLUMNS = ("temperature", "top_p", "top_k", "min_p")
+
+
+def test_version_1_shards_read_with_default_sampling_parameters(tmp_path):
+    """A v1 shard (no sampling columns) reads as temperature 1, no truncation: what its raw logprobs describe."""
+    path = write_shard(tmp_path / "v1.h5", [(hand_tree("hand"), meta(), weight(hand_tree("hand")))], run_id="r", step=0)
+    with h5py.File(path, "r+") as f:
+        for name in SAMPLING_COLUMNS:
+            del f["calls"][name]
+        f.attrs["schema_version"] = np.int64(1)
+    calls = next(iter(read_shard(path))).tree.calls
+    assert [(c.temperature, c.top_p, c.top_k, c.min_p) for c in calls] == [(1.0, 1.0, -1, 0.0)] * 3
+    with h5py.File(path, "r+") as f:
+        f.attrs["schema_version"] = np.int64(2)  # the same file claiming version 2 lacks required columns
+    with pytest.raises(ShardError, match="/calls/temperature is missing"):
+        read_shard(path)
+
+
 def test_unknown_schema_version_and_name(tmp_path):
     path = small_shard(tmp_path / "a.h5")
     with h5py.File(path, "r+") as f:
-        f.attrs["schema_version"] = np.int64(2)
-    with pytest.raises(ShardError, match=r"schema_version 2 is newer than this gyre reads \(1\): upgrade gyre"):
+        f.attrs["schema_version"] = np.int64(3)
+    with pytest.raises(ShardError, match=r"schema_version 3 is newer than this gyre reads \(1, 2\): upgrade gyre"):
         read_shard(path)
-    with pytest.raises(ShardError, match="schema_version 2"):
+    with pytest.raises(ShardError, match="schema_version 3"):
         read_header(path)
     with h5py.File(path, "r+") as f:
         f.attrs["schema_version"] = np.int64(0)

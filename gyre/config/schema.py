@@ -6,6 +6,7 @@ This module must import without torch, megatron, sglang or mooncake (tests check
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 
 @dataclass
@@ -107,6 +108,13 @@ class HarnessConfig:
     keep_workspaces: bool = False
 
 
+class LogprobDistribution(StrEnum):
+    """Which distribution behaviour and training logprobs describe (both: logits / the call's temperature)."""
+
+    tempered = "tempered"  # softmax(logits / T) over the whole vocabulary; top-k/top-p/min-p truncation ignored
+    truncated = "truncated"  # the same, renormalised over the tokens top-k/top-p/min-p kept: what was sampled
+
+
 @dataclass
 class RLConfig:
     algorithm: str = "gspo"
@@ -115,6 +123,7 @@ class RLConfig:
     clip_eps_low: float = 3e-4
     clip_eps_high: float = 4e-4
     max_trajectories_per_rollout: int = 5
+    logprob_distribution: LogprobDistribution = LogprobDistribution.tempered
 
 
 @dataclass

@@ -51,11 +51,12 @@ class Delta:
     """What a request gained since its last delta; `finish` is set on the last one."""
 
     output_ids: list[int]
-    logprobs: list[float]
+    logprobs: list[float]  # tempered (gyre.engine.sampling)
     weight_version: str
     cached_tokens: int = 0
     finish: dict[str, Any] | None = None
     weight_versions: list[dict[str, Any]] | None = None
+    truncated_logprobs: list[float] = field(default_factory=list)  # over the kept set, one per output id
 
 
 @dataclass(eq=False)
@@ -69,6 +70,7 @@ class Sequence:
     sink: Callable[[Delta], None]
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_truncated_logprobs: list[float] = field(default_factory=list)
     kv_len: int = 0  # tokens whose keys/values sit in the slot
     kv_epoch: int = 0  # the batcher's weights epoch when this KV was started
     slot: int = -1
@@ -241,13 +243,15 @@ class Batcher:
             for i, s in enumerate(seqs):
                 if len(s.output_ids) < s.spec.min_new_tokens and s.stop_ids:
                     banned[i, list(s.stop_ids)] = True
-        tokens, logprobs = sample_tokens(logits, params, uniforms, banned)
-        for s, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist(), strict=True):
-            self._append(s, tok, lp)
+        out = sample_tokens(logits, params, uniforms, banned)
+        rows = zip(seqs, out.tokens.tolist(), out.logprobs.tolist(), out.truncated_logprobs.tolist(), strict=True)
+        for s, tok, lp, truncated_lp in rows:
+            self._append(s, tok, lp, truncated_lp)
 
-    def _append(self, seq: Sequence, token: int, logprob: float) -> None:
+    def _append(self, seq: Sequence, token: int, logprob: float, truncated_logprob: float) -> None:
         seq.output_ids.append(token)
         seq.output_logprobs.append(logprob)
+        seq.output_truncated_logprobs.append(truncated_logprob)
         self.generated_tokens += 1
         spec, n_out = seq.spec, len(seq.output_ids)
         if token in seq.stop_ids and n_out > spec.min_new_tokens:
@@ -295,6 +299,7 @@ class Batcher:
         delta = Delta(
             output_ids=seq.output_ids[seq.emitted :],
             logprobs=seq.output_logprobs[seq.emitted :],
+            truncated_logprobs=seq.output_truncated_logprobs[seq.emitted :],
             weight_version=self.weight_version,
             cached_tokens=max(seq.cached_tokens, 0),
         )

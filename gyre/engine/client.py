@@ -27,11 +27,17 @@ class SamplingParams:
     max_new_tokens: int = 128
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
+    top_k: int = -1
+    min_p: float = 0.0
+    # behaviour logprobs renormalised over the kept set (SGLang's return_sampling_mask) instead of tempered only
+    truncated_logprobs: bool = False
 
     def to_payload(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "temperature": self.temperature,
             "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
             "max_new_tokens": self.max_new_tokens,
             "stop_token_ids": list(self.stop_token_ids),
             "skip_special_tokens": False,
@@ -60,10 +66,13 @@ class GenerateResult:
         ids = body.get("output_ids")
         if ids is None:
             ids = [int(tok) for _, tok, *_ in lps]
+        logprobs = [float(lp) for lp, *_ in lps]
+        if "output_token_sampling_logprobs" in meta:  # asked for with return_sampling_mask (selected mode)
+            logprobs = [float(lp) for lp in meta["output_token_sampling_logprobs"]]
         return cls(
             rid=str(meta.get("id", "")),
             output_ids=[int(i) for i in ids],
-            output_logprobs=[float(lp) for lp, *_ in lps],
+            output_logprobs=logprobs,
             finish_reason=str(finish.get("type", "stop")) if isinstance(finish, dict) else str(finish),
             prompt_tokens=int(meta.get("prompt_tokens", 0)),
             cached_tokens=int(meta.get("cached_tokens", 0)),
@@ -108,6 +117,8 @@ class EngineClient:
             "return_logprob": True,
             "stream": False,
         }
+        if sampling.truncated_logprobs:
+            payload["return_sampling_mask"] = True
         if rid is not None:
             payload["rid"] = rid
         return GenerateResult.from_response(await self._request("POST", "/generate", payload))

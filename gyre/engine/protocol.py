@@ -46,6 +46,7 @@ class GenerateItem:
     spec: SamplingSpec
     return_logprob: bool
     return_text_in_logprobs: bool
+    return_sampling_mask: bool = False  # SGLang's flag: also answer output_token_sampling_logprobs
 
 
 @dataclass
@@ -121,15 +122,23 @@ def parse_generate(body: Any, tokenizer: Tokenizer | None, vocab_size: int, max_
     text_in_lp = body.get("return_text_in_logprobs", False)
     if not all(isinstance(f, bool) for f in [*logprob_flags, text_in_lp]):
         raise ProtocolError("return_logprob and return_text_in_logprobs must be true or false")
+    mask_flags = _per_item(body.get("return_sampling_mask") or False, n, "return_sampling_mask", is_batch)
+    if not all(isinstance(f, bool) for f in mask_flags):
+        raise ProtocolError("return_sampling_mask must be true or false")
+    mode = body.get("sampling_logprobs_mode")
+    if mode is not None and not any(mask_flags):
+        raise ProtocolError("sampling_logprobs_mode can only be set when return_sampling_mask=true")
+    if mode not in (None, "selected"):
+        raise ProtocolError(f"sampling_logprobs_mode={mode!r} is not supported by the embedded engine; use 'selected'")
 
     items = []
-    for prompt, r, spec, lp in zip(prompts, rids, specs, logprob_flags, strict=True):
+    for prompt, r, spec, lp, mask in zip(prompts, rids, specs, logprob_flags, mask_flags, strict=True):
         if len(prompt) + spec.max_new_tokens > max_context_tokens:
             raise ProtocolError(
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({spec.max_new_tokens}) exceeds the context "
                 f"limit of {max_context_tokens} tokens; shorten the prompt or lower max_new_tokens"
             )
-        items.append(GenerateItem(r, prompt, spec, lp, text_in_lp))
+        items.append(GenerateItem(r, prompt, spec, lp, text_in_lp, mask))
     return GenerateRequest(items, is_batch, stream)
 
 
@@ -141,6 +150,7 @@ class RequestOutput:
     created: float = field(default_factory=time.perf_counter)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    truncated_logprobs: list[float] = field(default_factory=list)
     last: Delta | None = None
 
     @property
@@ -150,6 +160,7 @@ class RequestOutput:
     def add(self, delta: Delta) -> None:
         self.output_ids.extend(delta.output_ids)
         self.logprobs.extend(delta.logprobs)
+        self.truncated_logprobs.extend(delta.truncated_logprobs)
         self.last = delta
 
     def text(self, tokenizer: Tokenizer | None) -> str:
@@ -183,6 +194,8 @@ class RequestOutput:
                 for lp, tok in zip(self.logprobs, self.output_ids, strict=True)
             ]
             meta["output_token_logprobs_length"] = len(self.logprobs)
+        if self.item.return_sampling_mask:  # SGLang's selected mode; the kept ids themselves are not sent
+            meta["output_token_sampling_logprobs"] = list(self.truncated_logprobs)
         if finish is not None:
             if last.weight_versions:
                 meta["weight_versions"] = last.weight_versions

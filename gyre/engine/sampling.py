@@ -1,7 +1,16 @@
 """Sampling parameters (SGLang's names and defaults) and batched token sampling.
 
-Logprobs are always `log_softmax` of the raw fp32 logits, before temperature, top-k and top-p: the
-same quantity the trainer computes for a token, so behaviour and training logprobs are comparable.
+Each sampled token gets two behaviour logprobs, both of the fp32 logits divided by the request's
+temperature (a greedy request counts as temperature 1 and top-k 1, as SGLang normalises it):
+- tempered: `log_softmax(logits / T)`, truncation by top-k/top-p/min-p ignored. What SGLang 0.5.23
+  returns as `output_token_logprobs` (sampler.py: `log(softmax(logits / T))`, taken before its
+  top-k/top-p/min-p filter) and gyre's default (`rl.logprob_distribution=tempered`).
+- truncated: the same probabilities renormalised over the kept set (the top-k tokens, within the
+  top-p nucleus, at least min-p times the most likely token's probability): exactly the distribution
+  the token was drawn from. What SGLang returns as `output_token_sampling_logprobs` when a request
+  sets `return_sampling_mask` (`rl.logprob_distribution=truncated`).
+The trainer computes the same two definitions (gyre/train/sampling_logprobs.py). Tokens hidden by
+min_new_tokens are hidden from sampling only; the logprobs are of the unhidden logits.
 Each request draws its uniforms from its own generator, so a seeded request samples the same tokens
 whichever requests it is batched with.
 """
@@ -10,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -20,6 +29,7 @@ _DEFAULTS: dict[str, Any] = {
     "temperature": 1.0,
     "top_p": 1.0,
     "top_k": -1,
+    "min_p": 0.0,
     "min_new_tokens": 0,
     "stop": None,
     "stop_token_ids": None,
@@ -31,7 +41,6 @@ _DEFAULTS: dict[str, Any] = {
 }
 # SGLang fields this engine accepts only at their neutral value.
 _NEUTRAL: dict[str, Any] = {
-    "min_p": 0.0,
     "frequency_penalty": 0.0,
     "presence_penalty": 0.0,
     "repetition_penalty": 1.0,
@@ -57,6 +66,7 @@ class SamplingSpec:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: whole vocabulary
+    min_p: float = 0.0  # keep tokens with probability >= min_p * the most likely token's
     min_new_tokens: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
@@ -107,6 +117,7 @@ def parse_sampling_params(raw: Any, vocab_size: int) -> SamplingSpec:
     temperature = _as_float("temperature", p["temperature"])
     top_p = _as_float("top_p", p["top_p"])
     top_k = _as_int("top_k", p["top_k"])
+    min_p = _as_float("min_p", p["min_p"])
     if max_new < 0:
         raise ValueError(f"max_new_tokens must be at least 0, got {max_new}")
     if not 0 <= min_new <= max_new:
@@ -117,6 +128,8 @@ def parse_sampling_params(raw: Any, vocab_size: int) -> SamplingSpec:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if top_k != -1 and top_k < 1:
         raise ValueError(f"top_k must be -1 (disable) or at least 1, got {top_k}")
+    if not 0.0 <= min_p <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1], got {min_p}")
 
     stop = p["stop"]
     stop_strs = (stop,) if isinstance(stop, str) else tuple(stop or ())
@@ -136,6 +149,7 @@ def parse_sampling_params(raw: Any, vocab_size: int) -> SamplingSpec:
         temperature=temperature,
         top_p=top_p,
         top_k=-1 if top_k >= vocab_size else top_k,
+        min_p=min_p,
         min_new_tokens=min_new,
         stop=stop_strs,
         stop_token_ids=frozenset(int(t) for t in ids),
@@ -150,12 +164,13 @@ def parse_sampling_params(raw: Any, vocab_size: int) -> SamplingSpec:
 class BatchSamplingParams:
     """Per-row tensors for a batch of requests; rebuilt only when the running set changes."""
 
-    temperature: torch.Tensor  # [B] float, 1.0 for greedy rows (unused there)
+    temperature: torch.Tensor  # [B] float, 1.0 for greedy rows
     top_p: torch.Tensor  # [B] float
     top_k: torch.Tensor  # [B] long, vocab size when disabled
+    min_p: torch.Tensor  # [B] float
     greedy: torch.Tensor  # [B] bool
     all_greedy: bool
-    needs_filter: bool  # some row uses top-k or top-p
+    needs_filter: bool  # some row uses top-k, top-p or min-p
 
     @classmethod
     def build(
@@ -167,10 +182,25 @@ class BatchSamplingParams:
             temperature=torch.tensor(temperature, device=device),
             top_p=torch.tensor([s.top_p for s in specs], device=device),
             top_k=torch.tensor([vocab_size if s.top_k < 0 else s.top_k for s in specs], device=device),
+            min_p=torch.tensor([s.min_p for s in specs], device=device),
             greedy=torch.tensor(greedy, device=device),
             all_greedy=all(greedy),
-            needs_filter=any(s.top_p < 1.0 or 0 < s.top_k < vocab_size for s in specs),
+            needs_filter=any(s.top_p < 1.0 or 0 < s.top_k < vocab_size or s.min_p > 0 for s in specs),
         )
+
+
+class SampledTokens(NamedTuple):
+    tokens: torch.Tensor  # [B] long
+    logprobs: torch.Tensor  # [B] tempered behaviour logprob
+    truncated_logprobs: torch.Tensor  # [B] renormalised over the kept set (0 on greedy rows)
+
+
+def _kept_sorted(probs_sorted: torch.Tensor, params: BatchSamplingParams) -> torch.Tensor:
+    """[B, V] bool over probabilities sorted in descending order: the tokens top-k, top-p and min-p keep."""
+    rank = torch.arange(probs_sorted.shape[-1], device=probs_sorted.device)[None, :]
+    before = probs_sorted.cumsum(dim=-1) - probs_sorted  # mass strictly before each sorted token
+    keep = (rank < params.top_k[:, None]) & ((before < params.top_p[:, None]) | (rank == 0))
+    return keep & (probs_sorted >= params.min_p[:, None] * probs_sorted[:, :1])
 
 
 def sample_tokens(
@@ -178,30 +208,44 @@ def sample_tokens(
     params: BatchSamplingParams,
     uniforms: torch.Tensor | None,
     banned: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] fp32 -> (token ids [B], logprobs [B] of the raw logits).
+) -> SampledTokens:
+    """logits [B, V] fp32 -> token ids [B] with their tempered and truncated logprobs (module docstring).
 
     uniforms [B] in [0, 1) drive inverse-CDF sampling (None when every row is greedy);
     banned [B, V] bool removes tokens from sampling only (min_new_tokens hides stop tokens).
     """
-    logprobs_all = torch.log_softmax(logits, dim=-1)
-    masked = logits if banned is None else logits.masked_fill(banned, float("-inf"))
+    scaled = logits / params.temperature[:, None]
+    tempered_all = torch.log_softmax(scaled, dim=-1)
+    masked = scaled if banned is None else scaled.masked_fill(banned, float("-inf"))
     greedy_ids = masked.argmax(dim=-1)
+    kept: torch.Tensor | None = None  # [B, V] in vocabulary order, of the unbanned distribution
     if params.all_greedy:
         tokens = greedy_ids
     else:
         if uniforms is None:
             raise ValueError("uniforms are required when some row samples")
-        probs = torch.softmax(masked / params.temperature[:, None], dim=-1)
+        probs = torch.softmax(masked, dim=-1)
         if params.needs_filter:
             probs, order = probs.sort(dim=-1, descending=True)
-            rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
-            before = probs.cumsum(dim=-1) - probs  # mass strictly before each sorted token
-            keep = (rank < params.top_k[:, None]) & ((before < params.top_p[:, None]) | (rank == 0))
+            keep = _kept_sorted(probs, params)
             probs = probs * keep
+            if banned is None:
+                kept = torch.zeros_like(keep).scatter_(1, order, keep)
         cdf = probs.cumsum(dim=-1)
         target = (uniforms * cdf[:, -1])[:, None]
         idx = torch.searchsorted(cdf, target, right=True).clamp_max(probs.shape[-1] - 1)
         sampled = order.gather(1, idx)[:, 0] if params.needs_filter else idx[:, 0]
         tokens = torch.where(params.greedy, greedy_ids, sampled)
-    return tokens, logprobs_all.gather(1, tokens[:, None])[:, 0]
+    logprobs = tempered_all.gather(1, tokens[:, None])[:, 0]
+    if not params.needs_filter:
+        truncated = logprobs
+    else:
+        if kept is None:
+            unbanned, order = tempered_all.exp().sort(dim=-1, descending=True)
+            keep = _kept_sorted(unbanned, params)
+            kept = torch.zeros_like(keep).scatter_(1, order, keep)
+        kept = kept.scatter(1, tokens[:, None], True)  # a hidden-token edge case must stay finite
+        mass = (tempered_all.exp() * kept).sum(dim=-1)
+        truncated = logprobs - mass.log()
+    truncated = torch.where(params.greedy, torch.zeros_like(truncated), truncated)
+    return SampledTokens(tokens, logprobs, truncated)

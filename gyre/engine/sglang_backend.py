@@ -30,6 +30,20 @@ from gyre.engine.client import EngineClient, EngineError
 from gyre.engine.launcher import EngineProcess, EngineStartError, _tail
 
 MEMORY_TAGS = ("weights", "kv_cache")
+# Set truthy, SGLang 0.5.23 returns log_softmax of the logits before temperature (layers/sampler.py), not the
+# tempered distribution the trainer scores the tokens under (gyre/train/sampling_logprobs.py).
+ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+
+
+def sglang_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The server's environment; refuses the setting that would make its logprobs untempered."""
+    out = {**os.environ, **(env or {})}
+    if out.get(ORIGINAL_LOGPROB_ENV, "false").lower() in ("true", "1"):
+        raise ValueError(
+            f"{ORIGINAL_LOGPROB_ENV}={out[ORIGINAL_LOGPROB_ENV]} makes SGLang return logprobs before temperature, "
+            "which the trainer does not score; unset it (gyre trains the tempered distribution, see README GSPO)"
+        )
+    return out
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -132,6 +146,7 @@ def start_sglang_server(
     """Launch an SGLang server in its own process group and wait until it serves."""
     port = port or cfg.port or free_port(cfg.host)
     cmd = sglang_launch_command(model_path, cfg, port, model, **kwargs)
+    server_env = sglang_env(env)
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix="gyre-sglang-", suffix=".log")
         os.close(fd)
@@ -145,7 +160,7 @@ def start_sglang_server(
             stdout=log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
+            env=server_env,
             start_new_session=True,
         )
     except OSError as e:

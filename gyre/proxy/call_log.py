@@ -43,6 +43,13 @@ class CallRecord:
     retokenized_turns: int = 0  # assistant turns in the prompt the proxy never produced
     content: str = ""  # the reply as answered: text part ...
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # ... and parsed calls {"name", "arguments"}
+    # The sampling parameters sent to the engine (SGLang's names); output_logprobs describe the distribution
+    # they define (rl.logprob_distribution). Logs written before they were recorded read as the defaults,
+    # which is what their logprobs (log_softmax of the raw logits) describe.
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no limit
+    min_p: float = 0.0
 
     @property
     def tool_call_ids(self) -> list[str]:

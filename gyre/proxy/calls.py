@@ -24,6 +24,8 @@ class GenParams:
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    top_k: int = -1
+    min_p: float = 0.0
 
 
 def cut_at_stop(tokenizer: Tokenizer, output_ids: list[int], stops: list[str]) -> tuple[int, str] | None:
@@ -49,8 +51,16 @@ def cut_at_stop(tokenizer: Tokenizer, output_ids: list[int], stops: list[str]) -
 
 
 class CallRunner:
-    def __init__(self, tokenizer: Tokenizer, call_log: CallLog, dispatcher: EngineDispatcher, cfg: ProxyConfig) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        call_log: CallLog,
+        dispatcher: EngineDispatcher,
+        cfg: ProxyConfig,
+        truncated_logprobs: bool = False,
+    ) -> None:
         self.tokenizer = tokenizer
+        self.truncated_logprobs = truncated_logprobs  # rl.logprob_distribution=truncated
         self.call_log = call_log
         self.dispatcher = dispatcher
         self.cfg = cfg
@@ -105,6 +115,9 @@ class CallRunner:
             max_new_tokens=self.max_new_tokens(len(prompt.input_ids), params.max_tokens, rollout_id),
             stop_token_ids=[self.tokenizer.eos_id],
             seed=params.seed,
+            top_k=params.top_k,
+            min_p=params.min_p,
+            truncated_logprobs=self.truncated_logprobs,
         )
         call_id = self.call_log.next_call_id()
         url, result = await self.dispatcher.generate(prompt.input_ids, sampling, call_id, rollout_id)
@@ -136,6 +149,10 @@ class CallRunner:
             retokenized_turns=prompt.retokenized_turns,
             content=content,
             tool_calls=calls,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            min_p=sampling.min_p,
         )
         self.call_log.add(record)
         self.spliced_turns += len(prompt.spliced)

@@ -50,6 +50,7 @@ class ProxyServer:
         cfg: ProxyConfig,
         call_log: CallLog,
         model_name: str = "gyre-policy",
+        truncated_logprobs: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.cfg = cfg
@@ -57,7 +58,7 @@ class ProxyServer:
         self.model_name = model_name
         self.router = EngineRouter(engine_urls, cfg.affinity_slack)
         self.dispatcher = EngineDispatcher(self.router, cfg.request_timeout_s)
-        self.runner = CallRunner(tokenizer, call_log, self.dispatcher, cfg)
+        self.runner = CallRunner(tokenizer, call_log, self.dispatcher, cfg, truncated_logprobs)
         self.url: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

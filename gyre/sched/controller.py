@@ -16,7 +16,7 @@ from typing import Any
 
 from gyre.comm.control import ControlPlane
 from gyre.comm.messages import Hello, RoleSwitch, SaveCheckpoint, Shutdown
-from gyre.config.schema import RunConfig
+from gyre.config.schema import LogprobDistribution, RunConfig
 from gyre.metrics import MetricsWriter, plot_learning_curve
 from gyre.model.tokenizer import Tokenizer
 from gyre.proxy.call_log import CallLog
@@ -54,7 +54,10 @@ class Controller:
         self.timeline = Timeline(self.pcfg.n_cells)
         self.outbox = Outbox(cp, cfg.sched.cell_timeout_s)
         self.call_log = CallLog(out / "calls.jsonl")
-        self.proxy = ProxyServer(Tokenizer.load(tokenizer_dir), [], cfg.proxy, self.call_log)
+        truncated = cfg.rl.logprob_distribution is LogprobDistribution.truncated
+        self.proxy = ProxyServer(
+            Tokenizer.load(tokenizer_dir), [], cfg.proxy, self.call_log, truncated_logprobs=truncated
+        )
         self.driver = RolloutDriver(self.proxy.start(), out / "rollouts", cfg.harness, cfg.tasks)
         self.table = self.hello()
         self.faults = FaultInjector(cfg.sched.faults, self.pcfg.n_cells)

@@ -26,7 +26,9 @@ if TYPE_CHECKING:  # the controller plans micro-batches without importing megatr
 def group_micro_batches(shard: Path | str, cfg: RunConfig) -> list[RLMicroBatch]:
     """A group shard's trainable rollouts packed into micro-batches (deterministic: every cell packs alike)."""
     rollouts = trainable_rollouts([Path(shard)])
-    return rl_micro_batches(rollouts, cfg.train.micro_batch_tokens, cfg.model.max_position_embeddings, 1)
+    return rl_micro_batches(
+        rollouts, cfg.train.micro_batch_tokens, cfg.model.max_position_embeddings, 1, cfg.rl.logprob_distribution
+    )
 
 
 def plan_group(shard: Path | str, cfg: RunConfig) -> tuple[list[MicroBatchRef], list[str]]:

@@ -188,6 +188,9 @@ def _read_table(path: Path, f: h5py.File, table: str, attrs: dict[str, Any], ver
     for column in TABLES[table]:
         where = f"/{table}/{column.name}"
         ds = group.get(column.name)
+        if ds is None and column.since > int(attrs["schema_version"]):  # written before the column existed
+            out[column.name] = np.full(length, column.default, dtype=column.numpy_dtype())
+            continue
         if not isinstance(ds, h5py.Dataset):
             raise ShardError(path, f"dataset {where} is missing")
         if ds.shape != (length,):

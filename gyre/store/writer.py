@@ -224,6 +224,10 @@ class ShardWriter:
                 "t_end": np.array([c.t_end for c in calls], dtype="<f8"),
                 "trained": np.array([c.trained for c in calls], dtype="|b1"),
                 "exclusion_reason": strings([c.excluded for c in calls]),
+                "temperature": np.array([c.temperature for c in calls], dtype="<f8"),
+                "top_p": np.array([c.top_p for c in calls], dtype="<f8"),
+                "top_k": np.array([c.top_k for c in calls], dtype="<i4"),
+                "min_p": np.array([c.min_p for c in calls], dtype="<f8"),
             },
             "rollouts": {
                 "rollout_id": strings([t.rollout_id for t in trees]),

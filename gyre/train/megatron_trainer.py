@@ -27,6 +27,7 @@ from gyre.train.megatron_cuda import (
     needs_model_parallel,
     transformer_engine_enabled,
 )
+from gyre.train.sampling_logprobs import sampled_token_logprobs
 from gyre.train.tree_attention_megatron import accepts_tree_plans
 from gyre.train.tree_pack import TreeMicroBatch
 
@@ -95,7 +96,8 @@ class MegatronTrainer:
 
     def tree_token_logprobs(self, batch: TreeMicroBatch) -> torch.Tensor:
         """log p(token i | its root path) for every packed token as [N] fp32 (0 at roots), read from the logits
-        at parent[i]. Differentiable; equals running each root-to-leaf path as a plain sequence."""
+        at parent[i], under the distribution token i's call sampled from (batch.sampling: temperature, ...).
+        Differentiable; equals running each root-to-leaf path as a plain sequence."""
         if not accepts_tree_plans(self.model):
             raise ValueError(
                 "tree micro-batches need the tree-aware local layer spec; this model was built with another "
@@ -105,7 +107,7 @@ class MegatronTrainer:
         logits = self.model(tokens, None, batch.attention.to(self.device)).float()[0]  # [N, V]
         parent = batch.parent.to(self.device)
         rows = logits[parent.clamp(min=0)]
-        logp = rows.gather(-1, tokens[0, :, None]).squeeze(-1) - torch.logsumexp(rows, dim=-1)
+        logp = sampled_token_logprobs(rows, tokens[0], batch.sampling.to(self.device))
         return torch.where(parent >= 0, logp, torch.zeros_like(logp))
 
     def micro_batch_logprobs(self, mb: Any) -> torch.Tensor:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gyre.train.sampling_logprobs import TokenSampling, tree_sampling_table
 from gyre.train.tree_attention import TreeAttentionPlan, dense_tree_mask, plan_from_parents
 from gyre.traj.tree import TrajectoryTree
 
@@ -31,6 +32,7 @@ class TreeMicroBatch:
     source_index: torch.Tensor  # [N] long: the token's index in its TrajectoryTree
     rollout_ids: list[str]
     attention: TreeAttentionPlan
+    sampling: TokenSampling  # [N] sampling parameters of each token's call: what its logprobs describe
 
     @property
     def n_tokens(self) -> int:
@@ -107,7 +109,7 @@ def pack_forest(
     if not trees:
         raise ValueError("pack_forest needs at least one tree")
     weights = list(weights) if weights is not None else [None] * len(trees)
-    cols: dict[str, list[np.ndarray]] = {k: [] for k in ("tok", "par", "w", "pol", "old", "tree", "src")}
+    cols: dict[str, list[np.ndarray]] = {k: [] for k in ("tok", "par", "w", "pol", "old", "tree", "src", "samp")}
     offset = 0
     for k, (tree, w) in enumerate(zip(trees, weights, strict=True)):
         w = np.asarray(tree.policy, dtype=np.float32) if w is None else np.asarray(w, dtype=np.float32)
@@ -123,6 +125,7 @@ def pack_forest(
         cols["old"].append(np.asarray(tree.logprob, dtype=np.float32)[perm])
         cols["tree"].append(np.full(len(perm), k, dtype=np.int64))
         cols["src"].append(perm)
+        cols["samp"].append(tree_sampling_table(tree)[perm])
         offset += len(perm)
     c = {k: np.concatenate(v) for k, v in cols.items()}
     plan = plan_from_parents(c["par"], block_size=block_size)
@@ -137,6 +140,7 @@ def pack_forest(
         source_index=torch.from_numpy(c["src"]),
         rollout_ids=[t.rollout_id for t in trees],
         attention=plan,
+        sampling=TokenSampling.from_table(c["samp"]),
     )
 
 

@@ -63,6 +63,10 @@ class CallRecordLike(Protocol):
     finish_reason: str
     t_start: float
     t_end: float
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
 
 
 Run = tuple[int, int, int]  # (depth of the first node, first node index, length): contiguous nodes of a path
@@ -328,6 +332,10 @@ def build_tree(rollout_id: str, calls: Sequence[CallRecordLike]) -> TrajectoryTr
                 t_end=call.t_end,
                 trained=not reason and role != "side",
                 excluded=reason,
+                temperature=call.temperature,
+                top_p=call.top_p,
+                top_k=call.top_k,
+                min_p=call.min_p,
             )
         )
     return builder.tree(rollout_id, infos)

@@ -93,3 +93,9 @@ class CallInfo:
     t_end: float
     trained: bool = True  # False for side calls and excluded calls
     excluded: str = ""  # why the call's outputs are not trainable (see gyre/traj/build.py); "" = usable
+    # Sampling parameters the call was served with (SGLang's names): its tokens' behaviour logprobs describe
+    # the distribution they define (gyre/train/sampling_logprobs.py).
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no limit
+    min_p: float = 0.0
