@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from gyre.config.schema import RunConfig
 from gyre.metrics import MetricsWriter, plot_learning_curve
-from gyre.pipeline import rl_micro_batches, tree_gspo_loss_fn, write_group_shard
+from gyre.pipeline import loss_rollouts, rl_micro_batches, tree_gspo_loss_fn, with_signal, write_group_shard
 from gyre.resume.checkpoint import load_checkpoint, save_checkpoint
 from gyre.resume.preemption import Preempted, PreemptionGuard
 from gyre.resume.recovery import describe_start, prepare_resume, task_pool_position
@@ -137,13 +137,13 @@ def check_supported(cfg: RunConfig) -> None:
 
 
 def write_shards(rollouts: StepRollouts, cfg: RunConfig, shard_dir: Path, step: int) -> tuple[dict, list[Path]]:
-    """One shard per group; returns token/dedup metrics and the shard paths."""
+    """One shard per group; returns token metrics and the shard paths."""
     shard_dir.mkdir(parents=True, exist_ok=True)
     shards = [write_group_shard(cfg, shard_dir, step, g, members) for g, members in sorted(rollouts.groups().items())]
     tokens, path_tokens = sum(s.tokens for s in shards), sum(s.path_tokens for s in shards)
     metrics = {
         "tree_tokens": float(tokens),
-        "dedup_ratio": path_tokens / tokens if tokens else 1.0,
+        "call_tokens_per_tree_token": path_tokens / tokens if tokens else 1.0,
         "excluded_from_training": float(sum(len(s.excluded) for s in shards)),
     }
     return metrics, [s.path for s in shards]
@@ -151,12 +151,14 @@ def write_shards(rollouts: StepRollouts, cfg: RunConfig, shard_dir: Path, step: 
 
 def train_step(trainer: MegatronTrainer, shards: list[Shard], cfg: RunConfig) -> tuple[dict[str, float], list[str]]:
     """One optimizer update on the step's shards; returns its metrics and the rollout ids it trained."""
-    rollouts = [r for s in shards for r in s.trainable() if r.meta.advantage]  # zero advantage trains nothing
+    candidates = [r for s in shards for r in s.trainable()]
+    rollouts = with_signal(candidates)  # zero advantage trains nothing
+    n_loss = loss_rollouts(candidates, cfg.rl.loss_norm)
     batches = rl_micro_batches(
         rollouts,
         cfg.train.micro_batch_tokens,
         cfg.model.max_position_embeddings,
-        step_rollouts=len(rollouts) or 1,
+        step_rollouts=n_loss or 1,
         logprob_distribution=cfg.rl.logprob_distribution,
     )
     if not batches:

@@ -11,7 +11,7 @@ Exclusions, never silent: a failed evaluation (score None), a call log the tree 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -21,7 +21,7 @@ import torch
 from gyre.config.schema import LogprobDistribution, RunConfig
 from gyre.harness.runner import RolloutOutcome
 from gyre.proxy.call_log import CallRecord
-from gyre.store.reader import ShardRollout, read_shard
+from gyre.store.reader import ShardRollout
 from gyre.store.schema import RolloutMeta
 from gyre.store.writer import ShardWriter
 from gyre.train.gspo import group_advantages
@@ -46,7 +46,7 @@ class GroupShard:
     n_rollouts: int
     n_trained: int
     tokens: int  # tree tokens stored (shared prefixes once)
-    path_tokens: int  # tokens if every call's context were expanded separately
+    path_tokens: int  # tokens if every stored call's context + output were its own sequence (sum over calls)
     policy_tokens: int
     excluded: dict[str, str] = field(default_factory=dict)  # rollout id -> reason
 
@@ -95,12 +95,22 @@ def write_group_shard(
     return result
 
 
-def trainable_rollouts(shard_paths: Sequence[Path]) -> list[ShardRollout]:
-    """Rollouts of these shards that carry a non-zero advantage (zero advantage trains nothing)."""
-    out = []
-    for p in shard_paths:
-        out += [r for r in read_shard(p).trainable() if r.meta.advantage]
-    return out
+def with_signal(rollouts: Iterable[ShardRollout]) -> list[ShardRollout]:
+    """The rollouts with a non-zero advantage: the only ones whose loss has a gradient."""
+    return [r for r in rollouts if r.meta.advantage]
+
+
+def loss_rollouts(rollouts: Sequence[ShardRollout], loss_norm: str) -> int:
+    """|R|, what the step's summed per-rollout losses are divided by, from the step's non-excluded rollouts.
+
+    all_rollouts: all of them (zero-advantage ones count, as in the GSPO paper and TRL); with_signal: only
+    those with a non-zero advantage. Excluded rollouts (failed evaluations, ...) are never counted.
+    """
+    if loss_norm == "all_rollouts":
+        return len(rollouts)
+    if loss_norm == "with_signal":
+        return len(with_signal(rollouts))
+    raise ValueError(f"rl.loss_norm={loss_norm!r}: choose all_rollouts or with_signal")
 
 
 @dataclass

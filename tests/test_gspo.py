@@ -31,6 +31,17 @@ def test_equal_rewards_give_zero_advantage():
     assert torch.equal(group_advantages(torch.ones(2, 4)), torch.zeros(2, 4))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("score", [0.1, 0.7, 0.3])
+def test_one_failed_evaluation_and_seven_equal_scores_give_exactly_zero(score, dtype):
+    # 7 * 0.1 / 7 != 0.1 in floating point: the mean does not round back, std is ~1e-17, and
+    # (r - mean) / (std + eps) came out as 1.4e-11 (float64) or -0.0074 (float32) instead of 0
+    rewards = torch.tensor([[float("nan")] + [score] * 7, [score] * 7 + [1.0]], dtype=dtype)
+    adv = group_advantages(rewards)
+    assert torch.isnan(adv[0, 0]) and torch.equal(adv[0, 1:], torch.zeros(7, dtype=dtype))
+    assert bool((adv[1] != 0).all())  # one different score still carries signal
+
+
 def test_sequence_log_ratio_uses_policy_tokens_only():
     logp = torch.tensor([[-1.0, -2.0, -3.0]])
     old = torch.tensor([[-1.5, -2.0, -9.0]])

@@ -72,7 +72,7 @@ def test_streamed_step_over_replicas_equals_one_replica_step(shards: tuple[RunCo
     source = MicroBatchSource(cfg)
     refs, n_rollouts = [], 0
     for p in paths:
-        group_refs, trained = plan_group(p, cfg)
+        group_refs, trained, _ = plan_group(p, cfg)
         refs += group_refs
         n_rollouts += len(trained)
     assert len(refs) >= 4 and n_rollouts == 10  # the two 0.5s of group 2 sit at its mean: advantage 0

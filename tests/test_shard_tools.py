@@ -69,7 +69,8 @@ def test_summary_json(shards, tmp_path):
     assert s["rollouts"]["timeouts"] == 2 and s["rollouts"]["excluded"] == 2 and s["rollouts"]["trained"] == 10
     assert s["rollouts"]["exclusion_reasons"] == {"checker exited with code 1: workspace missing": 2}
     assert s["tokens"]["tree"] == tree_tokens and s["tokens"]["expanded"] == expanded
-    assert s["tokens"]["dedup_ratio"] == pytest.approx(expanded / tree_tokens) and s["tokens"]["dedup_ratio"] > 1.2
+    ratio = s["tokens"]["path_tokens_per_tree_token"]
+    assert ratio == pytest.approx(expanded / tree_tokens) and ratio > 1.2
     assert sum(v["context"] + v["policy"] for v in s["tokens"]["by_role"].values()) == tree_tokens
     assert s["calls"]["total"] == sum(len(r.tree.calls) for r in rollouts) == sum(s["calls"]["by_role"].values())
     assert s["calls"]["excluded"] == sum(1 for r in rollouts for c in r.tree.calls if c.excluded)
@@ -83,7 +84,7 @@ def test_summary_text_and_png(shards, tmp_path):
     png = tmp_path / "summary.png"
     out = tool("tools.shard_summary", str(shards / "step0.h5"), "--png", str(png)).stdout
     assert "rollouts: 6 in 1 groups; trained 5, excluded 1; ok 4, timeout 1, failed 1" in out
-    assert "dedup ratio" in out and "timeouts: 1" in out and "excluded evaluations: 1" in out
+    assert "path tokens per tree token" in out and "timeouts: 1" in out and "excluded evaluations: 1" in out
     assert "checker exited with code 1" in out and "excluded calls:" in out
     assert_png(png)
 

@@ -53,9 +53,9 @@ def test_role_priority_main_then_summary_then_subagent_and_side_left_out():
     leaves = choose_paths(tree, k=5)
     # main2's thread (3 new targets) first; the retry and the compacted thread tie (1 new target each):
     # the earlier call first. Then the summary, then the sub-agent though it holds the most targets;
-    # never the side call unless asked for.
+    # never the side call (its output is context).
     assert leaf_calls(tree, leaves) == [[3], [2], [5], [4], [6]]
-    assert leaf_calls(tree, choose_paths(tree, k=5, roles=("main", "side"))) == [[3], [2], [5], [7]]
+    assert leaf_calls(tree, choose_paths(tree, k=5, roles=("main",))) == [[3], [2], [5]]
 
 
 def test_k_smaller_than_the_leaves_keeps_the_highest_priority_paths():
@@ -68,12 +68,18 @@ def test_k_smaller_than_the_leaves_keeps_the_highest_priority_paths():
     assert np.all(s.tree.tokens == tree.tokens[s.source_index])
 
 
-def test_a_path_through_main_calls_ranks_as_main_even_when_a_summary_ends_it():
-    main1 = rec(1, [1, 2], [10])
-    summary = rec(2, [1, 2, 10, 3], [20], role="main_summary", spliced=[(2, 1, 1)])  # extends the thread
-    sub = rec(3, [50], [60, 61, 62], role="subagent")
-    tree = build_tree("r", [main1, summary, sub])
-    assert leaf_calls(tree, choose_paths(tree, k=1)) == [[2]]  # holds main call 1, uncovered
+def test_a_summary_branch_ranks_as_a_summary_though_it_carries_uncovered_main_calls():
+    main1 = rec(1, [1, 2], [10, 11, 12])
+    summary = rec(2, [1, 2, 10, 11, 12, 3], [20], role="main_summary", spliced=[(2, 3, 1)])  # extends the thread
+    main2 = rec(3, [1, 4, 20], [13])  # the compacted thread: one new target, fewer than the summary branch's 4
+    sub = rec(4, [50], [60, 61, 62, 63, 64], role="subagent")
+    tree = build_tree("r", [main1, summary, main2, sub])
+    # main first: the later main call, then the summary branch (which trains main call 1), then the sub-agent
+    assert leaf_calls(tree, choose_paths(tree, k=1)) == [[3]]
+    assert leaf_calls(tree, choose_paths(tree, k=3)) == [[3], [2], [4]]
+    s = sample_tree(tree, k=2)
+    trained_calls = {int(c) for c in s.tree.call_id[s.loss_weight > 0]}
+    assert trained_calls == {1, 2, 3}
 
 
 def test_weights_sum_to_one_and_shared_targets_count_once():
@@ -121,6 +127,8 @@ def test_bad_k_or_roles_are_errors():
         choose_paths(tree, k=0)
     with pytest.raises(ValueError, match="unknown roles"):
         choose_paths(tree, roles=("planner",))
+    with pytest.raises(ValueError, match="side calls are never trained"):
+        choose_paths(tree, roles=("main", "side"))
 
 
 @pytest.mark.parametrize("seed", range(10))

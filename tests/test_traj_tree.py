@@ -5,6 +5,7 @@ import pytest
 
 from gyre.traj.build import MissingCallError, build_tree
 from gyre.traj.expand import expand_paths
+from gyre.traj.sampling import sample_tree
 from gyre.traj.synthetic import RolloutShape, claude_code_like_rollout, make_record
 from gyre.traj.tree import CONTEXT, ROLE_CODE, TreeError
 
@@ -23,7 +24,9 @@ def assert_calls_recoverable(tree, records):
         path = tree.path_to(info.leaf)
         assert tree.tokens[path].tolist() == r.input_ids + r.output_ids
         assert tree.depth[path].tolist() == list(range(len(path)))
-        if not info.excluded:  # every output token is a policy target (this call's or an earlier generator's)
+        if info.role == "side":  # a side call generates no target and claims none
+            assert not np.any(tree.call_id == info.call_id)
+        elif not info.excluded:  # every output token is a policy target (this call's or an earlier generator's)
             assert tree.policy[path[len(r.input_ids) :]].all()
 
 
@@ -143,9 +146,33 @@ def test_empty_input_is_an_error():
         build_tree("r", [rec(1, [], [10]), rec(2, [1], [11])])
 
 
-def test_side_calls_are_policy_tokens_but_not_trained_by_default():
+def test_side_call_outputs_are_context_and_never_trained():
     tree = build_tree("r", [rec(1, [1], [10], role="side")])
-    assert tree.policy.tolist() == [0, 1] and not tree.calls[0].trained and not tree.calls[0].excluded
+    assert tree.policy.tolist() == [0, 0] and tree.call_id.tolist() == [CONTEXT, CONTEXT]
+    assert tree.logprob.tolist() == [0, 0] and not tree.calls[0].trained and not tree.calls[0].excluded
+
+
+def test_a_side_call_whose_prompt_prefixes_the_main_context_gives_it_no_target():
+    # Title generation sends the first user turn; the main thread's context later runs through the same
+    # tokens the side call answered with. Only main's own reply [9] may ever be a target.
+    side = rec(1, [1, 2], [7, 8], role="side")
+    main = rec(2, [1, 2, 7, 8, 3], [9])
+    tree = build_tree("r", [side, main])
+    assert tree.tokens.tolist() == [1, 2, 7, 8, 3, 9]
+    assert tree.policy.tolist() == [0, 0, 0, 0, 0, 1] and tree.call_id.tolist() == [CONTEXT] * 5 + [2]
+    s = sample_tree(tree)
+    assert s.loss_weight.tolist() == [0, 0, 0, 0, 0, 1]
+
+
+def test_a_side_call_never_claims_another_calls_tokens():
+    # main's context [5, 6] (a tool result) is what the side call then generates: it stays context
+    main = rec(1, [1, 2, 5, 6], [9])
+    side = rec(2, [1, 2], [5, 6, 4], role="side")
+    tree = build_tree("r", [main, side])
+    assert tree.policy.tolist() == [0, 0, 0, 0, 1, 0] and tree.call_id.tolist() == [CONTEXT] * 4 + [1, CONTEXT]
+    # and a main call that generates what a side call generated first claims it (main produced it too)
+    tree = build_tree("r", [rec(1, [1, 2], [5, 6], role="side"), rec(2, [1, 2], [5, 6, 4])])
+    assert tree.policy.tolist() == [0, 0, 1, 1, 1] and tree.call_id.tolist() == [CONTEXT, CONTEXT, 2, 2, 2]
 
 
 def test_calls_of_another_rollout_or_repeated_ids_are_errors():
@@ -202,10 +229,10 @@ def test_property_every_call_is_a_root_path_and_prefixes_are_stored_once(seed):
     assert [c.call_id for c in tree.calls] == sorted(r.call_id for r in records)
     assert_calls_recoverable(tree, records)
     assert tree.n_tokens == distinct_prefixes(records)
-    generated = np.zeros(tree.n_tokens, bool)  # policy == outputs of usable calls, nothing else
+    generated = np.zeros(tree.n_tokens, bool)  # policy == outputs of usable non-side calls, nothing else
     owner = np.full(tree.n_tokens, -1)
     for info, r in zip(tree.calls, sorted(records, key=lambda r: r.call_id), strict=True):
-        if not info.excluded:
+        if not info.excluded and info.role != "side":
             out = tree.path_to(info.leaf)[len(r.input_ids) :]
             owner[out[~generated[out]]] = info.call_id
             generated[out] = True

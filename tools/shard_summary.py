@@ -1,4 +1,4 @@
-"""Summarize trajectory shards: rollouts, calls, tokens, dedup ratio, role mix, rewards, timeouts,
+"""Summarize trajectory shards: rollouts, calls, tokens, path tokens per tree token, role mix, rewards, timeouts,
 excluded evaluations. Shards that fail validation are listed, not fatal.
 
     python -m tools.shard_summary runs/x/shards/            # text
@@ -102,7 +102,7 @@ def summarize(shards: list[Shard], unreadable: list[dict[str, str]]) -> dict[str
         "tokens": {
             "tree": int(tree_tokens.sum()),
             "expanded": int(expanded.sum()),
-            "dedup_ratio": float(expanded.sum() / tree_tokens.sum()) if tree_tokens.sum() else None,
+            "path_tokens_per_tree_token": float(expanded.sum() / tree_tokens.sum()) if tree_tokens.sum() else None,
             "policy": int(policy.sum()),
             "with_loss_weight": int((cat("tokens", "loss_weight") > 0).sum()),
             "per_rollout": _stats(tree_tokens.astype(np.float64)),
@@ -135,8 +135,8 @@ def format_text(s: dict[str, Any]) -> str:
         + ", ".join(f"{k} {v}" for k, v in r["grade_status"].items()),
         f"calls: {c['total']} ({c['trained']} trained); by role: "
         + ", ".join(f"{k} {v}" for k, v in c["by_role"].items() if v),
-        f"tokens: tree {t['tree']:,}, expanded paths {t['expanded']:,}, dedup ratio "
-        + (f"{t['dedup_ratio']:.2f}x" if t["dedup_ratio"] else "n/a")
+        f"tokens: tree {t['tree']:,}, expanded paths {t['expanded']:,}, path tokens per tree token "
+        + (f"{t['path_tokens_per_tree_token']:.2f}x" if t["path_tokens_per_tree_token"] else "n/a")
         + f"; policy {t['policy']:,}, with loss weight {t['with_loss_weight']:,}",
         "role mix (tree tokens, context/policy): "
         + ", ".join(
@@ -190,9 +190,9 @@ def plot_summary(s: dict[str, Any], shards: list[Shard], out: Path) -> None:
         hi = max(max(tree), max(expanded))
         ax[1, 1].plot([0, hi], [0, hi], color="grey", lw=0.8, ls="--", label="no sharing")
         ax[1, 1].legend(loc="upper left")
-    ratio = s["tokens"]["dedup_ratio"]
+    ratio = s["tokens"]["path_tokens_per_tree_token"]
     ax[1, 1].set(
-        title=f"per rollout: expanded paths vs tree (dedup {ratio or 0:.2f}x)",
+        title=f"per rollout: expanded paths vs tree ({ratio or 0:.2f} path tokens per tree token)",
         xlabel="tree tokens",
         ylabel="expanded tokens",
     )

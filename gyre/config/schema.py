@@ -124,6 +124,14 @@ class RLConfig:
     clip_eps_high: float = 4e-4
     max_trajectories_per_rollout: int = 5
     logprob_distribution: LogprobDistribution = LogprobDistribution.tempered
+    # the step's loss is averaged over: all_rollouts (every rollout that entered the objective, zero advantage
+    # included: the GSPO paper's and TRL's choice) or with_signal (only rollouts with a non-zero advantage)
+    loss_norm: str = "all_rollouts"
+
+    def __post_init__(self) -> None:
+        from gyre.config.validate import check_rl
+
+        check_rl(self)
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gyre.config.schema import EngineConfig, ModelConfig, RunConfig, TrainConfig
+    from gyre.config.schema import EngineConfig, ModelConfig, RLConfig, RunConfig, TrainConfig
 
 ENGINE_BACKENDS = ("embedded", "sglang")
 ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -19,6 +19,7 @@ ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SGLANG_LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy", "fastsafetensors", "layered")
 TRANSFORMER_ENGINE = ("auto", "on", "off")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOSS_NORMS = ("all_rollouts", "with_signal")
 
 
 class ConfigValueError(ValueError):
@@ -54,6 +55,11 @@ def check_engine(e: EngineConfig) -> None:
               "needs engine.enable_hierarchical_cache=true (SGLang's storage tier sits under HiCache)")  # fmt: skip
     if e.backend == "embedded" and e.device != "cpu" and not e.device.startswith("cuda"):
         _fail("engine.device", e.device, "the embedded engine runs on 'cpu' or 'cuda[:N]'")
+
+
+def check_rl(r: RLConfig) -> None:
+    if r.loss_norm not in LOSS_NORMS:
+        _fail("rl.loss_norm", r.loss_norm, f"choose one of {', '.join(LOSS_NORMS)} (see the README's GSPO section)")
 
 
 def check_engine_for_model(e: EngineConfig, m: ModelConfig) -> None:
@@ -99,6 +105,7 @@ def check_train(t: TrainConfig, m: ModelConfig) -> None:
 def check_run(cfg: RunConfig) -> None:
     """Every check, for a run about to start its engines and trainer with this model."""
     check_engine(cfg.engine)
+    check_rl(cfg.rl)
     check_model(cfg.model)
     check_engine_for_model(cfg.engine, cfg.model)
     check_train(cfg.train, cfg.model)

@@ -2,7 +2,7 @@
 fp32 vector, and the core's step over the sum.
 
 Every replica trains its micro-batches with a rollout scale of 1 and accumulates gradients; the core
-sums the replicas' gradients and multiplies by 1 / (trainable rollouts of the step), which is exactly
+sums the replicas' gradients and multiplies by 1 / |R| (gyre.pipeline.loss_rollouts), which is exactly
 the gradient of GSPO's per-step mean (the loss is linear in the scale), known only once the last
 group is in. The core then clips and steps as a single replica would.
 """
@@ -17,7 +17,8 @@ import torch
 
 from gyre.comm.messages import MicroBatchRef
 from gyre.config.schema import RunConfig
-from gyre.pipeline import RLMicroBatch, rl_micro_batches, trainable_rollouts
+from gyre.pipeline import RLMicroBatch, loss_rollouts, rl_micro_batches, with_signal
+from gyre.store.reader import ShardRollout, read_shard
 
 if TYPE_CHECKING:  # the controller plans micro-batches without importing megatron
     from gyre.train.megatron_trainer import MegatronTrainer
@@ -25,17 +26,23 @@ if TYPE_CHECKING:  # the controller plans micro-batches without importing megatr
 
 def group_micro_batches(shard: Path | str, cfg: RunConfig) -> list[RLMicroBatch]:
     """A group shard's trainable rollouts packed into micro-batches (deterministic: every cell packs alike)."""
-    rollouts = trainable_rollouts([Path(shard)])
+    return _pack(with_signal(read_shard(shard).trainable()), cfg)
+
+
+def _pack(rollouts: list[ShardRollout], cfg: RunConfig) -> list[RLMicroBatch]:
     return rl_micro_batches(
         rollouts, cfg.train.micro_batch_tokens, cfg.model.max_position_embeddings, 1, cfg.rl.logprob_distribution
     )
 
 
-def plan_group(shard: Path | str, cfg: RunConfig) -> tuple[list[MicroBatchRef], list[str]]:
-    """The micro-batches of one group shard, and the ids of the rollouts they train."""
-    batches = group_micro_batches(shard, cfg)
+def plan_group(shard: Path | str, cfg: RunConfig) -> tuple[list[MicroBatchRef], list[str], int]:
+    """The micro-batches of one group shard, the ids of the rollouts they train, and how many of the
+    group's rollouts the step's loss is averaged over (gyre.pipeline.loss_rollouts, by rl.loss_norm)."""
+    candidates = list(read_shard(shard).trainable())
+    batches = _pack(with_signal(candidates), cfg)
     refs = [MicroBatchRef(str(shard), i, b.n_tokens) for i, b in enumerate(batches)]
-    return refs, [rid for b in batches for rid in b.batch.rollout_ids]
+    trained = list(dict.fromkeys(rid for b in batches for rid in b.batch.rollout_ids))
+    return refs, trained, loss_rollouts(candidates, cfg.rl.loss_norm)
 
 
 class MicroBatchSource:

@@ -33,7 +33,8 @@ class StepRecord:
     submitted: float = field(default_factory=time.monotonic)
     groups: dict[int, list[FinishedRollout]] = field(default_factory=lambda: defaultdict(list))
     shards: list[GroupShard] = field(default_factory=list)
-    trainable: int = 0
+    trainable: int = 0  # rollouts with a non-zero advantage
+    loss_rollouts: int = 0  # |R|: rollouts the step's loss is averaged over (rl.loss_norm)
     trained_ids: list[str] = field(default_factory=list)
     micro_batches: int = 0
     train_metrics: list[dict[str, float]] = field(default_factory=list)
@@ -80,8 +81,9 @@ class StepBook:
         members.sort(key=lambda r: r.outcome.rollout_id)
         shard = write_group_shard(self.cfg, self.shard_dir, rec.step, done.job.group, members)
         rec.shards.append(shard)
-        refs, trained = plan_group(shard.path, self.cfg)
+        refs, trained, n_loss = plan_group(shard.path, self.cfg)
         rec.trainable += len(trained)
+        rec.loss_rollouts += n_loss
         rec.trained_ids += trained
         rec.micro_batches += len(refs)
         if not self.cfg.harness.keep_workspaces:  # `workdirs`: where the step's sessions ran
@@ -102,7 +104,7 @@ class StepBook:
             "policy_tokens": sum(len(c.output_ids) for c in calls),
             **{f"train/{k}": v for k, v in train.items()},
             "tree_tokens": float(tokens),
-            "dedup_ratio": path_tokens / tokens if tokens else 1.0,
+            "call_tokens_per_tree_token": path_tokens / tokens if tokens else 1.0,
             "excluded_from_training": float(sum(len(s.excluded) for s in rec.shards)),
             "trainable_rollouts": rec.trainable,
             "micro_batches": rec.micro_batches,

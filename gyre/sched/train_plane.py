@@ -86,7 +86,7 @@ class TrainPlane:
         rec = self.book.steps[step]
         core = self.table.cells[0]
         contributors = [self.table.cells[c].rank for c in sorted(self.ledger.contributors(step))]
-        msg = GradientReduce(step, core.rank, tuple(contributors), 1.0 / max(rec.trainable, 1), str(step + 1))
+        msg = GradientReduce(step, core.rank, tuple(contributors), 1.0 / max(rec.loss_rollouts, 1), str(step + 1))
         t0 = time.monotonic()
         try:
             acks = self.outbox.call({r: msg for r in {core.rank, *contributors}}, self.on_ack, self._dead_ranks)

@@ -14,24 +14,30 @@ GSPO's ratio is sequence-level and length-normalised:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """rewards [G, N] (NaN = excluded) -> advantages [G, N], (r - mean) / std within each group.
 
-    Excluded rollouts get NaN back. A group with fewer than two valid rollouts, or with equal
-    rewards, carries no signal and gets zeros.
+    Excluded rollouts get NaN back. A group with fewer than two valid rollouts, or whose valid
+    rewards are all equal, carries no signal and gets exactly 0 (tested on the rewards themselves:
+    the mean of equal values need not round back to them, which would leave about 1e-11).
     """
     valid = ~torch.isnan(rewards)
     count = valid.sum(dim=1, keepdim=True)
+    top = torch.where(valid, rewards, torch.full_like(rewards, -math.inf)).amax(dim=1, keepdim=True)
+    bottom = torch.where(valid, rewards, torch.full_like(rewards, math.inf)).amin(dim=1, keepdim=True)
+    signal = (count >= 2) & (top > bottom)
     filled = torch.where(valid, rewards, torch.zeros_like(rewards))
     mean = filled.sum(dim=1, keepdim=True) / count.clamp(min=1)
     centered = torch.where(valid, rewards - mean, torch.zeros_like(rewards))
     var = centered.pow(2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)
     std = var.sqrt()
     adv = centered / (std + eps)
-    adv = torch.where(count >= 2, adv, torch.zeros_like(adv))
+    adv = torch.where(signal, adv, torch.zeros_like(adv))
     return torch.where(valid, adv, torch.full_like(adv, float("nan")))
 
 

@@ -8,7 +8,9 @@ plus what it answered; compactions and sub-agents branch off wherever their prom
 (often right after the system prompt, or at the root); retries and dropped replies stay as dead
 branches. A token keeps the first generator and role that reached it: a policy token re-used as
 context of a later call stays policy (trained once), and if a later call generates a token that
-already exists as context at the same place, it becomes policy for that call.
+already exists as context at the same place, it becomes policy for that call. Side calls (titles,
+quota probes) are never trained: their outputs are stored as context and claim nothing, so a main
+call whose context runs through a side call's prompt and output trains none of those tokens.
 
 Linear time: the trie has implicit children (node i+1 is i's child when parent[i+1] == i, which a
 chain insert gives) and a dict only for branch points. Before walking token by token, a call is
@@ -255,14 +257,15 @@ class _TreeBuilder:
                     f"{span.source_call_id}'s output ids; the proxy's splice record is inconsistent"
                 )
 
-    def add(self, call: CallRecordLike, role: str, trainable: bool) -> int:
-        """Insert one call's input + output; returns its leaf."""
+    def add(self, call: CallRecordLike, role: str, usable: bool) -> int:
+        """Insert one call's input + output; returns its leaf. A usable non-side call's outputs are policy tokens."""
         nodes, n_in = self.nodes, len(call.input_ids)
         output_ids = np.asarray(call.output_ids, np.int32)
         seq = np.concatenate([np.asarray(call.input_ids, np.int32), output_ids])
         self.check_spliced(call, seq[:n_in])
-        if trainable:
+        if usable:
             self.outputs[call.call_id] = output_ids
+        trainable = usable and role != "side"
         candidates = [max(call.spliced, key=lambda s: s.start).source_call_id] if call.spliced else []
         candidates += [c for c in (self.previous, self.last_of_role.get(role)) if c is not None]
         runs, matched = _longest_match(
@@ -318,7 +321,7 @@ def build_tree(rollout_id: str, calls: Sequence[CallRecordLike]) -> TrajectoryTr
     for call in ordered:
         reason = excluded[call.call_id]
         role = call.role if call.role in ROLE_CODE else "side"
-        leaf = builder.add(call, role, trainable=not reason)
+        leaf = builder.add(call, role, usable=not reason)
         infos.append(
             CallInfo(
                 call_id=call.call_id,

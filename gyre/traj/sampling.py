@@ -1,14 +1,16 @@
 """Bounded sampling: at most K root-to-leaf paths of a rollout's tree enter training, with loss weights.
 
 Candidates are the tree's maximal paths (ending at tree leaves) that hold the leaf of at least one
-eligible call: not excluded, role in `roles` (side calls are left out by default). Choice is greedy,
-up to K times, on what a path would add to the paths already chosen:
-1. the best role among its not-yet-covered eligible calls (ROLES order: main > main_summary >
-   subagent > subagent_summary > side), so a compaction branch that only adds a summary ranks as a
-   summary even though it shares the main calls before it;
+eligible call: not excluded, role in `roles` (side calls are never trained: their outputs are
+context, see gyre/traj/build.py). A path's role is the role of the call that ends it (the eligible
+call whose leaf is deepest on it): a compaction's summary branch is a main-summary trajectory even
+though it carries the main calls it summarizes. Choice is greedy, up to K times, on
+1. the path's role (ROLES order: main > main_summary > subagent > subagent_summary), so every
+   trajectory that ends in a main call (the thread after a compaction, a retried reply) comes before
+   a summary branch; the main calls a summary branch carries are trained when it is chosen;
 2. then more not-yet-covered policy tokens;
-3. then the earliest such call.
-A path that adds no eligible call or no policy token is never taken.
+3. then the earliest not-yet-covered eligible call.
+A path that adds no not-yet-covered eligible call or no policy token is never taken.
 
 The chosen paths' union is the trained subtree. Each of its policy tokens is one target, however
 many chosen paths share it, and all get weight 1 / (number of them): a rollout's token losses sum
@@ -52,20 +54,27 @@ def choose_paths(tree: TrajectoryTree, k: int = DEFAULT_K, roles: Sequence[str] 
     unknown = set(roles) - set(ROLE_CODE)
     if unknown:
         raise ValueError(f"unknown roles {sorted(unknown)}; use names from {ROLE_CODE}")
+    if "side" in roles:
+        raise ValueError("side calls are never trained (their outputs are stored as context); drop 'side' from roles")
     seg = tree_segments(tree)
     calls_by_seg: dict[int, list[tuple[int, int]]] = {}
+    end_role: dict[int, tuple[int, int]] = {}  # segment -> (depth, role) of its deepest eligible call's leaf
     for c in tree.calls:
         if not c.excluded and c.role in roles:
-            calls_by_seg.setdefault(int(seg.of_node[c.leaf]), []).append((ROLE_CODE[c.role], c.call_id))
+            s = int(seg.of_node[c.leaf])
+            calls_by_seg.setdefault(s, []).append((ROLE_CODE[c.role], c.call_id))
+            end_role[s] = max(end_role.get(s, (-1, 0)), (int(tree.depth[c.leaf]), ROLE_CODE[c.role]))
     chains = {int(leaf): seg.chain(int(leaf)) for leaf in seg.leaves()}
     chains = {leaf: ch for leaf, ch in chains.items() if any(s in calls_by_seg for s in ch)}
+    # a chain lists its segments leaf first: the first one holding an eligible call holds the path's last call
+    path_role = {leaf: end_role[next(s for s in ch if s in end_role)][1] for leaf, ch in chains.items()}
 
     covered = np.zeros(seg.n_segments, dtype=bool)
     chosen: list[int] = []
     for _ in range(k):
         best: tuple[tuple[int, int, int], int] | None = None
         for leaf, chain in chains.items():
-            key = _gain_key(chain, covered, calls_by_seg, seg)
+            key = _gain_key(path_role[leaf], chain, covered, calls_by_seg, seg)
             if key is not None and (best is None or key < best[0]):
                 best = (key, leaf)
         if best is None:
@@ -77,15 +86,14 @@ def choose_paths(tree: TrajectoryTree, k: int = DEFAULT_K, roles: Sequence[str] 
 
 
 def _gain_key(
-    chain: list[int], covered: np.ndarray, calls_by_seg: dict[int, list[tuple[int, int]]], seg: Segments
+    role: int, chain: list[int], covered: np.ndarray, calls_by_seg: dict[int, list[tuple[int, int]]], seg: Segments
 ) -> tuple[int, int, int] | None:
     new = [s for s in chain if not covered[s]]
-    calls = [rc for s in new for rc in calls_by_seg.get(s, ())]
+    calls = [cid for s in new for _, cid in calls_by_seg.get(s, ())]
     new_policy = int(seg.n_policy[new].sum()) if new else 0
     if not calls or new_policy == 0:
         return None
-    role = min(r for r, _ in calls)
-    return role, -new_policy, min(cid for r, cid in calls if r == role)
+    return role, -new_policy, min(calls)
 
 
 def subtree(tree: TrajectoryTree, nodes: np.ndarray) -> TrajectoryTree:
