@@ -94,6 +94,7 @@ class Shard:
             reward=opt("reward"),
             advantage=opt("advantage"),
             exclusion_reason=str(r["exclusion_reason"][i]),
+            grade_reason=str(r["grade_reason"][i]),
             weight_versions=tuple(versions.split(",")) if versions else (),
         )
 
@@ -188,6 +189,9 @@ def _read_table(path: Path, f: h5py.File, table: str, attrs: dict[str, Any], ver
     for column in TABLES[table]:
         where = f"/{table}/{column.name}"
         ds = group.get(column.name)
+        if ds is None and column.since > int(attrs["schema_version"]):
+            out[column.name] = np.full(length, column.default, dtype=column.numpy_dtype())
+            continue
         if not isinstance(ds, h5py.Dataset):
             raise ShardError(path, f"dataset {where} is missing")
         if ds.shape != (length,):
@@ -213,9 +217,10 @@ def _check_dtype(path: Path, where: str, ds: h5py.Dataset, column: Column) -> No
         ok = h5py.check_string_dtype(ds.dtype) is not None
     else:
         ok = ds.dtype.kind == np.dtype(column.kind).kind and ds.dtype.itemsize == np.dtype(column.kind).itemsize
-    if column.enum is not None:
+    if column.enum is not None:  # an older file may know fewer names, never other codes
         expected = {name: code for code, name in enumerate(column.enum)}
-        ok = ok and h5py.check_enum_dtype(ds.dtype) == expected
+        stored = h5py.check_enum_dtype(ds.dtype)
+        ok = ok and stored is not None and stored.items() <= expected.items()
     if not ok:
         raise ShardError(
             path, f"{where} has type {ds.dtype} {h5py.check_enum_dtype(ds.dtype) or ''}, expected {column.kind}"
