@@ -60,7 +60,8 @@ def write_group_shard(
     advantages = group_advantages(rewards)[0].tolist()
     path = shard_dir / f"step{step:05d}-group{group:04d}.h5"
     result = GroupShard(path, step, group, len(rollouts), 0, 0, 0, 0)
-    with ShardWriter(path, run_id=cfg.output_dir or "gyre", step=step, producer={"harness": cfg.harness.kind}) as w:
+    producer = {"harness": cfg.harness.kind, "sandbox": cfg.sandbox.backend}  # "none" is on record in every shard
+    with ShardWriter(path, run_id=cfg.output_dir or "gyre", step=step, producer=producer) as w:
         for r, adv in zip(rollouts, advantages, strict=True):
             rid, grade = r.outcome.rollout_id, r.outcome.grade
             reason = "" if grade.score is not None else f"evaluation failed: {grade.reason}"
@@ -79,6 +80,7 @@ def write_group_shard(
                 task_family=r.outcome.task.family,
                 harness=cfg.harness.kind,
                 grade_status=grade.status,
+                grade_reason=grade.reason,
                 score=grade.score,
                 reward=None if reason else grade.score,
                 advantage=None if reason else float(adv),

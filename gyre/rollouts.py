@@ -23,7 +23,9 @@ from gyre.metrics import mean
 from gyre.model.hf_io import save_hf_checkpoint
 from gyre.pipeline import FinishedRollout
 from gyre.proxy.call_log import CallLog
+from gyre.proxy.keys import RolloutKeys
 from gyre.proxy.server import ProxyServer
+from gyre.sandbox import make_sandbox
 from gyre.tasks.suite import TaskPool
 from gyre.train.warm_start import Policy
 
@@ -56,6 +58,7 @@ class StepRollouts:
             "n_calls": self.n_calls,
             "policy_tokens": self.policy_tokens,
             "excluded_reasons": sorted({o.grade.reason for o in self.outcomes if o.grade.status == "failed"}),
+            "n_agent_failed": sum(1 for o in self.outcomes if o.grade.status == "agent_failed"),
         }
 
 
@@ -70,6 +73,8 @@ class RolloutService:
         self.weights_dir = output_dir / "weights"
         self.engine = None
         self.proxy = None
+        self.keys = RolloutKeys()
+        self.sandbox = make_sandbox(cfg.sandbox)  # fails before the engine starts when it cannot run here
 
     def __enter__(self) -> RolloutService:
         self.engine = start_engine_from_config(
@@ -77,7 +82,12 @@ class RolloutService:
         )
         truncated = self.cfg.rl.logprob_distribution is LogprobDistribution.truncated
         self.proxy = ProxyServer(
-            self.tokenizer, [self.engine.url], self.cfg.proxy, self.call_log, truncated_logprobs=truncated
+            self.tokenizer,
+            [self.engine.url],
+            self.cfg.proxy,
+            self.call_log,
+            truncated_logprobs=truncated,
+            keys=self.keys,
         )
         self.proxy_url = self.proxy.start()
         return self
@@ -94,7 +104,15 @@ class RolloutService:
         jobs = [(g, task, f"s{step}-g{g}-r{i}") for g, task in enumerate(tasks) for i in range(rl.group_size)]
         workdir = self.out / "rollouts" / f"step{step:04d}"
         outcomes = asyncio.run(
-            run_rollouts([(t, rid) for _, t, rid in jobs], self.proxy_url, workdir, self.cfg.harness, self.cfg.tasks)
+            run_rollouts(
+                [(t, rid) for _, t, rid in jobs],
+                self.proxy_url,
+                workdir,
+                self.cfg.harness,
+                self.cfg.tasks,
+                sandbox=self.sandbox,
+                keys=self.keys,
+            )  # fmt: skip
         )
         finished = [
             FinishedRollout(group, outcome, self.call_log.pop_rollout(rid))

@@ -22,6 +22,7 @@ from aiohttp import web
 from gyre.config.schema import HarnessConfig, TaskConfig
 from gyre.harness.runner import live_group_members, run_rollout, run_rollouts
 from gyre.harness.tools import TOOL_SCHEMAS, execute_tool
+from gyre.sandbox.base import WORKSPACE
 from gyre.tasks.demos import demonstration
 from gyre.tasks.families import FAMILIES, echo_files_task, fix_value_task, write_value_task
 from gyre.tasks.suite import sample_tasks
@@ -126,11 +127,11 @@ def test_stalled_server_kills_harness_group_and_grades_workspace(tmp_path):
 
 @pytest.mark.integration
 def test_hung_tool_subprocess_dies_with_the_harness(tmp_path):
-    """run_checks runs the agent's config.py, which sleeps: the harness and that child are killed."""
+    """run_checks runs the agent's config.py, which sleeps: the harness and that child are killed (the
+    sandbox shows the workspace at /workspace; the host's /proc sees the child under that path)."""
     task = fix_value_task("config.py", {"LIMIT": 3, "DEBUG": False}, "LIMIT", 8)
     script = [tool_reply("write_file", 0, path="config.py", content="import time\ntime.sleep(120)\nLIMIT = 8\n"),
               tool_reply("run_checks", 1), STALL]  # fmt: skip
-    workspace = tmp_path / "r" / "workspace"
     children: set[int] = set()
 
     async def watch() -> None:
@@ -140,7 +141,7 @@ def test_hung_tool_subprocess_dies_with_the_harness(tmp_path):
                     cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
                 except OSError:
                     continue
-                if pid.isdigit() and str(workspace / "config.py").encode() in cmdline:
+                if pid.isdigit() and f"{WORKSPACE}/config.py".encode() in cmdline:
                     children.add(int(pid))
             await asyncio.sleep(0.05)
 

@@ -349,6 +349,26 @@ def test_version_1_shards_read_with_default_sampling_parameters(tmp_path):
         read_shard(path)
 
 
+def test_agent_failed_grade_round_trips_and_version_1_files_still_read(tmp_path):
+    agent = meta(0.0, -0.5, grade_status="agent_failed", grade_reason="harness_exit: exit code 3")
+    path = write_shard(tmp_path / "a.h5", [(hand_tree("x"), agent, weight(hand_tree("x")))], run_id="r", step=0)
+    (back,) = read_shard(path)
+    assert (back.meta.grade_status, back.meta.score, back.meta.grade_reason, back.meta.excluded) == (
+        "agent_failed",
+        0.0,
+        "harness_exit: exit code 3",
+        False,
+    )
+    with pytest.raises(ValueError, match="agent_failed grade scores 0"):
+        write_shard(tmp_path / "b.h5", [(hand_tree("y"), meta(0.5, 0.1, grade_status="agent_failed"), weight(hand_tree("y")))],
+                    run_id="r", step=0)  # fmt: skip
+    v1 = small_shard(tmp_path / "v1.h5")  # what a version 1 writer left: no grade_reason column
+    with h5py.File(v1, "r+") as f:
+        del f["rollouts/grade_reason"]
+        f.attrs["schema_version"] = np.int64(1)
+    assert [r.meta.grade_reason for r in read_shard(v1)] == ["", "", ""]
+
+
 def test_unknown_schema_version_and_name(tmp_path):
     path = small_shard(tmp_path / "a.h5")
     with h5py.File(path, "r+") as f:

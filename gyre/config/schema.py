@@ -116,6 +116,27 @@ class LogprobDistribution(StrEnum):
 
 
 @dataclass
+class SandboxConfig:
+    """Where harnesses and checkers run (gyre/sandbox). bwrap: bubblewrap namespaces, only the workspace
+    writable, no network but the rollout's own proxy endpoint; apptainer: the same on clusters, in
+    `apptainer_image`; none: the trainer's own user, files, network and environment (asked for only,
+    recorded in every shard's provenance)."""
+
+    backend: str = "bwrap"  # bwrap | apptainer | none
+    apptainer_image: str = ""  # backend=apptainer: the image (.sif) harnesses and checkers run in
+    file_size_mb: int = 256  # RLIMIT_FSIZE: largest file a sandboxed process may write
+    open_files: int = 1024  # RLIMIT_NOFILE
+    # RLIMIT_NPROC; the kernel counts every process of the real user (machine-wide), so leave headroom
+    processes: int = 4096
+    env: list[str] = field(default_factory=list)  # host environment variables passed in besides the allowlist
+
+    def __post_init__(self) -> None:
+        from gyre.config.validate import check_sandbox
+
+        check_sandbox(self)
+
+
+@dataclass
 class RLConfig:
     algorithm: str = "gspo"
     group_size: int = 8  # 4 leaves a hard task's group all-fail too often: no advantage, nothing learned
@@ -257,6 +278,7 @@ class RunConfig:
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     tasks: TaskConfig = field(default_factory=TaskConfig)
     harness: HarnessConfig = field(default_factory=HarnessConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)

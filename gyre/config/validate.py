@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gyre.config.schema import EngineConfig, ModelConfig, RLConfig, RunConfig, TrainConfig
+    from gyre.config.schema import EngineConfig, ModelConfig, RLConfig, RunConfig, SandboxConfig, TrainConfig
 
 ENGINE_BACKENDS = ("embedded", "sglang")
 ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -20,6 +20,7 @@ SGLANG_LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy", "fastsafetensors", 
 TRANSFORMER_ENGINE = ("auto", "on", "off")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOSS_NORMS = ("all_rollouts", "with_signal")
+SANDBOX_BACKENDS = ("bwrap", "apptainer", "none")
 
 
 class ConfigValueError(ValueError):
@@ -28,6 +29,16 @@ class ConfigValueError(ValueError):
 
 def _fail(key: str, value: object, why: str) -> None:
     raise ConfigValueError(f"{key}={value!r}: {why}")
+
+
+def check_sandbox(s: SandboxConfig) -> None:
+    if s.backend not in SANDBOX_BACKENDS:
+        _fail("sandbox.backend", s.backend, f"unknown sandbox backend; choose one of {', '.join(SANDBOX_BACKENDS)}")
+    if s.backend == "apptainer" and not s.apptainer_image:
+        _fail("sandbox.apptainer_image", s.apptainer_image, "backend=apptainer needs an image (a .sif file)")
+    for key in ("file_size_mb", "open_files", "processes"):
+        if getattr(s, key) < 1:
+            _fail(f"sandbox.{key}", getattr(s, key), "must be at least 1")
 
 
 def check_engine(e: EngineConfig) -> None:
@@ -106,6 +117,7 @@ def check_run(cfg: RunConfig) -> None:
     """Every check, for a run about to start its engines and trainer with this model."""
     check_engine(cfg.engine)
     check_rl(cfg.rl)
+    check_sandbox(cfg.sandbox)
     check_model(cfg.model)
     check_engine_for_model(cfg.engine, cfg.model)
     check_train(cfg.train, cfg.model)

@@ -1,7 +1,8 @@
 """The built-in harness: a standalone multi-turn tool-using agent loop over the OpenAI Chat API.
 
 It is a black box to Gyre, like any other harness: it knows the proxy only as an OpenAI base URL
-(`http://host:port/v1`) plus an `X-Rollout-Id` header, works only inside its workspace, and
+(`http://host:port/v1`) plus its rollout's key (env GYRE_API_KEY, sent as `Authorization: Bearer`) and
+an `X-Rollout-Id` header, works only inside its workspace, and
 writes a small result file (rewritten after every turn, so a killed run still reports its turns).
 Standard library only, to start in ~60 ms.
 
@@ -52,7 +53,12 @@ class ChatClient:
         self._connect = lambda: conn_cls(url.hostname, url.port, timeout=timeout_s)
         self._conn: http.client.HTTPConnection | None = None
         self.path = url.path + "/chat/completions"
-        self.headers = {"Content-Type": "application/json", "Authorization": "Bearer none", "X-Rollout-Id": rollout_id}
+        key = os.environ.get("GYRE_API_KEY") or "none"
+        self.headers = {
+            "Content-Type": "application/json",
+            "Authorization": f"Bearer {key}",
+            "X-Rollout-Id": rollout_id,
+        }
         self.max_retries = max_retries
 
     def _post_once(self, body: bytes) -> dict[str, Any]:

@@ -9,7 +9,8 @@ The prompt goes in as stream-json user messages, so one session can take follow-
 knobs: GYRE_CLAUDE_BIN (the CLI; default `.gyre/node/node_modules/.bin/claude`, installed by
 tools/setup_env.sh), GYRE_CLAUDE_FOLLOW_UPS (a JSON list of user messages sent after the task prompt,
 each once the previous one is done), GYRE_CLAUDE_TRACE (a file: run the CLI under `strace` and log
-every socket connect/send, to check that nothing leaves loopback). CLAUDE_* variables pass through.
+every socket connect/send, to check that nothing leaves loopback), GYRE_API_KEY (the rollout's key,
+sent as ANTHROPIC_API_KEY). CLAUDE_* variables pass through.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def claude_env(proxy_url: str, rollout_id: str, home: Path, base: dict[str, str]
     env["HOME"] = str(home)
     env["ANTHROPIC_BASE_URL"] = anthropic_base_url(proxy_url, rollout_id)
     env["ANTHROPIC_CUSTOM_HEADERS"] = f"X-Rollout-Id: {rollout_id}"
+    env["ANTHROPIC_API_KEY"] = env.get("GYRE_API_KEY") or OFFLINE_ENV["ANTHROPIC_API_KEY"]  # the rollout's key
     return env
 
 

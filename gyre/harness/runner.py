@@ -1,9 +1,14 @@
-"""Running one rollout: workspace, harness subprocess in its own process group, time limit, grading.
+"""Running one rollout: workspace, sandboxed harness, time limit, grading of a copy, failure attribution.
 
-The harness is a black box: the runner only gives it a base URL, a workspace and a task file, and
-reads back the workspace (graded) and an optional result file (turns, stop reason). At the wall
-clock limit the whole process group is killed (SIGTERM, then SIGKILL after a grace period), so
-tools and sub-processes die with it, and the preserved workspace is still graded (status timeout).
+The harness is a black box: the runner gives it an OpenAI base URL (its own proxy endpoint), a key
+that only this rollout holds, a workspace and a task file, and reads back the workspace (graded)
+and an optional result file (turns, stop reason). It runs in the configured sandbox
+(gyre/sandbox): with bwrap or apptainer the workspace is its only writable path and the endpoint its
+only way out, and ending the sandbox ends every process it started. At the wall clock limit the
+sandbox (its process group) is killed (SIGTERM, then SIGKILL after a grace period), and the
+preserved workspace is still graded (status timeout). Once nothing of the harness runs, a copy of
+the workspace is graded in a fresh sandbox (gyre/tasks/grading.py); a failed harness is excluded
+only when its endpoint saw the proxy fail, else scored 0 (gyre/harness/attribution.py).
 """
 
 from __future__ import annotations
@@ -11,16 +16,21 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
-import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import gyre
-from gyre.config.schema import HarnessConfig, TaskConfig
+from gyre.config.schema import HarnessConfig, SandboxConfig, TaskConfig
+from gyre.harness.attribution import harness_failure
+from gyre.harness.endpoint import ProxyEndpoint
+from gyre.proxy.keys import RolloutKeys
+from gyre.sandbox import Mount, Sandbox, SandboxJob, make_sandbox, place
+from gyre.sandbox.base import HARNESS_DIR, RELAY_PORT, WORKSPACE, code_mounts
 from gyre.tasks.grading import Grade, grade_workspace
 from gyre.tasks.task import Task
 
@@ -43,12 +53,13 @@ class HarnessLaunch:
     tool_delay: float
     tool_time: float = 0.0
     tool_time_sigma: float = 1.0
+    python: str = "python3"
 
 
 def harness_argv(module: str, launch: HarnessLaunch) -> list[str]:
     """`python -m <module>` with what every harness process gets: proxy URL, rollout id, workspace, files."""
     return [
-        sys.executable, "-m", module,
+        launch.python, "-m", module,
         "--base-url", launch.base_url,
         "--rollout-id", launch.rollout_id,
         "--workspace", str(launch.workspace),
@@ -143,11 +154,14 @@ async def _terminate_group(proc: asyncio.subprocess.Process, grace_s: float) -> 
     await proc.wait()
 
 
-def _read_result(path: Path) -> dict[str, Any]:
+def _read_result(path: Path) -> dict[str, Any] | None:
+    """The harness's result file (agent-writable: read defensively); None when missing or not a JSON object."""
     try:
-        return json.loads(path.read_text())
+        with open(path, "rb") as f:  # bounded: the agent may have made it huge
+            data = json.loads(f.read(1 << 20))
     except (OSError, ValueError):
-        return {}
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _tail(path: Path, n: int = STDERR_TAIL_CHARS) -> str:
@@ -159,17 +173,82 @@ def _tail(path: Path, n: int = STDERR_TAIL_CHARS) -> str:
         return ""
 
 
-def _harness_env() -> dict[str, str]:
-    env = dict(os.environ)
-    root = str(Path(gyre.__file__).resolve().parent.parent)  # importable even when gyre is not installed
-    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-    return env
-
-
 def openai_base_url(url: str) -> str:
     """Accept a proxy root (`http://host:port`) or an OpenAI base URL (`.../v1`); return the latter."""
     url = url.rstrip("/")
     return url if url.endswith("/v1") else url + "/v1"
+
+
+CLAUDE_TRACE = "claude.trace"  # GYRE_CLAUDE_TRACE inside the sandbox: in the harness directory, copied out after
+
+
+def harness_env(kind: str, key: str, harness_dir: str, host_env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What a harness kind gets in its environment besides the sandbox's allowlist: its rollout key, and
+    for claude_code the CLAUDE_* variables and gyre's Claude Code knobs."""
+    env = {"GYRE_API_KEY": key}
+    host_env = os.environ if host_env is None else host_env
+    if kind == "claude_code":
+        names = ("GYRE_CLAUDE_FOLLOW_UPS", "GYRE_CLAUDE_BIN")
+        env.update({k: v for k, v in host_env.items() if k.startswith("CLAUDE_") or k in names})
+        if host_env.get("GYRE_CLAUDE_TRACE"):
+            env["GYRE_CLAUDE_TRACE"] = f"{harness_dir}/{CLAUDE_TRACE}"
+    return env
+
+
+def _copy_out_trace(kind: str, harness_dir: Path) -> None:
+    target = os.environ.get("GYRE_CLAUDE_TRACE")
+    if kind == "claude_code" and target and (harness_dir / CLAUDE_TRACE).is_file():
+        shutil.copyfile(harness_dir / CLAUDE_TRACE, target)
+
+
+@dataclass
+class _Harness:
+    returncode: int | None
+    timed_out: bool
+    started: bool
+    wall_s: float
+
+
+async def _run_harness(
+    sandbox: Sandbox, job: SandboxJob, log_path: Path, timeout_s: float, kill_grace_s: float
+) -> tuple[_Harness, int]:
+    """Run the sandboxed job to its end (or kill it at `timeout_s`); (what happened, the leader's pid)."""
+    read_fd, write_fd = os.pipe() if sandbox.isolated else (-1, -1)
+    job.started_fd = write_fd
+    start = time.monotonic()
+    timed_out = False
+    try:
+        with open(log_path, "wb") as log:
+            proc = await asyncio.create_subprocess_exec(
+                *sandbox.command(job),
+                cwd=job.cwd if not sandbox.isolated else "/",
+                env=sandbox.base_env() if not sandbox.isolated else {"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+                pass_fds=(write_fd,) if write_fd >= 0 else (),
+            )
+    finally:
+        if write_fd >= 0:
+            os.close(write_fd)
+    try:
+        try:
+            await asyncio.wait_for(proc.wait(), timeout=timeout_s)
+        except TimeoutError:
+            timed_out = True
+            await _terminate_group(proc, kill_grace_s)
+    finally:  # sweep what the harness left in its group; if we were cancelled, leave nothing running
+        _signal_group(proc.pid, signal.SIGKILL)
+        started = True
+        if read_fd >= 0:
+            os.set_blocking(read_fd, False)
+            try:
+                started = os.read(read_fd, 64).startswith(b"started")
+            except BlockingIOError:
+                started = False
+            os.close(read_fd)
+    return _Harness(proc.returncode, timed_out, started, time.monotonic() - start), proc.pid
 
 
 async def run_rollout(
@@ -180,12 +259,16 @@ async def run_rollout(
     harness_cfg: HarnessConfig,
     task_cfg: TaskConfig | None = None,
     *,
+    sandbox: Sandbox | None = None,
+    keys: RolloutKeys | None = None,
     kill_grace_s: float = KILL_GRACE_S,
 ) -> RolloutOutcome:
-    """Run the configured harness on `task` in `workdir`/workspace against the proxy at `base_url`,
-    then grade the workspace (`task_cfg` gives tool_delay_s and check_timeout_s). Cancelling this
-    coroutine kills the harness's process group."""
+    """Run the configured harness on `task` in `workdir`/workspace, sandboxed (default: bwrap), against
+    the proxy at `base_url`, then grade a copy of the workspace (`task_cfg` gives tool_delay_s and
+    check_timeout_s). With `keys`, the harness gets a key for this rollout alone, revoked at the end.
+    Cancelling this coroutine kills the harness's sandbox."""
     task_cfg = task_cfg or TaskConfig()
+    sandbox = sandbox or make_sandbox(SandboxConfig())
     if harness_cfg.kind not in HARNESS_COMMANDS:
         raise ValueError(f"unknown harness kind {harness_cfg.kind!r}; known: {sorted(HARNESS_COMMANDS)}")
     workdir = Path(workdir).resolve()
@@ -193,69 +276,80 @@ async def run_rollout(
     if workspace.exists():
         raise FileExistsError(f"{workspace} already exists; give each rollout its own workdir")
     task.materialize(workspace)
-    launch = HarnessLaunch(
-        base_url=openai_base_url(base_url),
-        rollout_id=rollout_id,
-        workspace=workspace,
-        task_file=workdir / "task.json",
-        result_file=workdir / "result.json",
-        max_turns=min(harness_cfg.max_turns, task.max_turns),
-        max_tokens=harness_cfg.max_tokens,
-        temperature=harness_cfg.temperature,
-        tool_delay=task_cfg.tool_delay_s,
-        tool_time=task_cfg.tool_time_s,
-        tool_time_sigma=task_cfg.tool_time_sigma,
-    )
-    launch.task_file.write_text(json.dumps(task.harness_view()))
-    log_path = workdir / "harness.log"
-    start = time.monotonic()
-    timed_out = False
-    with open(log_path, "wb") as log:
-        proc = await asyncio.create_subprocess_exec(
-            *HARNESS_COMMANDS[harness_cfg.kind](launch),
-            cwd=workspace,
-            env=_harness_env(),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            start_new_session=True,
-        )
+    harness_dir = workdir / "harness"
+    harness_dir.mkdir()
+    ws_mount, io_mount = Mount(workspace, WORKSPACE, writable=True), Mount(harness_dir, HARNESS_DIR, writable=True)
+    key = keys.issue(rollout_id) if keys is not None else "none"
+    sock_dir = Path(tempfile.mkdtemp(prefix="gyre-ep-")) if sandbox.isolated else None
+    endpoint = ProxyEndpoint(base_url, sock_dir / "proxy.sock" if sock_dir else None)
+    await endpoint.start()
     try:
-        try:
-            await asyncio.wait_for(proc.wait(), timeout=harness_cfg.timeout_s)
-        except TimeoutError:
-            timed_out = True
-            await _terminate_group(proc, kill_grace_s)
-    finally:  # sweep what the harness left in its group; if we were cancelled, leave nothing running
-        _signal_group(proc.pid, signal.SIGKILL)
-    wall_s = time.monotonic() - start
+        inside_io = place(sandbox, io_mount)
+        launch = HarnessLaunch(
+            base_url=f"http://127.0.0.1:{RELAY_PORT}/v1" if sandbox.isolated else openai_base_url(endpoint.url),
+            rollout_id=rollout_id,
+            workspace=Path(place(sandbox, ws_mount)),
+            task_file=Path(inside_io) / "task.json",
+            result_file=Path(inside_io) / "result.json",
+            max_turns=min(harness_cfg.max_turns, task.max_turns),
+            max_tokens=harness_cfg.max_tokens,
+            temperature=harness_cfg.temperature,
+            tool_delay=task_cfg.tool_delay_s,
+            tool_time=task_cfg.tool_time_s,
+            tool_time_sigma=task_cfg.tool_time_sigma,
+            python=sandbox.python,
+        )
+        (harness_dir / "task.json").write_text(json.dumps(task.harness_view()))
+        job = SandboxJob(
+            argv=HARNESS_COMMANDS[harness_cfg.kind](launch),
+            cwd=str(launch.workspace),
+            env=harness_env(harness_cfg.kind, key, inside_io),
+            mounts=[*code_mounts(), ws_mount, io_mount],
+            proxy_socket=endpoint.unix_path,
+        )
+        log_path = workdir / "harness.log"
+        run, pid = await _run_harness(sandbox, job, log_path, harness_cfg.timeout_s, kill_grace_s)
+    finally:
+        await endpoint.close()
+        if keys is not None:
+            keys.revoke(key)
+        if sock_dir is not None:
+            shutil.rmtree(sock_dir, ignore_errors=True)
 
-    result = _read_result(launch.result_file)
-    stop_reason = "timeout" if timed_out else result.get("stop_reason", "no_result")
-    errors = list(result.get("errors", []))
+    _copy_out_trace(harness_cfg.kind, harness_dir)
+    result = _read_result(harness_dir / "result.json")
+    stop_reason = "timeout" if run.timed_out else (result or {}).get("stop_reason", "no_result")
+    errors = [str(e) for e in (result or {}).get("errors", [])] if isinstance(result, dict) else []
     stderr_tail = _tail(log_path)
-    if not timed_out and (proc.returncode != 0 or stop_reason == "api_error"):
-        last_lines = stderr_tail.strip().splitlines()
-        why = errors[-1] if errors else (last_lines[-1] if last_lines else "no output")
-        grade = Grade.failed(f"harness failed (exit code {proc.returncode}, {stop_reason}): {why}")
-    else:
+    grade = harness_failure(
+        started=run.started, returncode=run.returncode, timed_out=run.timed_out, result=result,
+        endpoint_failures=endpoint.failures, stderr_tail=stderr_tail,
+    )  # fmt: skip
+    if grade is None:
         grade = await asyncio.to_thread(
-            grade_workspace, task, workspace, timed_out=timed_out, check_timeout_s=task_cfg.check_timeout_s,
-            scratch_dir=workdir / "grade",
+            grade_workspace, task, workspace, timed_out=run.timed_out, check_timeout_s=task_cfg.check_timeout_s,
+            sandbox=sandbox,
         )  # fmt: skip
     return RolloutOutcome(
         rollout_id=rollout_id,
         task=task,
         grade=grade,
-        wall_s=wall_s,
-        turns=int(result.get("turns", 0)),
-        stop_reason=stop_reason,
-        timed_out=timed_out,
+        wall_s=run.wall_s,
+        turns=_int((result or {}).get("turns")),
+        stop_reason=str(stop_reason),
+        timed_out=run.timed_out,
         stderr_tail=stderr_tail,
         errors=errors,
         workdir=workdir,
-        pid=proc.pid,
+        pid=pid,
     )
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
 
 
 async def run_rollouts(
@@ -264,12 +358,18 @@ async def run_rollouts(
     root: str | Path,
     harness_cfg: HarnessConfig,
     task_cfg: TaskConfig | None = None,
+    *,
+    sandbox: Sandbox | None = None,
+    keys: RolloutKeys | None = None,
 ) -> list[RolloutOutcome]:
     """Run (task, rollout_id) jobs, at most `harness_cfg.concurrency` at once, each in root/rollout_id."""
     limit = asyncio.Semaphore(max(1, harness_cfg.concurrency))
+    sandbox = sandbox or make_sandbox(SandboxConfig())
 
     async def one(task: Task, rollout_id: str) -> RolloutOutcome:
         async with limit:
-            return await run_rollout(task, rollout_id, base_url, Path(root) / rollout_id, harness_cfg, task_cfg)
+            return await run_rollout(
+                task, rollout_id, base_url, Path(root) / rollout_id, harness_cfg, task_cfg, sandbox=sandbox, keys=keys
+            )
 
     return list(await asyncio.gather(*(one(task, rid) for task, rid in jobs)))

@@ -1,7 +1,10 @@
 """The proxy harnesses talk to as if it were an LLM API: OpenAI Chat Completions or Anthropic Messages
 in, engine tokens out.
 
-Rollout id: path prefix `/rollout/{rollout_id}/v1/...`, else header `X-Rollout-Id`, else "default".
+Rollout id: with a key registry (gyre/proxy/keys.py, what a run always uses) the rollout whose key the
+call carries; a call without a live key is refused (401, in the API's own error shape), and a path or
+header rollout id other than the key's is refused too. Without one (a standalone proxy, tests): path
+prefix `/rollout/{rollout_id}/v1/...`, else header `X-Rollout-Id`, else "default".
 Run standalone with `python -m gyre.proxy.server --tokenizer DIR --engine URL [--engine URL ...]`.
 """
 
@@ -25,7 +28,8 @@ from gyre.proxy.anthropic_routes import AnthropicRoutes
 from gyre.proxy.call_log import CallLog, CallRecord
 from gyre.proxy.calls import CallRunner, GenParams
 from gyre.proxy.dispatch import EngineDispatcher
-from gyre.proxy.errors import error_middleware, invalid_request
+from gyre.proxy.errors import ProxyError, error_middleware, invalid_request
+from gyre.proxy.keys import KeyRefused, RolloutKeys, presented_keys
 from gyre.proxy.openai_api import ChatRequest, Reply, completion_body, parse_chat_request, stream_chunks
 from gyre.proxy.routing import EngineRouter
 
@@ -37,7 +41,24 @@ MAX_BODY_BYTES = 256 << 20  # long-horizon conversations re-send megabytes of co
 
 
 def rollout_id_of(request: web.Request) -> str:
-    return request.match_info.get("rollout_id") or request.headers.get(ROLLOUT_HEADER) or DEFAULT_ROLLOUT
+    return claimed_rollout_id(request) or DEFAULT_ROLLOUT
+
+
+def claimed_rollout_id(request: web.Request) -> str:
+    return request.match_info.get("rollout_id") or request.headers.get(ROLLOUT_HEADER) or ""
+
+
+def keyed_rollout_id(keys: RolloutKeys, request: web.Request) -> str:
+    """The rollout of the request's key; a ProxyError (401) when it has no live key or claims another rollout."""
+    try:
+        rollout_id = keys.rollout_of(presented_keys(request.headers))
+    except KeyRefused as e:
+        raise ProxyError(401, str(e), "invalid_request_error", None, "invalid_api_key") from e
+    claimed = claimed_rollout_id(request)
+    if claimed and claimed != rollout_id:
+        raise ProxyError(401, f"this API key is not valid for rollout {claimed!r}", "invalid_request_error",
+                         None, "invalid_api_key")  # fmt: skip
+    return rollout_id
 
 
 class ProxyServer:
@@ -51,8 +72,10 @@ class ProxyServer:
         call_log: CallLog,
         model_name: str = "gyre-policy",
         truncated_logprobs: bool = False,
+        keys: RolloutKeys | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.keys = keys
         self.cfg = cfg
         self.call_log = call_log
         self.model_name = model_name
@@ -76,10 +99,13 @@ class ProxyServer:
         """Answer this rollout's prompts over `limit` tokens as too long (None lifts it); any thread."""
         self.runner.force_context_limit(rollout_id, limit)  # one dict store: atomic under the GIL
 
+    def rollout_id_of(self, request: web.Request) -> str:
+        return rollout_id_of(request) if self.keys is None else keyed_rollout_id(self.keys, request)
+
     # ---- HTTP ----------------------------------------------------------------------------
     def build_app(self) -> web.Application:
         app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
-        anthropic = AnthropicRoutes(self.runner, self.tokenizer, rollout_id_of, self.model_name)
+        anthropic = AnthropicRoutes(self.runner, self.tokenizer, self.rollout_id_of, self.model_name)
         for prefix in ("", "/rollout/{rollout_id}"):
             anthropic.add_to(app, prefix)
             app.router.add_post(f"{prefix}/v1/chat/completions", self.chat_completions)
@@ -114,7 +140,7 @@ class ProxyServer:
             raise invalid_request(f"request body is not valid JSON: {e}") from e
         req = parse_chat_request(body, self.model_name)
         record = await self.runner.run(
-            rollout_id_of(request), "openai", req.messages, req.tools, _gen_params(req), req.tool_names
+            self.rollout_id_of(request), "openai", req.messages, req.tools, _gen_params(req), req.tool_names
         )
         reply = self._reply(record, req)
         completion_id = f"chatcmpl-{record.call_id}-{uuid.uuid4().hex[:12]}"

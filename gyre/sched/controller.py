@@ -20,10 +20,12 @@ from gyre.config.schema import LogprobDistribution, RunConfig
 from gyre.metrics import MetricsWriter, plot_learning_curve
 from gyre.model.tokenizer import Tokenizer
 from gyre.proxy.call_log import CallLog
+from gyre.proxy.keys import RolloutKeys
 from gyre.proxy.server import ProxyServer
 from gyre.resume.preemption import Preempted
 from gyre.resume.recovery import ResumePoint, describe_start, task_pool_position
 from gyre.resume.state import RunState
+from gyre.sandbox import make_sandbox
 from gyre.sched.cells import Cell, CellDied, CellTable, Outbox, kill_pid, pid_alive
 from gyre.sched.faults import FaultInjector
 from gyre.sched.policy import Load, PolicyConfig, Switch, decide, initial_roles, may_start
@@ -55,10 +57,12 @@ class Controller:
         self.outbox = Outbox(cp, cfg.sched.cell_timeout_s)
         self.call_log = CallLog(out / "calls.jsonl")
         truncated = cfg.rl.logprob_distribution is LogprobDistribution.truncated
+        keys = RolloutKeys()
         self.proxy = ProxyServer(
-            Tokenizer.load(tokenizer_dir), [], cfg.proxy, self.call_log, truncated_logprobs=truncated
+            Tokenizer.load(tokenizer_dir), [], cfg.proxy, self.call_log, truncated_logprobs=truncated, keys=keys
         )
-        self.driver = RolloutDriver(self.proxy.start(), out / "rollouts", cfg.harness, cfg.tasks)
+        sandbox = make_sandbox(cfg.sandbox)  # fails here, before any cell works, when it cannot run
+        self.driver = RolloutDriver(self.proxy.start(), out / "rollouts", cfg.harness, cfg.tasks, sandbox, keys)
         self.table = self.hello()
         self.faults = FaultInjector(cfg.sched.faults, self.pcfg.n_cells)
         self.book = StepBook(cfg, out)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from gyre.config.schema import HarnessConfig, TaskConfig
 from gyre.harness.runner import RolloutOutcome, run_rollout
+from gyre.proxy.keys import RolloutKeys
+from gyre.sandbox import Sandbox
 from gyre.tasks.task import Task
 
 
@@ -39,8 +41,17 @@ class SessionDone:
 
 
 class RolloutDriver:
-    def __init__(self, proxy_url: str, root: Path, harness: HarnessConfig, tasks: TaskConfig) -> None:
+    def __init__(
+        self,
+        proxy_url: str,
+        root: Path,
+        harness: HarnessConfig,
+        tasks: TaskConfig,
+        sandbox: Sandbox,
+        keys: RolloutKeys | None,
+    ) -> None:
         self.proxy_url, self.root, self.harness, self.tasks = proxy_url, root, harness, tasks
+        self.sandbox, self.keys = sandbox, keys
         self.events: queue.SimpleQueue[SessionDone] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._pending: deque[SessionJob] = deque()
@@ -85,8 +96,9 @@ class RolloutDriver:
         outcome, error = None, ""
         try:
             outcome = await run_rollout(
-                job.task, job.rollout_id, self.proxy_url, self.workdir(job), self.harness, self.tasks
-            )
+                job.task, job.rollout_id, self.proxy_url, self.workdir(job), self.harness, self.tasks,
+                sandbox=self.sandbox, keys=self.keys,
+            )  # fmt: skip
         except Exception as e:  # noqa: BLE001 - handed to the controller, which stops the run with it
             error = f"{type(e).__name__}: {e}"
         finally:

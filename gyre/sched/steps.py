@@ -129,6 +129,7 @@ def outcome_summary(outcomes: list[RolloutOutcome]) -> dict[str, Any]:
         "turns_max": max((o.turns for o in outcomes), default=0),
         "rollout_wall_max_s": max((o.wall_s for o in outcomes), default=0.0),
         "excluded_reasons": sorted({o.grade.reason for o in outcomes if o.grade.status == "failed"}),
+        "n_agent_failed": sum(1 for o in outcomes if o.grade.status == "agent_failed"),
     }
 
 

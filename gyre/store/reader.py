@@ -94,6 +94,7 @@ class Shard:
             reward=opt("reward"),
             advantage=opt("advantage"),
             exclusion_reason=str(r["exclusion_reason"][i]),
+            grade_reason=str(r["grade_reason"][i]),
             weight_versions=tuple(versions.split(",")) if versions else (),
         )
 
@@ -216,9 +217,10 @@ def _check_dtype(path: Path, where: str, ds: h5py.Dataset, column: Column) -> No
         ok = h5py.check_string_dtype(ds.dtype) is not None
     else:
         ok = ds.dtype.kind == np.dtype(column.kind).kind and ds.dtype.itemsize == np.dtype(column.kind).itemsize
-    if column.enum is not None:
+    if column.enum is not None:  # an older file may know fewer names, never other codes
         expected = {name: code for code, name in enumerate(column.enum)}
-        ok = ok and h5py.check_enum_dtype(ds.dtype) == expected
+        stored = h5py.check_enum_dtype(ds.dtype)
+        ok = ok and stored is not None and stored.items() <= expected.items()
     if not ok:
         raise ShardError(
             path, f"{where} has type {ds.dtype} {h5py.check_enum_dtype(ds.dtype) or ''}, expected {column.kind}"

@@ -29,13 +29,15 @@ from gyre.traj.tree import ROLES
 
 SCHEMA_NAME = "gyre.trajectory_shard"
 # 2: /calls carries each call's sampling parameters and /tokens/logprob is of the distribution they define
-# (temperature applied). A version-1 shard reads with the defaults (1, 1, -1, 0): its logprobs were of the raw
-# logits, which is that distribution; a version-1 reader refuses version 2 rather than train it untempered.
+# (temperature applied); grade_status "agent_failed" (a failure the agent caused, scored 0) and
+# /rollouts/grade_reason. A version-1 shard reads with the defaults (sampling 1, 1, -1, 0: its logprobs were of
+# the raw logits, which is that distribution; grade_reason ""); a version-1 reader refuses version 2 rather than
+# train it untempered or misread the new enum code.
 SCHEMA_VERSION = 2
 SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2)
 SHARD_SUFFIX = ".h5"  # only complete shards carry it; writers' temp files end in ".tmp"
 LIBVER = ("v110", "v110")  # HDF5 1.10 file format: metadata checksums, readable by HDF5 >= 1.10 tools
-GRADE_STATUSES: tuple[str, ...] = ("ok", "timeout", "failed")
+GRADE_STATUSES: tuple[str, ...] = ("ok", "timeout", "failed", "agent_failed")
 GRADE_CODE: dict[str, int] = {name: code for code, name in enumerate(GRADE_STATUSES)}
 STR = "str"  # column kind: variable-length UTF-8 string
 
@@ -57,7 +59,7 @@ class Column:
     units: str = ""
     enum: tuple[str, ...] | None = None  # stored as an HDF5 enum over uint8: h5dump prints names
     since: int = 1  # first schema version with this column; older shards read `default` for every row
-    default: float | int | None = None
+    default: float | int | str | None = None
 
     def h5_dtype(self) -> np.dtype:
         if self.kind == STR:
@@ -123,8 +125,17 @@ ROLLOUT_COLUMNS: tuple[Column, ...] = (
     Column(
         "grade_status",
         "|u1",
-        "ok = graded; timeout = graded from the preserved workspace; failed = the evaluation broke (excluded)",
+        "ok = graded; timeout = graded from the preserved workspace; failed = the evaluation broke or the "
+        "infrastructure failed (excluded); agent_failed = a failure the agent caused (harness exit, protocol, "
+        "killed checker, limits): scored 0 and trained",
         enum=GRADE_STATUSES,
+    ),
+    Column(
+        "grade_reason",
+        STR,
+        "why the grade is what it is: for failed the evaluation's problem, for agent_failed `<code>: <detail>` "
+        "(codes: harness_exit, harness_protocol, checker_killed, workspace_limits); empty when graded normally",
+        since=2,
     ),
     Column("score", "<f4", "grader's score (fraction of checks passed); NaN when the evaluation failed", "fraction"),
     Column("reward", "<f4", "reward used for training; NaN when excluded"),
@@ -182,6 +193,7 @@ class RolloutMeta:
     reward: float | None  # None when excluded
     advantage: float | None  # None when excluded
     exclusion_reason: str = ""  # non-empty = excluded from training
+    grade_reason: str = ""  # the grader's reason (failed, agent_failed); see the grade_reason column
     weight_versions: tuple[str, ...] = ()  # the writer fills this from the calls when empty
 
     @property
@@ -193,6 +205,8 @@ class RolloutMeta:
         out = []
         if self.grade_status not in GRADE_STATUSES:
             out.append(f"grade_status {self.grade_status!r} is not one of {GRADE_STATUSES}")
+        if self.grade_status == "agent_failed" and self.score != 0.0:
+            out.append(f"an agent_failed grade scores 0, not {self.score!r}")
         if self.grade_status == "failed" and not self.excluded:
             out.append("a failed evaluation must be excluded: give exclusion_reason (never score it as zero)")
         if not self.excluded:

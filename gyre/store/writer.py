@@ -236,6 +236,7 @@ class ShardWriter:
                 "task_family": strings([m.task_family for m in metas]),
                 "harness": strings([m.harness for m in metas]),
                 "grade_status": np.array([GRADE_CODE[m.grade_status] for m in metas], dtype="|u1"),
+                "grade_reason": strings([m.grade_reason for m in metas]),
                 "score": nan_if_none([m.score for m in metas]),
                 "reward": nan_if_none([None if m.excluded else m.reward for m in metas]),
                 "advantage": nan_if_none([None if m.excluded else m.advantage for m in metas]),

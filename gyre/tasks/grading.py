@@ -1,9 +1,18 @@
-"""Grading a workspace: the task's checker runs as its own process, outside the workspace.
+"""Grading a workspace: a copy of it, in a fresh sandbox, with the task's checker as its own process.
 
 Outcomes: "ok" (graded), "timeout" (the harness was killed at its time limit; the preserved
-workspace is graded all the same), "failed" (the evaluation itself broke: the checker crashed,
-hung or printed garbage, or the workspace is gone). A failed grade has score None and must be
+workspace is graded all the same), "agent_failed" (the agent broke its side: its harness exited
+non-zero or broke the protocol, it killed the checker or went past its limits; score 0, trained,
+reason recorded), "failed" (the evaluation itself broke: the checker crashed, hung or printed garbage
+on its own, the workspace is gone, grading hit an OSError). A failed grade has score None and must be
 excluded from training, never counted as a zero.
+
+What the agent cannot touch: the workspace is copied without following links (symlinks stay links,
+only regular files and directories are copied) into a new directory; only then do the checker and
+its spec exist, and never as files: the checker's source and spec reach it on stdin, the spec as an
+anonymous memory file, and the checker marks itself non-dumpable, so agent code it runs (as the same
+user, in the same sandbox) can open neither its /proc files nor its memory. The score is what the
+checker process prints last on its stdout, a pipe only it holds.
 """
 
 from __future__ import annotations
@@ -12,23 +21,53 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gyre.config.schema import SandboxConfig
+from gyre.sandbox import Mount, Sandbox, SandboxJob, place
+from gyre.sandbox.backends import NoSandbox
+from gyre.sandbox.base import WORKSPACE, code_mounts
 from gyre.tasks import checker
 from gyre.tasks.task import Task
 
 BUILTIN_CHECKER = Path(checker.__file__)
+# Reason codes of agent_failed grades (the part of Grade.reason before ": ")
+AGENT_FAILURES = {
+    "harness_exit": "the harness exited non-zero, no proxy failure seen",
+    "harness_protocol": "the harness wrote no valid result file, or reported an API error the proxy never gave",
+    "checker_killed": "the checker died of a signal while running the agent's code",
+    "workspace_limits": "the workspace cannot be graded within the limits (too many files or bytes)",
+}
+SANDBOX_START_S = 2.0  # added to the checker's time limit in an isolated sandbox: starting it is not the checker's
+MAX_WORKSPACE_FILES = 100_000
+MAX_WORKSPACE_BYTES = 2 << 30
+# Runs the checker: reads {"source", "spec"} from stdin, becomes non-dumpable (PR_SET_DUMPABLE = 4), hands
+# the spec over as an anonymous memory file and runs the source as `checker.py <spec path>`.
+_CHECKER_BOOT = (
+    "import ctypes, json, os, sys\n"
+    "ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)\n"
+    "job = json.load(sys.stdin)\n"
+    "fd = os.memfd_create('spec.json')\n"
+    "os.write(fd, job['spec'].encode())\n"
+    "os.lseek(fd, 0, 0)\n"
+    "sys.argv = ['checker.py', '/proc/self/fd/%d' % fd]\n"
+    "exec(compile(job['source'], 'checker.py', 'exec'), {'__name__': '__main__'})\n"
+)
+
+
+class WorkspaceTooLarge(Exception):
+    pass
 
 
 @dataclass(frozen=True)
 class Grade:
-    status: str  # "ok" | "timeout" | "failed"
-    score: float | None  # fraction of checks passed; None when failed
+    status: str  # "ok" | "timeout" | "agent_failed" | "failed"
+    score: float | None  # fraction of checks passed (0 when agent_failed); None when failed
     passed: int = 0
     total: int = 0
     reason: str = ""
@@ -41,6 +80,12 @@ class Grade:
     @classmethod
     def failed(cls, reason: str) -> Grade:
         return cls(status="failed", score=None, reason=reason)
+
+    @classmethod
+    def agent_failed(cls, code: str, detail: str) -> Grade:
+        """Score 0 for a failure the agent caused; `code` is one of AGENT_FAILURES."""
+        assert code in AGENT_FAILURES, code
+        return cls(status="agent_failed", score=0.0, reason=f"{code}: {detail}")
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.__dict__, "success": self.success}
@@ -64,19 +109,52 @@ def _parse_results(stdout: str) -> list[dict[str, Any]]:
     return results
 
 
-def _run_checker(script: Path, spec: Path, timeout_s: float) -> tuple[int | None, str, str]:
-    """(returncode or None on timeout, stdout, stderr); a timed-out checker dies with its process group."""
+def copy_workspace(src: Path, dst: Path) -> None:
+    """Copy a tree without following links: directories and regular files, symlinks as links, nothing else."""
+    files = size = 0
+    dst.mkdir(mode=0o755)
+    for root, dirs, names in os.walk(src, followlinks=False):
+        rel = Path(root).relative_to(src)
+        for name in [*dirs, *names]:
+            source, target = Path(root) / name, dst / rel / name
+            st = os.lstat(source)
+            files += 1
+            if files > MAX_WORKSPACE_FILES:
+                raise WorkspaceTooLarge(f"more than {MAX_WORKSPACE_FILES} entries")
+            if stat.S_ISLNK(st.st_mode):
+                os.symlink(os.readlink(source), target)
+            elif stat.S_ISDIR(st.st_mode):
+                target.mkdir(mode=0o755)
+            elif stat.S_ISREG(st.st_mode):
+                size += st.st_size
+                if size > MAX_WORKSPACE_BYTES:
+                    raise WorkspaceTooLarge(f"more than {MAX_WORKSPACE_BYTES >> 20} MiB")
+                fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW)
+                with os.fdopen(fd, "rb") as f_in, open(target, "xb") as f_out:
+                    shutil.copyfileobj(f_in, f_out)
+        dirs[:] = [d for d in dirs if not os.path.islink(Path(root) / d)]
+
+
+def _run_checker(
+    sandbox: Sandbox, source: str, spec: dict[str, Any], workspace: Path, timeout_s: float
+) -> tuple[int | None, str, str]:
+    """(returncode or None on timeout, stdout, stderr) of the checker in a fresh sandbox over `workspace`."""
+    mounts = [*code_mounts(), Mount(workspace, WORKSPACE, writable=True)]
+    spec = {**spec, "workspace": place(sandbox, mounts[-1])}
+    job = SandboxJob(argv=[sandbox.python, "-I", "-c", _CHECKER_BOOT], cwd="/tmp" if sandbox.isolated else "/",
+                     mounts=mounts)  # fmt: skip
     proc = subprocess.Popen(
-        [sys.executable, "-I", str(script), str(spec)],
-        cwd=spec.parent,
-        stdin=subprocess.DEVNULL,
+        sandbox.command(job),
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env=sandbox.base_env() if not sandbox.isolated else {"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
         start_new_session=True,
     )
     try:
-        out, err = proc.communicate(timeout=timeout_s)
+        job_input = json.dumps({"source": source, "spec": json.dumps(spec)})
+        out, err = proc.communicate(job_input, timeout=timeout_s + (SANDBOX_START_S if sandbox.isolated else 0.0))
         code: int | None = proc.returncode
     except subprocess.TimeoutExpired:
         code = None
@@ -95,32 +173,37 @@ def grade_workspace(
     *,
     timed_out: bool = False,
     check_timeout_s: float = 10.0,
-    scratch_dir: str | Path | None = None,
+    sandbox: Sandbox | None = None,
 ) -> Grade:
-    """Run the task's hidden checks on `workspace`. The checker script and its spec are written to
-    `scratch_dir` (a temporary directory when None), never inside the workspace."""
+    """Run the task's hidden checks on a copy of `workspace` in a fresh sandbox (none when None).
+    Never raises for what the workspace holds: an OSError becomes a failed grade with its reason."""
     workspace = Path(workspace).resolve()
     if not workspace.is_dir():
         return Grade.failed(f"workspace {workspace} does not exist")
     if not task.checks and task.checker_source is None:
         return Grade.failed(f"task {task.task_id} has no checks")
-    own_scratch = scratch_dir is None
-    scratch = Path(tempfile.mkdtemp(prefix="gyre-grade-") if own_scratch else scratch_dir)
+    sandbox = sandbox or NoSandbox(SandboxConfig(backend="none"))
+    scratch = Path(tempfile.mkdtemp(prefix="gyre-grade-"))
     try:
-        scratch.mkdir(parents=True, exist_ok=True)
-        script = scratch / "checker.py"
-        script.write_text(task.checker_source if task.checker_source is not None else BUILTIN_CHECKER.read_text())
-        spec = scratch / "spec.json"
-        python_timeout_s = min(5.0, check_timeout_s / 3)
-        spec.write_text(
-            json.dumps({"workspace": str(workspace), "checks": task.checks, "python_timeout_s": python_timeout_s})
-        )
-        code, out, err = _run_checker(script, spec, check_timeout_s)
+        copy = scratch / "workspace"
+        copy_workspace(workspace, copy)
+        source = task.checker_source if task.checker_source is not None else BUILTIN_CHECKER.read_text()
+        spec = {"checks": task.checks, "python_timeout_s": min(5.0, check_timeout_s / 3)}
+        code, out, err = _run_checker(sandbox, source, spec, copy, check_timeout_s)
+    except WorkspaceTooLarge as e:
+        return Grade.agent_failed("workspace_limits", str(e))
+    except OSError as e:
+        return Grade.failed(f"grading failed: {type(e).__name__}: {e}")
     finally:
-        if own_scratch:
-            shutil.rmtree(scratch, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+    return _grade_from(code, out, err, timed_out, check_timeout_s)
+
+
+def _grade_from(code: int | None, out: str, err: str, timed_out: bool, check_timeout_s: float) -> Grade:
     if code is None:
         return Grade.failed(f"checker timed out after {check_timeout_s:g}s")
+    if code < 0 or code in (128 + signal.SIGKILL, 128 + signal.SIGTERM):  # a signal: only agent code was there
+        return Grade.agent_failed("checker_killed", f"checker exited with code {code}: {_tail(err) or '(no stderr)'}")
     if code != 0:
         return Grade.failed(f"checker exited with code {code}: {_tail(err) or '(no stderr)'}")
     try:

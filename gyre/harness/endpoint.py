@@ -1,0 +1,80 @@
+"""A rollout's own proxy endpoint: an HTTP forwarder from one sandbox to the proxy, run by the runner.
+
+Isolated sandboxes reach it through a Unix socket bound into them (and the launcher's relay on the
+sandbox's 127.0.0.1); backend none gets a loopback port. It forwards requests unchanged, streams
+answers back, and remembers every failure on the proxy's side (a 5xx answer, or the proxy not
+answering): that record, not the harness's own report, is what lets a failed rollout be excluded as
+an infrastructure failure rather than scored 0 (gyre/harness/attribution.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+MAX_BODY_BYTES = 256 << 20
+HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade"}
+
+
+class ProxyEndpoint:
+    def __init__(self, upstream_root: str, unix_path: Path | None = None) -> None:
+        self.upstream = upstream_root.rstrip("/").removesuffix("/v1")
+        self.unix_path = unix_path
+        self.url = ""  # http://127.0.0.1:PORT without a Unix socket
+        self.failures: list[str] = []
+        self.requests = 0
+        self._closing = False
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(
+            auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0)
+        )
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.router.add_route("*", "/{tail:.*}", self._forward)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+        await self._runner.setup()
+        if self.unix_path is not None:
+            await web.UnixSite(self._runner, str(self.unix_path)).start()
+        else:
+            await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+            self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+
+    async def close(self) -> None:
+        """Stop serving; calls still in flight (the harness has ended) are dropped, not counted as failures."""
+        self._closing = True
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
+        assert self._session is not None
+        self.requests += 1
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        body = await request.read()
+        try:
+            async with self._session.request(
+                request.method, self.upstream + str(request.rel_url), headers=headers, data=body
+            ) as up:
+                if up.status >= 500:
+                    self.failures.append(f"proxy answered HTTP {up.status} to {request.method} {request.path}")
+                out = {k: v for k, v in up.headers.items() if k.lower() not in HOP_HEADERS}
+                resp = web.StreamResponse(status=up.status, reason=up.reason, headers=out)
+                if up.content_length is not None:
+                    resp.content_length = up.content_length
+                await resp.prepare(request)
+                async for chunk in up.content.iter_any():
+                    await resp.write(chunk)
+                await resp.write_eof()
+                return resp
+        except aiohttp.ClientError as e:
+            if self._closing:
+                raise
+            self.failures.append(f"proxy unreachable: {type(e).__name__}: {e}")
+            error = {"message": f"proxy unreachable: {e}", "type": "server_error", "param": None, "code": None}
+            return web.json_response({"error": error}, status=502, dumps=json.dumps)

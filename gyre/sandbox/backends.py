@@ -1,0 +1,166 @@
+"""The sandbox backends: bubblewrap (local, Debian's `bubblewrap`), Apptainer (clusters) and none.
+
+bwrap: new user (uid 1000, no capabilities), PID, network, IPC, UTS and cgroup namespaces; a root
+of its own with /usr (and the /bin, /lib symlinks) and a few /etc files read-only, the job's mounts,
+a private /tmp and HOME, /proc and a minimal /dev. `--die-with-parent` and the PID namespace end
+every process when the launcher or the runner goes. apptainer: `exec --containall --no-home
+--cleanenv` with no network and the same binds, in the configured image. none: the job as a plain
+host process with the host environment (rollout ids and paths as on the host).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from gyre.config.schema import SandboxConfig
+from gyre.sandbox.base import (
+    HOME,
+    SANDBOX_UID,
+    SOCKET_PATH,
+    SOURCE_ROOT,
+    Sandbox,
+    SandboxJob,
+    SandboxUnavailable,
+    allowlisted_env,
+    host_python,
+    launcher_argv,
+)
+
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+# /etc entries programs need to start (users, libraries, certificates, time zone); never all of /etc
+ETC_ENTRIES = ("passwd", "group", "nsswitch.conf", "hosts", "ld.so.cache", "ld.so.conf", "ld.so.conf.d",
+               "localtime", "ssl", "ca-certificates", "alternatives", "mime.types")  # fmt: skip
+
+
+class BwrapSandbox:
+    name = "bwrap"
+    isolated = True
+
+    def __init__(self, cfg: SandboxConfig, bwrap: str = "bwrap") -> None:
+        self.cfg = cfg
+        self.bwrap = bwrap
+
+    @property
+    def python(self) -> str:
+        return host_python()
+
+    def base_env(self) -> dict[str, str]:
+        return allowlisted_env(self.cfg)
+
+    def system_args(self) -> list[str]:
+        args: list[str] = []
+        for path in SYSTEM_DIRS:
+            if os.path.islink(path):
+                args += ["--symlink", os.readlink(path), path]
+            elif os.path.isdir(path):
+                args += ["--ro-bind", path, path]
+        for entry in ETC_ENTRIES:
+            if os.path.exists(f"/etc/{entry}"):
+                args += ["--ro-bind", f"/etc/{entry}", f"/etc/{entry}"]
+        return args
+
+    def command(self, job: SandboxJob) -> list[str]:
+        argv = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session",
+                "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
+                *self.system_args(), "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--dir", HOME]  # fmt: skip
+        for m in job.mounts:
+            argv += ["--bind" if m.writable else "--ro-bind", str(m.source), m.target]
+        if job.proxy_socket is not None:
+            argv += ["--bind", str(job.proxy_socket), SOCKET_PATH]
+        argv += ["--chdir", job.cwd, "--clearenv"]
+        for key, value in {**self.base_env(), **job.env}.items():
+            argv += ["--setenv", key, value]
+        return [*argv, "--", *launcher_argv(self.python, self.cfg, job)]
+
+
+class ApptainerSandbox:
+    name = "apptainer"
+    isolated = True
+
+    def __init__(self, cfg: SandboxConfig, apptainer: str = "apptainer") -> None:
+        self.cfg = cfg
+        self.apptainer = apptainer
+
+    @property
+    def python(self) -> str:
+        return host_python()  # bound from the host: the image must carry a compatible C library
+
+    def base_env(self) -> dict[str, str]:
+        return allowlisted_env(self.cfg)
+
+    def command(self, job: SandboxJob) -> list[str]:
+        argv = [self.apptainer, "exec", "--containall", "--no-home", "--cleanenv", "--net", "--network", "none",
+                "--pwd", job.cwd]  # fmt: skip
+        for m in job.mounts:
+            argv += ["--bind", f"{m.source}:{m.target}:{'rw' if m.writable else 'ro'}"]
+        if job.proxy_socket is not None:
+            argv += ["--bind", f"{job.proxy_socket}:{SOCKET_PATH}"]
+        for key, value in {**self.base_env(), **job.env}.items():
+            if key != "HOME":  # --containall gives a private, empty HOME; apptainer refuses to override it
+                argv += ["--env", f"{key}={value}"]
+        return [*argv, self.cfg.apptainer_image, *launcher_argv(self.python, self.cfg, job)]
+
+
+class NoSandbox:
+    """backend=none: the host itself. Asked for only; every shard records it."""
+
+    name = "none"
+    isolated = False
+
+    def __init__(self, cfg: SandboxConfig) -> None:
+        self.cfg = cfg
+
+    @property
+    def python(self) -> str:
+        return sys.executable
+
+    def base_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(SOURCE_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+        return env
+
+    def command(self, job: SandboxJob) -> list[str]:
+        return list(job.argv)
+
+
+@functools.cache
+def _bwrap_works(bwrap: str) -> str:
+    """'' when a trivial bwrap sandbox runs here, else why not."""
+    probe = [bwrap, "--unshare-all", "--die-with-parent", *BwrapSandbox(SandboxConfig()).system_args(),
+             "--proc", "/proc", "--dev", "/dev", "--", "true"]  # fmt: skip
+    try:
+        proc = subprocess.run(probe, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{type(e).__name__}: {e}"
+    return "" if proc.returncode == 0 else (proc.stderr.strip() or f"exit code {proc.returncode}")
+
+
+def make_sandbox(cfg: SandboxConfig) -> Sandbox:
+    """The configured backend, checked to run here; SandboxUnavailable says what to do if it cannot."""
+    if cfg.backend == "none":
+        return NoSandbox(cfg)
+    if cfg.backend == "apptainer":
+        apptainer = shutil.which("apptainer")
+        if apptainer is None:
+            raise SandboxUnavailable("sandbox.backend=apptainer but `apptainer` is not on PATH")
+        if not Path(cfg.apptainer_image).exists():
+            raise SandboxUnavailable(f"sandbox.apptainer_image={cfg.apptainer_image!r} does not exist")
+        return ApptainerSandbox(cfg, apptainer)
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        raise SandboxUnavailable(
+            "sandbox.backend=bwrap but `bwrap` is not on PATH: install bubblewrap (apt-get install bubblewrap, "
+            "or run tools/setup_env.sh), or set sandbox.backend=none to run harnesses unsandboxed"
+        )
+    why = _bwrap_works(bwrap)
+    if why:
+        raise SandboxUnavailable(
+            f"bubblewrap cannot create a sandbox here ({why}); user namespaces may be disabled "
+            "(sysctl kernel.unprivileged_userns_clone=1) or set sandbox.backend=none"
+        )
+    return BwrapSandbox(cfg, bwrap)
