@@ -20,8 +20,8 @@ from gyre.proxy.anthropic_api import (
     sse_events,
     tool_use_id,
 )
-from gyre.proxy.anthropic_routes import error_status_and_body
 from gyre.proxy.call_log import CallLog
+from gyre.proxy.errors import anthropic_status_and_body as error_status_and_body
 from gyre.proxy.errors import context_length_exceeded, engine_unavailable
 from gyre.proxy.roles import ROLES, anthropic_call_role
 from gyre.proxy.tito import TitoRenderer

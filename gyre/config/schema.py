@@ -80,6 +80,13 @@ class ProxyConfig:
     # a session's next call goes to the engine of its last call (its prefix is cached there) unless that engine
     # has this many more requests in flight than the least-loaded one; -1: least-loaded only
     affinity_slack: int = 2
+    # what bad input or load can take: request bodies over max_body_mb are refused (413; a 1M-token conversation
+    # is ~5 MB of JSON); a body must arrive within body_timeout_s; a connection without a request (or with only
+    # part of its headers) for idle_timeout_s is closed; connections over max_connections are answered 503
+    max_body_mb: int = 32
+    body_timeout_s: float = 60.0
+    idle_timeout_s: float = 75.0
+    max_connections: int = 1024
 
 
 @dataclass

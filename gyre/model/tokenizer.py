@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -27,6 +28,12 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._hf.get_vocab_size()
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters of the longest token (byte-level tokens: bytes, never fewer than their text's
+        characters), so that a text of n characters has at least n / max_token_chars tokens."""
+        return max(len(t) for t in self._hf.get_vocab(with_added_tokens=True))
 
     def encode(self, text: str) -> list[int]:
         return self._hf.encode(text, add_special_tokens=False).ids

@@ -16,9 +16,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from gyre.model.chat_template import THINK_END, THINK_START
+from gyre.proxy.anthropic_schema import MessagesBody
 from gyre.proxy.calls import GenParams
-from gyre.proxy.errors import invalid_request
+from gyre.proxy.errors import validation_error
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 _OUR_TOOL_ID = re.compile(r"toolu_\d+_\d+")
@@ -46,39 +49,21 @@ def openai_tool_id(anthropic_id: str) -> str:
     return "call_" + anthropic_id[6:] if _OUR_TOOL_ID.fullmatch(anthropic_id) else anthropic_id
 
 
-def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
-    if isinstance(content, str):
-        return [{"type": "text", "text": content}]
-    if not isinstance(content, list) or not all(
-        isinstance(b, dict) and isinstance(b.get("type"), str) for b in content
-    ):
-        raise invalid_request(f"{where}.content must be a string or a list of content blocks with a 'type'", "messages")
-    return content
+def _blocks(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"type": "text", "text": content}] if isinstance(content, str) else content
 
 
-def _text(block: dict[str, Any], where: str) -> str:
-    text = block.get("text")
-    if not isinstance(text, str):
-        raise invalid_request(f"{where}: a text block needs a string 'text'", "messages")
-    return text
-
-
-def blocks_text(content: Any, where: str) -> str:
+def blocks_text(content: str | list[dict[str, Any]]) -> str:
     """Text of a string or of text blocks; other blocks (images, documents) leave a visible marker."""
-    parts = []
-    for j, block in enumerate(_blocks(content, where)):
-        parts.append(_text(block, f"{where}[{j}]") if block["type"] == "text" else f"[{block['type']}]")
-    return "".join(parts)
+    return "".join(b["text"] if b["type"] == "text" else f"[{b['type']}]" for b in _blocks(content))
 
 
-def _typed_text(content: Any) -> str:
+def _typed_text(content: str | list[dict[str, Any]]) -> str:
     """What the user typed in one message: its text blocks, without tool results."""
-    if isinstance(content, str):
-        return content
-    return "".join(b["text"] for b in content if b.get("type") == "text" and isinstance(b.get("text"), str))
+    return "".join(b["text"] for b in _blocks(content) if b["type"] == "text")
 
 
-def _user_messages(content: Any, where: str) -> list[dict[str, Any]]:
+def _user_messages(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One user message becomes `tool` messages for its tool results and user messages for its text."""
     out: list[dict[str, Any]] = []
     pending: list[str] = []
@@ -88,40 +73,33 @@ def _user_messages(content: Any, where: str) -> list[dict[str, Any]]:
             out.append({"role": "user", "content": "".join(pending)})
             pending.clear()
 
-    for j, block in enumerate(_blocks(content, where)):
+    for block in _blocks(content):
         if block["type"] == "tool_result":
-            if not isinstance(block.get("tool_use_id"), str):
-                raise invalid_request(f"{where}[{j}]: a tool_result needs 'tool_use_id'", "messages")
             flush()
-            result = block.get("content", "")
-            text = blocks_text(result, f"{where}[{j}]") if result else ""
+            result = block.get("content")
+            text = blocks_text(result) if result else ""
             out.append({"role": "tool", "tool_call_id": openai_tool_id(block["tool_use_id"]), "content": text})
         elif block["type"] == "text":
-            pending.append(_text(block, f"{where}[{j}]"))
+            pending.append(block["text"])
         else:
             pending.append(f"[{block['type']}]")
     flush()
     return out or [{"role": "user", "content": ""}]
 
 
-def _assistant_message(content: Any, where: str) -> dict[str, Any]:
+def _assistant_message(content: str | list[dict[str, Any]]) -> dict[str, Any]:
     text, calls = [], []
-    for j, block in enumerate(_blocks(content, where)):
+    for block in _blocks(content):
         kind = block["type"]
         if kind == "text":
-            text.append(_text(block, f"{where}[{j}]"))
+            text.append(block["text"])
         elif kind == "thinking":
             text.append(f"{THINK_START}{block.get('thinking', '')}{THINK_END}")
         elif kind == "tool_use":
-            if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
-                raise invalid_request(f"{where}[{j}]: a tool_use needs 'name' and an object 'input'", "messages")
-            call_id = openai_tool_id(str(block.get("id", "")))
+            call_id = openai_tool_id(block.get("id", ""))
+            arguments = block.get("input", {})
             calls.append(
-                {
-                    "id": call_id,
-                    "type": "function",
-                    "function": {"name": block["name"], "arguments": block.get("input", {})},
-                }
+                {"id": call_id, "type": "function", "function": {"name": block["name"], "arguments": arguments}}
             )
         # redacted_thinking and server tool blocks carry nothing the policy generated here
     message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
@@ -130,35 +108,24 @@ def _assistant_message(content: Any, where: str) -> dict[str, Any]:
     return message
 
 
-def convert_messages(system: Any, messages: Any) -> list[dict[str, Any]]:
-    if not isinstance(messages, list) or not messages:
-        raise invalid_request("'messages' must be a non-empty list", "messages")
+def convert_messages(system: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as validated by `MessagesBody` -> the proxy's OpenAI-style messages."""
     out: list[dict[str, Any]] = []
     if system:
-        out.append({"role": "system", "content": blocks_text(system, "system")})
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        role = m.get("role") if isinstance(m, dict) else None
-        if role not in ("user", "assistant", "system"):
-            raise invalid_request(f"{where}.role is {role!r}; use user, assistant or system", "messages")
-        if role == "user":
-            out.extend(_user_messages(m.get("content"), f"{where}.content"))
-        elif role == "assistant":
-            out.append(_assistant_message(m.get("content"), f"{where}.content"))
+        out.append({"role": "system", "content": blocks_text(system)})
+    for m in messages:
+        if m["role"] == "user":
+            out.extend(_user_messages(m["content"]))
+        elif m["role"] == "assistant":
+            out.append(_assistant_message(m["content"]))
         else:
-            out.append({"role": "system", "content": blocks_text(m.get("content"), f"{where}.content")})
+            out.append({"role": "system", "content": blocks_text(m["content"])})
     return out
 
 
-def convert_tools(tools: Any) -> list[dict[str, Any]] | None:
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise invalid_request("'tools' must be a list", "tools")
+def convert_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     out = []
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
-            raise invalid_request(f"tools[{i}] needs a 'name'", "tools")
+    for tool in tools or []:
         spec = {
             "name": tool["name"],
             "description": tool.get("description") or "",
@@ -168,42 +135,28 @@ def convert_tools(tools: Any) -> list[dict[str, Any]] | None:
     return out or None
 
 
-def _number(body: dict[str, Any], name: str, hi: float) -> float | None:
-    value = body.get(name)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= hi):
-        raise invalid_request(f"{name}: must be a number between 0 and {hi}, got {value!r}", name)
-    return value
-
-
 def parse_messages_request(body: Any, default_model: str) -> MessagesRequest:
-    if not isinstance(body, dict):
-        raise invalid_request("the request body must be a JSON object")
-    messages = convert_messages(body.get("system"), body.get("messages"))
-    max_tokens = body.get("max_tokens")
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
-        raise invalid_request(f"max_tokens: must be an integer >= 1, got {max_tokens!r}", "max_tokens")
-    stops = body.get("stop_sequences") or []
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise invalid_request("stop_sequences: must be a list of non-empty strings", "stop_sequences")
-    if body.get("stream") is not None and not isinstance(body["stream"], bool):
-        raise invalid_request("stream: must be a boolean", "stream")
-    temperature, top_p = _number(body, "temperature", 2.0), _number(body, "top_p", 1.0)
+    """A validated, converted request (gyre.proxy.anthropic_schema); raises a 400 ProxyError otherwise."""
+    try:
+        req = MessagesBody.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e) from e
     params = GenParams(
-        temperature=1.0 if temperature is None else float(temperature),
-        top_p=1.0 if top_p is None else float(top_p),
-        max_tokens=max_tokens,
-        stop=list(stops),
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        max_tokens=req.max_tokens,
+        stop=list(req.stop_sequences or []),
     )
     tools = convert_tools(body.get("tools"))
-    users = [m for m in body["messages"] if isinstance(m, dict) and m.get("role") == "user"]
+    users = [m for m in body["messages"] if m["role"] == "user"]
     return MessagesRequest(
-        model=body.get("model") if isinstance(body.get("model"), str) else default_model,
-        messages=messages,
+        model=req.model or default_model,
+        messages=convert_messages(body.get("system"), body["messages"]),
         tools=tools,
         params=params,
-        stream=bool(body.get("stream")),
-        system_text=blocks_text(body["system"], "system") if body.get("system") else "",
-        user_text="\n".join(_typed_text(u.get("content")) for u in users),
+        stream=bool(req.stream),
+        system_text=blocks_text(body["system"]) if body.get("system") else "",
+        user_text="\n".join(_typed_text(u["content"]) for u in users),
         tool_names=[t["function"]["name"] for t in tools or []],
     )
 

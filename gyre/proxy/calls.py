@@ -9,7 +9,7 @@ from typing import Any
 
 from gyre.config.schema import ProxyConfig
 from gyre.engine.client import SamplingParams
-from gyre.model.chat_template import TemplateError, parse_assistant_text
+from gyre.model.chat_template import TemplateError, content_text, parse_assistant_text
 from gyre.model.tokenizer import Tokenizer
 from gyre.proxy.call_log import CallLog, CallRecord
 from gyre.proxy.dispatch import EngineDispatcher
@@ -80,6 +80,16 @@ class CallRunner:
     def context_limit(self, rollout_id: str) -> int:
         return min(self.cfg.max_context_tokens, self._forced_limits.get(rollout_id, self.cfg.max_context_tokens))
 
+    def check_length(self, rollout_id: str, messages: list[dict[str, Any]]) -> None:
+        """Refuse a prompt that cannot fit before tokenizing it (megabytes take seconds): its text alone
+        has at least chars / max_token_chars tokens. Assistant turns are left out: one may be spliced in as
+        ids that cover less text than the harness re-sent."""
+        chars = sum(len(content_text(m.get("content"))) for m in messages if m.get("role") != "assistant")
+        at_least = chars // self.tokenizer.max_token_chars
+        limit = self.context_limit(rollout_id)
+        if at_least >= limit:
+            raise context_length_exceeded(limit, at_least, at_least=True)
+
     async def render(
         self, rollout_id: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
     ) -> RenderedPrompt:
@@ -108,6 +118,7 @@ class CallRunner:
         role: str = "main",
     ) -> CallRecord:
         t_start = time.time()
+        self.check_length(rollout_id, messages)
         prompt = await self.render(rollout_id, messages, tools)
         sampling = SamplingParams(
             temperature=params.temperature,

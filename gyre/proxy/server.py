@@ -5,6 +5,10 @@ Rollout id: with a key registry (gyre/proxy/keys.py, what a run always uses) the
 call carries; a call without a live key is refused (401, in the API's own error shape), and a path or
 header rollout id other than the key's is refused too. Without one (a standalone proxy, tests): path
 prefix `/rollout/{rollout_id}/v1/...`, else header `X-Rollout-Id`, else "default".
+Bad input and load are held off before any model work: a body size limit (`proxy.max_body_mb`), a
+deadline for the body and for idle connections, a connection cap, pydantic request schemas, a prompt
+length bound checked before tokenizing; a client that goes away cancels its handler, which aborts
+its engine request (gyre.proxy.dispatch) and records nothing.
 Run standalone with `python -m gyre.proxy.server --tokenizer DIR --engine URL [--engine URL ...]`.
 """
 
@@ -18,6 +22,7 @@ import signal
 import threading
 import time
 import uuid
+from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -28,7 +33,8 @@ from gyre.proxy.anthropic_routes import AnthropicRoutes
 from gyre.proxy.call_log import CallLog, CallRecord
 from gyre.proxy.calls import CallRunner, GenParams
 from gyre.proxy.dispatch import EngineDispatcher
-from gyre.proxy.errors import ProxyError, error_middleware, invalid_request
+from gyre.proxy.errors import ProxyError, error_middleware
+from gyre.proxy.http import ProxyAppRunner, read_json
 from gyre.proxy.keys import KeyRefused, RolloutKeys, presented_keys
 from gyre.proxy.openai_api import ChatRequest, Reply, completion_body, parse_chat_request, stream_chunks
 from gyre.proxy.routing import EngineRouter
@@ -37,7 +43,6 @@ log = logging.getLogger(__name__)
 
 ROLLOUT_HEADER = "X-Rollout-Id"
 DEFAULT_ROLLOUT = "default"
-MAX_BODY_BYTES = 256 << 20  # long-horizon conversations re-send megabytes of context per call
 
 
 def rollout_id_of(request: web.Request) -> str:
@@ -104,8 +109,9 @@ class ProxyServer:
 
     # ---- HTTP ----------------------------------------------------------------------------
     def build_app(self) -> web.Application:
-        app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
-        anthropic = AnthropicRoutes(self.runner, self.tokenizer, self.rollout_id_of, self.model_name)
+        app = web.Application(middlewares=[error_middleware], client_max_size=self.cfg.max_body_mb << 20)
+        self.read_body = partial(read_json, timeout_s=self.cfg.body_timeout_s)
+        anthropic = AnthropicRoutes(self.runner, self.tokenizer, self.rollout_id_of, self.model_name, self.read_body)
         for prefix in ("", "/rollout/{rollout_id}"):
             anthropic.add_to(app, prefix)
             app.router.add_post(f"{prefix}/v1/chat/completions", self.chat_completions)
@@ -118,10 +124,13 @@ class ProxyServer:
         await self.dispatcher.close()
 
     async def health(self, _request: web.Request) -> web.Response:
+        """Counts only: engine URLs are internal (harnesses must not learn where to reach engines)."""
+        in_flight = self.router.in_flight()
         return web.json_response(
             {
                 "status": "ok",
-                "engines": self.router.in_flight(),
+                "engines": len(in_flight),
+                "in_flight": sum(in_flight.values()),
                 "calls": len(self.call_log),
                 "spliced_turns": self.runner.spliced_turns,
                 "retokenized_turns": self.runner.retokenized_turns,
@@ -134,11 +143,7 @@ class ProxyServer:
         return web.json_response({"object": "list", "data": [model]})
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        try:
-            body = json.loads(await request.read())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise invalid_request(f"request body is not valid JSON: {e}") from e
-        req = parse_chat_request(body, self.model_name)
+        req = parse_chat_request(await self.read_body(request), self.model_name)
         record = await self.runner.run(
             self.rollout_id_of(request), "openai", req.messages, req.tools, _gen_params(req), req.tool_names
         )
@@ -177,7 +182,13 @@ class ProxyServer:
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def _start_site(self) -> str:
-        self._app_runner = web.AppRunner(self.build_app(), access_log=None)
+        self._app_runner = ProxyAppRunner(
+            self.build_app(),
+            self.cfg.max_connections,
+            access_log=None,
+            handler_cancellation=True,  # a client that goes away cancels its call (and its engine request)
+            keepalive_timeout=self.cfg.idle_timeout_s,  # also bounds the wait for a request's headers
+        )
         await self._app_runner.setup()
         site = web.TCPSite(self._app_runner, self.cfg.host, self.cfg.port)
         await site.start()

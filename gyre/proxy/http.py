@@ -1,0 +1,93 @@
+"""HTTP plumbing of the proxy that holds under bad input and load: the request body read with a size
+limit and a deadline and parsed with a nesting limit, errors the HTTP layer raises itself (a malformed
+request line, a content encoding it cannot decode) answered as JSON, and a cap on open connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pydantic_core
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
+
+from gyre.proxy.errors import ProxyError, both_shapes_body, invalid_request
+
+log = logging.getLogger(__name__)
+
+
+async def read_json(request: web.Request, timeout_s: float) -> Any:
+    """The request's JSON body. jiter (pydantic's parser) refuses lone UTF-16 surrogates, nesting
+    deeper than 200 and trailing data, so what comes back can be rendered, dumped and streamed."""
+    try:
+        raw = await asyncio.wait_for(request.read(), timeout_s)
+    except TimeoutError as e:
+        raise ProxyError(408, f"the request body did not arrive within {timeout_s:g} s", code="request_timeout") from e
+    except RequestPayloadError as e:  # e.g. marked gzip but not gzip
+        raise invalid_request(f"the request body cannot be read: {e.__cause__ or e}".replace("\n", " ")) from e
+    except web.HTTPRequestEntityTooLarge as e:
+        message = f"request body over the proxy's limit of {request.client_max_size} bytes (proxy.max_body_mb)"
+        raise ProxyError(413, message, "invalid_request_error", code="request_too_large") from e
+    if not raw.strip():
+        raise invalid_request("the request body is empty; send a JSON object")
+    try:
+        return pydantic_core.from_json(raw, cache_strings="keys")
+    except ValueError as e:
+        raise invalid_request(f"request body is not valid JSON: {e}") from e
+
+
+class _JsonErrorRequestHandler(RequestHandler):
+    """aiohttp's connection handler, answering its own errors (bad framing) as JSON in both APIs' shape,
+    logged at debug level only (any client can cause them), and refusing connections over the cap."""
+
+    max_connections = 0  # set per server by JsonErrorServer
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        manager = self._manager
+        if self.max_connections and manager is not None and len(manager.connections) > self.max_connections:
+            log.warning("refusing a connection: %d open (proxy.max_connections)", len(manager.connections) - 1)
+            body = b'{"type":"error","error":{"type":"overloaded_error","message":"too many connections","param":null,"code":null}}'
+            head = (
+                f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            )
+            transport.write(head.encode() + b"Connection: close\r\nRetry-After: 1\r\n\r\n" + body)
+            self.force_close()
+            transport.close()
+
+    def handle_error(
+        self, request: Any, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
+        log.debug("HTTP-level error %d from %s: %s", status, request.remote, exc)
+        if request.writer.output_size > 0:
+            raise ConnectionError("the response is under way; cannot send an error now")
+        text = (message or (str(exc) if exc else "") or "bad request").strip().replace("\n", " ")
+        resp = web.json_response(both_shapes_body(status, text), status=status)
+        resp.force_close()
+        return resp
+
+
+class JsonErrorServer(web.Server):
+    """aiohttp's Server, with connections handled by `handler_class`."""
+
+    handler_class: type[RequestHandler] = _JsonErrorRequestHandler
+
+    def __call__(self) -> RequestHandler:
+        return self.handler_class(self, loop=self._loop, **self._kwargs)
+
+
+class ProxyAppRunner(web.AppRunner):
+    """An AppRunner whose server is a JsonErrorServer (aiohttp has no public hook for its own errors)."""
+
+    def __init__(self, app: web.Application, max_connections: int, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self.max_connections = max_connections
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = JsonErrorServer
+        attrs = {"max_connections": self.max_connections}
+        server.handler_class = type("CappedRequestHandler", (_JsonErrorRequestHandler,), attrs)  # type: ignore[attr-defined]
+        return server

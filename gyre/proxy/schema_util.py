@@ -1,0 +1,57 @@
+"""Building blocks of the request schemas (gyre.proxy.openai_schema, anthropic_schema).
+
+Unions are chosen by a callable discriminator and their members tagged `~...`, so that an error names
+what was found (not every member's complaint) and its location reads as a plain path once the tags
+are dropped (gyre.proxy.errors.validation_error).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, Discriminator, Field, Tag, model_validator
+
+NonEmpty = Annotated[str, Field(min_length=1)]
+
+
+def tagged(members: dict[str, Any], key: str, other: Any = None) -> Any:
+    """A union chosen by the string at `key` of an object; values no member takes go to `other` (a
+    catch-all, or a `refusal` model: pydantic's own message would not name the value)."""
+
+    def pick(value: Any) -> str | None:
+        if not isinstance(value, dict):
+            return None
+        tag = value.get(key)
+        return f"~{tag}" if isinstance(tag, str) and tag in members else "~other"
+
+    choices = [Annotated[model, Tag(f"~{tag}")] for tag, model in members.items()]
+    if other is not None:
+        choices.append(Annotated[other, Tag("~other")])
+    union: Any = choices[0]
+    for choice in choices[1:]:
+        union = union | choice
+    return Annotated[
+        union, Discriminator(pick, custom_error_type="object_type", custom_error_message="must be an object")
+    ]
+
+
+def refusal(key: str, expected: str) -> type[BaseModel]:
+    """The `other` model of `tagged` that refuses: an error naming the value found at `key`."""
+
+    class Refused(BaseModel):
+        @model_validator(mode="before")
+        @classmethod
+        def _refuse(cls, value: Any) -> Any:
+            raise ValueError(f"{key} is {repr(value.get(key))[:80]}; {expected}")
+
+    return Refused
+
+
+def str_or_list(item: Any, message: str) -> Any:
+    """A string or a list of `item`; anything else gets `message`."""
+
+    def pick(value: Any) -> str | None:
+        return "~string" if isinstance(value, str) else "~list" if isinstance(value, list) else None
+
+    members = Annotated[str, Tag("~string")] | Annotated[list[item], Tag("~list")]
+    return Annotated[members, Discriminator(pick, custom_error_type="str_or_list", custom_error_message=message)]
