@@ -44,7 +44,7 @@ def run(cfg: RunConfig) -> Path:
     writer.rows = start.metrics_rows
     with RolloutService(cfg, policy, out) as service:
         if state.weight_version:  # engines serve the checkpoint's weights, not the warm start
-            service.sync_weights(trainer.hf_state_dict(), version=state.weight_version)
+            service.load_weights(trainer.hf_state_dict(), version=state.weight_version)
         bar = tqdm(range(state.next_step, cfg.steps), desc="gyre", unit="step", dynamic_ncols=True,
                    initial=state.next_step, total=cfg.steps)  # fmt: skip
         try:

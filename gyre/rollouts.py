@@ -16,11 +16,10 @@ from typing import Any
 import torch
 
 from gyre.config.schema import LogprobDistribution, RunConfig
-from gyre.engine.client import EngineClient
-from gyre.engine.launcher import start_engine_from_config
+from gyre.engine.engine import EngineSetup, RolloutEngine, make_engine
+from gyre.engine.switch import join_rollout, leave_rollout
 from gyre.harness.runner import RolloutOutcome, run_rollouts
 from gyre.metrics import mean
-from gyre.model.hf_io import save_hf_checkpoint
 from gyre.pipeline import FinishedRollout
 from gyre.proxy.call_log import CallLog
 from gyre.proxy.keys import RolloutKeys
@@ -70,20 +69,18 @@ class RolloutService:
         self.tokenizer = policy.tokenizer()
         self.call_log = CallLog(output_dir / "calls.jsonl")
         self.task_pool = TaskPool(cfg.tasks.families, cfg.tasks.pool_size, seed=cfg.seed)
-        self.weights_dir = output_dir / "weights"
-        self.engine = None
+        setup = EngineSetup(policy.model_cfg, policy.tokenizer_dir, output_dir, scratch=output_dir / "weights")
+        self.engine: RolloutEngine = make_engine(cfg.engine, setup)
         self.proxy = None
         self.keys = RolloutKeys()
         self.sandbox = make_sandbox(cfg.sandbox)  # fails before the engine starts when it cannot run here
 
     def __enter__(self) -> RolloutService:
-        self.engine = start_engine_from_config(
-            self.policy.checkpoint_dir, self.cfg.engine, log_path=self.out / "engine.log"
-        )
+        self.engine.start(self.policy.checkpoint_dir)
         truncated = self.cfg.rl.logprob_distribution is LogprobDistribution.truncated
         self.proxy = ProxyServer(
             self.tokenizer,
-            [self.engine.url],
+            self.engine.urls,
             self.cfg.proxy,
             self.call_log,
             truncated_logprobs=truncated,
@@ -95,8 +92,7 @@ class RolloutService:
     def __exit__(self, *exc: object) -> None:
         if self.proxy is not None:
             self.proxy.stop()
-        if self.engine is not None:
-            self.engine.stop()
+        self.engine.stop()
 
     def collect(self, step: int) -> StepRollouts:
         rl = self.cfg.rl
@@ -126,16 +122,12 @@ class RolloutService:
 
     def release_engines(self) -> None:
         """Colocate: the engine gives its memory to training until the next weights arrive."""
-        asyncio.run(self._engine_call("release_memory"))
+        leave_rollout(self.engine)
 
     def sync_weights(self, hf_state: dict[str, torch.Tensor], version: int) -> None:
-        path = save_hf_checkpoint(self.weights_dir, hf_state, self.policy.model_cfg, self.policy.tokenizer_dir)
-        asyncio.run(self._engine_call("resume_memory"))
-        asyncio.run(self._engine_call("update_weights_from_disk", str(path), str(version)))
+        """After training: the engine takes its memory back with the new weights and serves again."""
+        join_rollout(self.engine, lambda: self.engine.update_weights(hf_state, str(version)))
 
-    async def _engine_call(self, name: str, *args: str) -> Any:
-        client = EngineClient(self.engine.url)
-        try:
-            return await getattr(client, name)(*args)
-        finally:
-            await client.close()
+    def load_weights(self, hf_state: dict[str, torch.Tensor], version: int) -> None:
+        """While serving (a resumed run's first weights)."""
+        self.engine.update_weights(hf_state, str(version))

@@ -160,11 +160,11 @@ def weights(out: Path) -> None:
 
 # ----- kv -----
 def kv(out: Path) -> None:
-    from gyre.comm.kv_migration import export_session_kv, import_session_kv, write_slot_kv
     from gyre.comm.mooncake_transport import MooncakeTransport
     from gyre.comm.transfer import KVTransport, WeightTransport
     from gyre.engine.batcher import Batcher, BatcherConfig, Delta, Sequence
     from gyre.engine.kv_cache import SlotKVCache, decode_slots
+    from gyre.engine.kv_session import export_session_kv, import_session_kv, write_slot_kv
     from gyre.engine.sampling import SamplingSpec
 
     comm = MPI.COMM_WORLD

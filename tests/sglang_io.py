@@ -24,6 +24,7 @@ import argparse
 import ast
 import base64
 import binascii
+import dataclasses
 import importlib
 import importlib.machinery
 import importlib.util
@@ -218,3 +219,46 @@ def light_common() -> types.ModuleType:
 def load_sampling_params() -> type:
     load_io_struct()
     return importlib.import_module("sglang.srt.sampling.sampling_params").SamplingParams
+
+
+# endpoint -> SGLang request class its FastAPI handler parses the body into (http_server.py)
+ENDPOINT_CLASS = {
+    "/generate": "GenerateReqInput",
+    "/abort_request": "AbortReq",
+    "/pause_generation": "PauseGenerationReqInput",
+    "/continue_generation": "ContinueGenerationReqInput",
+    "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
+    "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
+    "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
+    "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
+    "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+    "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
+    "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
+    "/update_weight_version": "UpdateWeightVersionReqInput",
+}
+
+
+def _fields(cls: type) -> tuple[set[str], set[str]]:
+    """(all field names, required field names) of a msgspec Struct or a dataclass."""
+    import msgspec
+
+    if isinstance(cls, type) and issubclass(cls, msgspec.Struct):
+        fields = msgspec.structs.fields(cls)
+        required = {f.name for f in fields if f.required}
+        return {f.name for f in fields}, required
+    fields = dataclasses.fields(cls)
+    required = {f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    return {f.name for f in fields}, required
+
+
+def parse_like_sglang(path: str, payload: dict) -> object:
+    """Parse a request body as SGLang's server does, after checking its keys exactly."""
+    from pydantic import TypeAdapter
+
+    cls = getattr(load_io_struct(), ENDPOINT_CLASS[path])
+    names, required = _fields(cls)
+    unknown = sorted(set(payload) - names)
+    assert not unknown, f"{path}: {unknown} are not fields of SGLang's {cls.__name__} (SGLang would drop them)"
+    missing = sorted(required - set(payload) - {"rid", "http_worker_ipc"})
+    assert not missing, f"{path}: required fields {missing} of {cls.__name__} are missing"
+    return TypeAdapter(cls).validate_json(json.dumps(payload))

@@ -17,10 +17,11 @@ import torch
 
 from gyre.comm.control import CellLayout
 from gyre.comm.flat import VersionMismatch, pack, read_version, unpack
-from gyre.comm.kv_migration import KVMeta, SessionKV, import_session_kv, session_kv_from_flat, session_kv_to_flat
+from gyre.comm.kv_migration import KVMeta, SessionKV, session_kv_from_flat, session_kv_to_flat
 from gyre.comm.messages import RoleSwitch
 from gyre.config.schema import ModelConfig
 from gyre.engine.batcher import Batcher, BatcherConfig
+from gyre.engine.kv_session import import_session_kv
 from gyre.model.llama import LlamaForCausalLM
 
 JOB = Path(__file__).with_name("comm_mpi_job.py")
@@ -161,3 +162,20 @@ def test_kv_migration_between_engines_recomputes_nothing_and_matches_recompute(t
     assert res["max_diff_vs_source"] < 1e-4
     assert res["max_diff_vs_forward"] < 1e-4
     assert res["slot_max_diff_vs_forward"] < 1e-4
+
+
+@pytest.mark.unit
+def test_the_generic_transport_imports_no_engine_internals() -> None:
+    """gyre/comm moves bytes between cells: importing its transports (and the KV session format) must not
+    load the embedded engine, the model or the trainer."""
+    code = (
+        "import sys\n"
+        "import gyre.comm.transfer, gyre.comm.kv_migration, gyre.comm.gloo_transport, gyre.comm.flat\n"
+        "import gyre.comm.mooncake_transport, gyre.comm.control, gyre.comm.messages\n"
+        "bad = sorted(m for m in sys.modules if m.startswith(('gyre.engine', 'gyre.model', 'gyre.train', 'gyre.sched',"
+        " 'gyre.proxy', 'megatron')))\n"
+        "print(bad)\n"
+        "assert not bad, bad\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]

@@ -14,13 +14,14 @@ import pytest
 import torch
 
 from gyre.config.schema import ModelConfig, ProxyConfig
+from gyre.engine.client import SyncEngineClient
 from gyre.engine.launcher import EngineProcess, start_engine
 from gyre.model.hf_io import save_hf_checkpoint
 from gyre.model.llama import LlamaForCausalLM
 from gyre.model.tokenizer import Tokenizer
 from gyre.proxy.call_log import CallLog
 from gyre.proxy.server import ProxyServer
-from gyre.sched.reroute import engine_post, take_out_of_service
+from gyre.sched.reroute import take_out_of_service
 
 pytestmark = pytest.mark.integration
 MAX_TOKENS = 300
@@ -75,7 +76,7 @@ def run_and_reroute(tokenizer: Tokenizer, a: str, b: str, migrate: bool) -> tupl
         report = take_out_of_service(a, proxy, migrate_kv=migrate)
         worker.join(60)
     finally:
-        engine_post(a, "/continue_generation")
+        SyncEngineClient(a).continue_generation()
         proxy.stop()
     assert "resp" in out, "the harness-facing call failed"
     return proxy, report, out
@@ -86,7 +87,7 @@ def test_reroute_moves_the_prefix_and_recomputes_nothing(setup) -> None:
     proxy = ProxyServer(tokenizer, [b.url], ProxyConfig(), CallLog())
     reference = chat(proxy.start())
     proxy.stop()
-    engine_post(b.url, "/flush_cache")  # B must not already hold the prefix
+    SyncEngineClient(b.url).flush_cache()  # B must not already hold the prefix
 
     proxy, report, out = run_and_reroute(tokenizer, a.url, b.url, migrate=True)
     (record,) = proxy.call_log.for_rollout("default")
@@ -100,7 +101,7 @@ def test_reroute_moves_the_prefix_and_recomputes_nothing(setup) -> None:
 
 def test_reroute_without_migration_recomputes_and_counts_it(setup) -> None:
     tokenizer, (a, b) = setup
-    engine_post(b.url, "/flush_cache")
+    SyncEngineClient(b.url).flush_cache()
     proxy, report, out = run_and_reroute(tokenizer, a.url, b.url, migrate=False)
     (record,) = proxy.call_log.for_rollout("default")
     assert record.engine_url == b.url and report.sessions == 0
@@ -136,7 +137,7 @@ def test_engine_death_mid_request_is_invisible_to_the_harness(setup, tmp_path: P
 def test_a_leaving_engine_hands_on_the_cached_context_of_a_session_between_calls(setup) -> None:
     tokenizer, (a, b) = setup
     for e in (a, b):
-        engine_post(e.url, "/flush_cache")
+        SyncEngineClient(e.url).flush_cache()
     proxy = ProxyServer(tokenizer, [a.url], ProxyConfig(), CallLog())
     url = proxy.start()
     try:
@@ -156,5 +157,5 @@ def test_a_leaving_engine_hands_on_the_cached_context_of_a_session_between_calls
         second = proxy.call_log.for_rollout("default")[-1]
         assert second.engine_url == b.url and second.cached_tokens >= len(rec.input_ids)
     finally:
-        engine_post(a.url, "/continue_generation")
+        SyncEngineClient(a.url).continue_generation()
         proxy.stop()

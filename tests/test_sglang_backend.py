@@ -12,14 +12,10 @@ import torch
 
 from gyre.config.schema import EngineConfig
 from gyre.engine.client import EngineClient, EngineError, SamplingParams
+from gyre.engine.engine import EngineServers
 from gyre.engine.launcher import EngineStartError, start_engine
-from gyre.engine.sglang_backend import (
-    release_for_training,
-    resume_for_rollout,
-    start_sglang_server,
-    sync_from_disk,
-    wait_until_serving,
-)
+from gyre.engine.sglang_backend import start_sglang_server, wait_until_serving
+from gyre.engine.switch import join_rollout, leave_rollout
 from gyre.model.hf_io import load_hf_state, save_hf_checkpoint
 from gyre.model.random_model import SHAPES, create_random_model
 
@@ -39,12 +35,13 @@ def test_role_switch_keeps_requests_in_flight_and_loads_new_weights(tmp_path):
             params = SamplingParams(max_new_tokens=1000, seed=1)  # still decoding when the switch starts
             inflight = [asyncio.create_task(client.generate([3, 4, 5, i], params)) for i in range(3)]
             await asyncio.sleep(0.2)
-            down = await release_for_training(client)
+            servers = EngineServers([url])
+            down = await asyncio.to_thread(leave_rollout, servers, "retract")
             info = await client.server_info()
             assert info["paused"] and info["memory_released"] == ["kv_cache", "weights"]
             with pytest.raises(EngineError, match="503"):
                 await client.generate([1, 2], SamplingParams(max_new_tokens=2))
-            up = await resume_for_rollout(client, lambda: sync_from_disk(client, v1, "1"))
+            up = await asyncio.to_thread(join_rollout, servers, lambda: servers.update_weights_from_disk(v1, "1"))
             results = await asyncio.gather(*inflight)
             assert all(r.finish_reason == "length" and len(r.output_ids) == 1000 for r in results)
             assert all(r.weight_version == "1" for r in results)  # finished under the new weights

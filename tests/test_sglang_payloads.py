@@ -14,12 +14,18 @@ import sys
 import textwrap
 from pathlib import Path
 
-import msgspec
 import pytest
 import torch
 from aiohttp import web
-from pydantic import TypeAdapter
-from sglang_io import light_common, load_io_struct, load_sampling_params, server_args_parser, sglang_version
+from sglang_io import (
+    ENDPOINT_CLASS,
+    light_common,
+    load_io_struct,
+    load_sampling_params,
+    parse_like_sglang,
+    server_args_parser,
+    sglang_version,
+)
 
 from gyre.config.schema import EngineConfig, ModelConfig
 from gyre.config.validate import ConfigValueError
@@ -38,21 +44,6 @@ pytestmark = pytest.mark.unit
 SGLANG_VERSION = "0.5.23"  # keep in step with tools/setup_env.sh
 ROOT = Path(__file__).resolve().parents[1]
 
-# endpoint -> SGLang request class its FastAPI handler parses the body into (http_server.py)
-ENDPOINT_CLASS = {
-    "/generate": "GenerateReqInput",
-    "/abort_request": "AbortReq",
-    "/pause_generation": "PauseGenerationReqInput",
-    "/continue_generation": "ContinueGenerationReqInput",
-    "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
-    "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
-    "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
-    "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
-    "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
-    "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
-    "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
-    "/update_weight_version": "UpdateWeightVersionReqInput",
-}
 NO_BODY = {"/flush_cache"}  # SGLang reads only a `timeout` query parameter there
 GET_ONLY = {"/health", "/health_generate", "/get_server_info", "/get_model_info"}
 
@@ -61,28 +52,6 @@ def test_the_pinned_sglang_is_installed():
     assert sglang_version() == SGLANG_VERSION
     setup = (ROOT / "tools" / "setup_env.sh").read_text()
     assert f"SGLANG_VERSION={SGLANG_VERSION}\n" in setup and '--no-deps "sglang==$SGLANG_VERSION"' in setup
-
-
-def _fields(cls: type) -> tuple[set[str], set[str]]:
-    """(all field names, required field names) of a msgspec Struct or a dataclass."""
-    if isinstance(cls, type) and issubclass(cls, msgspec.Struct):
-        fields = msgspec.structs.fields(cls)
-        required = {f.name for f in fields if f.required}
-        return {f.name for f in fields}, required
-    fields = dataclasses.fields(cls)
-    required = {f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-    return {f.name for f in fields}, required
-
-
-def parse_like_sglang(path: str, payload: dict) -> object:
-    """Parse a request body as SGLang's server does, after checking its keys exactly."""
-    cls = getattr(load_io_struct(), ENDPOINT_CLASS[path])
-    names, required = _fields(cls)
-    unknown = sorted(set(payload) - names)
-    assert not unknown, f"{path}: {unknown} are not fields of SGLang's {cls.__name__} (SGLang would drop them)"
-    missing = sorted(required - set(payload) - {"rid", "http_worker_ipc"})
-    assert not missing, f"{path}: required fields {missing} of {cls.__name__} are missing"
-    return TypeAdapter(cls).validate_json(json.dumps(payload))
 
 
 class Recorder:

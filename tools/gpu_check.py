@@ -314,8 +314,8 @@ def make_trainer(plan: Plan, model_cfg: Any, model_dir: Path) -> tuple[Any, dict
 
 def weight_sync(plan: Plan, trainer: Any, model_cfg: Any, engine_url: str, workdir: Path) -> dict[str, Any]:
     """Trainer -> engine: export to HF names, write a checkpoint, load it in the engine (and SGLang from tensor)."""
-    from gyre.engine.client import EngineClient
-    from gyre.engine.sglang_backend import sync_from_disk, sync_from_tensor
+    from gyre.engine.engine import EngineServers
+    from gyre.engine.sglang_backend import update_from_tensor
     from gyre.model.hf_io import save_hf_checkpoint
 
     rows: dict[str, list[float]] = {"export_s": [], "save_s": [], "engine_load_s": [], "tensor_s": []}
@@ -328,18 +328,12 @@ def weight_sync(plan: Plan, trainer: Any, model_cfg: Any, engine_url: str, workd
         path = save_hf_checkpoint(workdir / "sync", {k: v.cpu() for k, v in state.items()}, model_cfg, None)
         t2 = time.perf_counter()
 
-        async def load(path: Path = path, state: dict = state, version: str = f"sync{i}") -> None:
-            client = EngineClient(engine_url)
-            try:
-                await sync_from_disk(client, path, version)
-                if plan.engine == "sglang":
-                    t = time.perf_counter()
-                    await sync_from_tensor(client, state, f"{version}t")
-                    rows["tensor_s"].append(time.perf_counter() - t)
-            finally:
-                await client.close()
-
-        asyncio.run(load())
+        servers = EngineServers([engine_url])
+        servers.update_weights_from_disk(path, f"sync{i}")
+        if plan.engine == "sglang":
+            t = time.perf_counter()
+            update_from_tensor(servers, state, f"sync{i}t", tp_size=1)
+            rows["tensor_s"].append(time.perf_counter() - t)
         rows["export_s"].append(t1 - t0)
         rows["save_s"].append(t2 - t1)
         rows["engine_load_s"].append(time.perf_counter() - t2 - (rows["tensor_s"][-1] if rows["tensor_s"] else 0))
@@ -353,7 +347,10 @@ def role_switch(plan: Plan, engine_url: str, checkpoint: Path) -> dict[str, Any]
     """rollout -> train (pause retract + release all memory) and train -> rollout (resume weights, load the
     trainer's checkpoint, resume KV, continue), with requests in flight across the switch."""
     from gyre.engine.client import EngineClient, SamplingParams
-    from gyre.engine.sglang_backend import release_for_training, resume_for_rollout, sync_from_disk
+    from gyre.engine.engine import EngineServers
+    from gyre.engine.switch import join_rollout, leave_rollout
+
+    servers = EngineServers([engine_url])
 
     async def scenario() -> dict[str, Any]:
         client = EngineClient(engine_url)
@@ -364,9 +361,10 @@ def role_switch(plan: Plan, engine_url: str, checkpoint: Path) -> dict[str, Any]
                             for _ in range(4)]  # fmt: skip
                 await asyncio.sleep(0.2)
                 free["before"].append(gpu_free_gib())
-                d = await release_for_training(client)
+                d = await asyncio.to_thread(leave_rollout, servers, "retract")
                 free["released"].append(gpu_free_gib())
-                u = await resume_for_rollout(client, lambda v=f"switch{i}": sync_from_disk(client, checkpoint, v))
+                update = lambda v=f"switch{i}": servers.update_weights_from_disk(checkpoint, v)  # noqa: E731
+                u = await asyncio.to_thread(join_rollout, servers, update)
                 free["resumed"].append(gpu_free_gib())
                 results = await asyncio.gather(*inflight)  # retracted requests finish after the switch
                 if any(r.finish_reason == "abort" for r in results):

@@ -49,6 +49,9 @@ class EngineConfig:
     mem_fraction_static: float = 0.85  # sglang: GPU memory share for weights + KV cache
     device: str = "cpu"  # embedded: torch device of the model and KV cache ("cuda" on a GPU machine)
     dtype: str = "auto"  # auto: fp32 for the embedded engine, SGLang's choice (bf16) for sglang
+    # how new weights reach the engine: disk (a checkpoint), tensor (same node, SGLang), distributed (a
+    # broadcast group with the trainer, SGLang); auto: disk for embedded, distributed for sglang
+    weight_sync: str = "auto"
     # backend=sglang only; each maps to the sglang.launch_server flag of the same name (server_args.py)
     python: str = "python"  # interpreter with sglang installed on the engine's node
     load_format: str = "auto"  # "dummy": random weights, nothing read from the checkpoint

@@ -18,6 +18,7 @@ ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # SGLang's --load-format choices that read an HF-format directory or none (server_args.py has more).
 SGLANG_LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy", "fastsafetensors", "layered")
 TRANSFORMER_ENGINE = ("auto", "on", "off")
+WEIGHT_SYNCS = ("auto", "disk", "tensor", "distributed")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOSS_NORMS = ("all_rollouts", "with_signal")
 SANDBOX_BACKENDS = ("bwrap", "apptainer", "none")
@@ -64,6 +65,10 @@ def check_engine(e: EngineConfig) -> None:
     if e.hicache_storage_backend and not e.enable_hierarchical_cache:
         _fail("engine.hicache_storage_backend", e.hicache_storage_backend,
               "needs engine.enable_hierarchical_cache=true (SGLang's storage tier sits under HiCache)")  # fmt: skip
+    if e.weight_sync not in WEIGHT_SYNCS:
+        _fail("engine.weight_sync", e.weight_sync, f"choose one of {', '.join(WEIGHT_SYNCS)}")
+    if e.backend == "embedded" and e.weight_sync in ("tensor", "distributed"):
+        _fail("engine.weight_sync", e.weight_sync, "the embedded engine loads weights from disk; use disk or auto")
     if e.backend == "embedded" and e.device != "cpu" and not e.device.startswith("cuda"):
         _fail("engine.device", e.device, "the embedded engine runs on 'cpu' or 'cuda[:N]'")
 
@@ -113,6 +118,22 @@ def check_train(t: TrainConfig, m: ModelConfig) -> None:
         _fail("train.transformer_engine", t.transformer_engine, f"choose one of {', '.join(TRANSFORMER_ENGINE)}")
 
 
+def check_engine_in_cells(cfg: RunConfig) -> None:
+    """What a cell job can honour with SGLang engines: the controller routes to one engine URL per cell, so
+    a cell holds one SGLang server (engine.tp_size covers its GPUs, over several nodes if need be), and
+    SGLang has no per-request KV export for rerouting with migration."""
+    if cfg.engine.backend != "sglang":
+        return
+    if cfg.sched.kv_migration:
+        _fail("sched.kv_migration", True, "SGLang engines have no per-request KV export; set sched.kv_migration=false")
+    for i, cell in enumerate([cfg.cluster.core, *cfg.cluster.satellites]):
+        gpus = cell.gpus_per_node * cell.nodes
+        if cell.gpus_per_node and gpus != cfg.engine.tp_size:
+            _fail("engine.tp_size", cfg.engine.tp_size,
+                  f"cell {i} has {cell.nodes} node(s) of {cell.gpus_per_node} GPUs: one SGLang server per cell "
+                  f"must span them all (engine.tp_size={gpus}); the controller routes to one engine per cell")  # fmt: skip
+
+
 def check_run(cfg: RunConfig) -> None:
     """Every check, for a run about to start its engines and trainer with this model."""
     check_engine(cfg.engine)
@@ -121,3 +142,5 @@ def check_run(cfg: RunConfig) -> None:
     check_model(cfg.model)
     check_engine_for_model(cfg.engine, cfg.model)
     check_train(cfg.train, cfg.model)
+    if cfg.scheduler != "colocate":
+        check_engine_in_cells(cfg)

@@ -1,11 +1,17 @@
-"""One client for every rollout engine that speaks SGLang's native HTTP protocol.
+"""The one HTTP client for every rollout engine that speaks SGLang's native protocol.
 
-The embedded CPU engine (gyre.engine.server) and production SGLang servers are driven by this
-same class; payloads follow sglang/srt/managers/io_struct.py (GenerateReqInput).
+The embedded CPU engine (gyre.engine.server) and production SGLang servers are driven by it; payloads
+follow sglang/srt/managers/io_struct.py. Each call is written once (`_EngineAPI`) and has two faces:
+`EngineClient` (async, aiohttp: the proxy's event loop) and `SyncEngineClient` (blocking, urllib: the cell
+runtime, the launcher's health checks, the switch sequence).
 """
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,8 +86,147 @@ class GenerateResult:
         )
 
 
-class EngineClient:
-    """Async client; create inside a running event loop, close with `await client.close()`."""
+def _check_success(body: Any) -> Any:
+    if isinstance(body, dict) and body.get("success") is False:
+        raise EngineError(f"weight update failed: {body.get('message')}")
+    return body
+
+
+class _EngineAPI:
+    """Every engine call, once: method, path, payload and how to read the answer. A face supplies `_send`,
+    which returns the answer (sync face) or a coroutine of it (async face)."""
+
+    base_url: str
+
+    def _send(
+        self, method: str, path: str, payload: dict[str, Any] | None = None,
+        then: Callable[[Any], Any] | None = None, probe: bool = False,
+    ) -> Any:  # fmt: skip
+        raise NotImplementedError
+
+    def post(self, path: str, payload: dict[str, Any] | None = None) -> Any:
+        """Any POST route (gyre's own /gyre/kv/* routes on the embedded engine)."""
+        return self._send("POST", path, payload or {})
+
+    def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None) -> Any:
+        payload: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": sampling.to_payload(),
+            "return_logprob": True,
+            "stream": False,
+        }
+        if sampling.truncated_logprobs:
+            payload["return_sampling_mask"] = True
+        if rid is not None:
+            payload["rid"] = rid
+        return self._send("POST", "/generate", payload, then=GenerateResult.from_response)
+
+    def health(self) -> Any:
+        """True when /health answers 200."""
+        return self._send("GET", "/health", probe=True)
+
+    def health_generate(self) -> Any:
+        """True once the engine produced a token (SGLang runs a one-token request unless it is busy)."""
+        return self._send("GET", "/health_generate", probe=True)
+
+    def server_info(self) -> Any:
+        return self._send("GET", "/get_server_info")
+
+    def model_info(self) -> Any:
+        return self._send("GET", "/get_model_info")
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> Any:
+        """Abort one request (rid; SGLang matches it as a prefix) or, with abort_all, every request."""
+        payload: dict[str, Any] = {"rid": rid}
+        if abort_all:
+            payload["abort_all"] = True
+        return self._send("POST", "/abort_request", payload)
+
+    def pause_generation(self, mode: str = "in_place") -> Any:
+        """SGLang modes: "in_place" keeps requests and their KV; "retract" re-queues them (KV may be
+        recomputed); "abort" finishes them. SGLang's own default is "abort", so always send one."""
+        return self._send("POST", "/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> Any:
+        return self._send("POST", "/continue_generation", {})
+
+    def flush_cache(self) -> Any:
+        return self._send("POST", "/flush_cache", {})
+
+    def release_memory(self, tags: list[str] | None = None) -> Any:
+        """Free GPU memory for a role switch; tags ("weights", "kv_cache") pick what, all by default."""
+        return self._send("POST", "/release_memory_occupation", {} if tags is None else {"tags": list(tags)})
+
+    def resume_memory(self, tags: list[str] | None = None) -> Any:
+        return self._send("POST", "/resume_memory_occupation", {} if tags is None else {"tags": list(tags)})
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str) -> Any:
+        payload = {"model_path": model_path, "weight_version": weight_version, "abort_all_requests": False}
+        return self._send("POST", "/update_weights_from_disk", payload, then=_check_success)
+
+    def update_weights_from_tensor(
+        self, serialized_named_tensors: list[str], weight_version: str, flush_cache: bool = True
+    ) -> Any:
+        """Same-node update: one base64 payload per TP rank (gyre.engine.sglang_weights.serialize_named_tensors)."""
+        payload = {
+            "serialized_named_tensors": list(serialized_named_tensors),
+            "weight_version": weight_version,
+            "flush_cache": flush_cache,
+            "abort_all_requests": False,
+        }
+        return self._send("POST", "/update_weights_from_tensor", payload, then=_check_success)
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> Any:
+        """Join the trainer's broadcast group (trainer rank 0, engine ranks from rank_offset)."""
+        payload = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return self._send("POST", "/init_weights_update_group", payload, then=_check_success)
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        weight_version: str,
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+    ) -> Any:
+        """Receive these tensors by broadcast in the group; the trainer broadcasts them in this order."""
+        payload = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "weight_version": weight_version,
+            "flush_cache": flush_cache,
+            "abort_all_requests": False,
+        }
+        return self._send("POST", "/update_weights_from_distributed", payload, then=_check_success)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> Any:
+        return self._send("POST", "/destroy_weights_update_group", {"group_name": group_name}, then=_check_success)
+
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> Any:
+        payload = {"new_version": new_version, "abort_all_requests": abort_all_requests}
+        return self._send("POST", "/update_weight_version", payload, then=_check_success)
+
+
+class EngineClient(_EngineAPI):
+    """Async face; create inside a running event loop, close with `await client.close()`."""
 
     def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
         self.base_url = base_url.rstrip("/")
@@ -110,131 +255,53 @@ class EngineClient:
         except aiohttp.ClientError as e:
             raise EngineError(f"{method} {path} failed: {e}") from e
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None) -> GenerateResult:
-        payload: dict[str, Any] = {
-            "input_ids": list(input_ids),
-            "sampling_params": sampling.to_payload(),
-            "return_logprob": True,
-            "stream": False,
-        }
-        if sampling.truncated_logprobs:
-            payload["return_sampling_mask"] = True
-        if rid is not None:
-            payload["rid"] = rid
-        return GenerateResult.from_response(await self._request("POST", "/generate", payload))
-
-    async def health(self) -> bool:
+    async def _send(
+        self, method: str, path: str, payload: dict[str, Any] | None = None,
+        then: Callable[[Any], Any] | None = None, probe: bool = False,
+    ) -> Any:  # fmt: skip
         try:
-            await self._request("GET", "/health")
-            return True
+            body = await self._request(method, path, payload)
         except EngineError:
-            return False
+            if probe:
+                return False
+            raise
+        if probe:
+            return True
+        return then(body) if then is not None else body
 
-    async def server_info(self) -> dict[str, Any]:
-        return await self._request("GET", "/get_server_info")
 
-    async def health_generate(self) -> bool:
-        """True once the engine produced a token (SGLang runs a one-token request unless it is busy)."""
+class SyncEngineClient(_EngineAPI):
+    """Blocking face (urllib): no session to close, usable from any thread."""
+
+    def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+
+    def _request(self, method: str, path: str, payload: dict[str, Any] | None = None) -> Any:
+        data = None if payload is None else json.dumps(payload).encode()
+        req = urllib.request.Request(f"{self.base_url}{path}", data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
         try:
-            await self._request("GET", "/health_generate")
-            return True
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                body, content_type = resp.read(), resp.headers.get_content_type()
+        except urllib.error.HTTPError as e:
+            raise EngineError(f"{method} {path} -> {e.code}: {e.read()[:500].decode(errors='replace')}", e.code) from e
+        except (urllib.error.URLError, OSError) as e:
+            raise EngineError(f"{method} {self.base_url}{path} failed: {e}") from e
+        text = body.decode(errors="replace")
+        return json.loads(text) if content_type == "application/json" and text.strip() else text
+
+    def _send(
+        self, method: str, path: str, payload: dict[str, Any] | None = None,
+        then: Callable[[Any], Any] | None = None, probe: bool = False,
+    ) -> Any:  # fmt: skip
+        try:
+            body = self._request(method, path, payload)
         except EngineError:
-            return False
-
-    async def model_info(self) -> dict[str, Any]:
-        return await self._request("GET", "/get_model_info")
-
-    async def abort(self, rid: str = "", abort_all: bool = False) -> None:
-        """Abort one request (rid; SGLang matches it as a prefix) or, with abort_all, every request."""
-        payload: dict[str, Any] = {"rid": rid}
-        if abort_all:
-            payload["abort_all"] = True
-        await self._request("POST", "/abort_request", payload)
-
-    async def pause_generation(self, mode: str = "in_place") -> None:
-        """SGLang modes: "in_place" keeps requests and their KV; "retract" re-queues them (KV may be
-        recomputed); "abort" finishes them. SGLang's own default is "abort", so always send one."""
-        await self._request("POST", "/pause_generation", {"mode": mode})
-
-    async def continue_generation(self) -> None:
-        await self._request("POST", "/continue_generation", {})
-
-    async def flush_cache(self) -> None:
-        await self._request("POST", "/flush_cache", {})
-
-    async def release_memory(self, tags: list[str] | None = None) -> None:
-        """Free GPU memory for a role switch; tags ("weights", "kv_cache") pick what, all by default."""
-        await self._request("POST", "/release_memory_occupation", {} if tags is None else {"tags": list(tags)})
-
-    async def resume_memory(self, tags: list[str] | None = None) -> None:
-        await self._request("POST", "/resume_memory_occupation", {} if tags is None else {"tags": list(tags)})
-
-    async def _weight_update(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
-        body = await self._request("POST", path, payload)
-        if isinstance(body, dict) and body.get("success") is False:
-            raise EngineError(f"weight update failed: {body.get('message')}")
-        return body
-
-    async def update_weights_from_disk(self, model_path: str, weight_version: str) -> dict[str, Any]:
-        payload = {"model_path": model_path, "weight_version": weight_version, "abort_all_requests": False}
-        return await self._weight_update("/update_weights_from_disk", payload)
-
-    async def update_weights_from_tensor(
-        self, serialized_named_tensors: list[str], weight_version: str, flush_cache: bool = True
-    ) -> dict[str, Any]:
-        """Same-node update: one base64 payload per TP rank (gyre.engine.sglang_weights.serialize_named_tensors)."""
-        payload = {
-            "serialized_named_tensors": list(serialized_named_tensors),
-            "weight_version": weight_version,
-            "flush_cache": flush_cache,
-            "abort_all_requests": False,
-        }
-        return await self._weight_update("/update_weights_from_tensor", payload)
-
-    async def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str = "weight_update_group",
-        backend: str = "nccl",
-    ) -> dict[str, Any]:
-        """Join the trainer's broadcast group (trainer rank 0, engine ranks from rank_offset)."""
-        payload = {
-            "master_address": master_address,
-            "master_port": master_port,
-            "rank_offset": rank_offset,
-            "world_size": world_size,
-            "group_name": group_name,
-            "backend": backend,
-        }
-        return await self._weight_update("/init_weights_update_group", payload)
-
-    async def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        weight_version: str,
-        group_name: str = "weight_update_group",
-        flush_cache: bool = True,
-    ) -> dict[str, Any]:
-        """Receive these tensors by broadcast in the group; the trainer broadcasts them in this order."""
-        payload = {
-            "names": list(names),
-            "dtypes": list(dtypes),
-            "shapes": [list(s) for s in shapes],
-            "group_name": group_name,
-            "weight_version": weight_version,
-            "flush_cache": flush_cache,
-            "abort_all_requests": False,
-        }
-        return await self._weight_update("/update_weights_from_distributed", payload)
-
-    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
-        return await self._weight_update("/destroy_weights_update_group", {"group_name": group_name})
-
-    async def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict[str, Any]:
-        payload = {"new_version": new_version, "abort_all_requests": abort_all_requests}
-        return await self._weight_update("/update_weight_version", payload)
+            if probe:
+                return False
+            raise
+        if probe:
+            return True
+        return then(body) if then is not None else body

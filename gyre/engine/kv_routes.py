@@ -26,8 +26,9 @@ import torch
 from aiohttp import web
 
 from gyre.comm.flat import FlatLayout, TensorEntry
-from gyre.comm.kv_migration import KVMeta, SessionKV, export_cached_prefix, export_session_kv, import_session_kv
+from gyre.comm.kv_migration import KVMeta, SessionKV
 from gyre.comm.transfer import BufferHandle
+from gyre.engine.kv_session import export_cached_prefix, export_session_kv, import_session_kv
 
 if TYPE_CHECKING:
     from gyre.comm.transfer import KVTransport

@@ -3,6 +3,8 @@
 engine = start_engine(model_dir, num_threads=1)
 ... EngineClient(engine.url) ...
 engine.stop()
+
+The cell runtime and the colocate loop reach it through gyre.engine.embedded.EmbeddedEngine.
 """
 
 from __future__ import annotations
@@ -15,8 +17,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,11 +86,9 @@ class EngineProcess:
 
 
 def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2.0) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
+    from gyre.engine.client import SyncEngineClient
+
+    return SyncEngineClient(url, timeout_s=2.0).health()
 
 
 def _ready_url(log_path: Path) -> str | None:

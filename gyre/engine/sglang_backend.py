@@ -1,33 +1,34 @@
-"""SGLang rollout engines: command lines from config, server processes, and the role-switch and
-weight-sync sequences, all driven through gyre.engine.client.EngineClient (the proxy's client).
+"""SGLang rollout engines: the servers of a cell (one per tensor-parallel group, over several nodes when
+engine.tp_size exceeds a node), their command lines, the check that SGLang's runtime is there, and the
+SGLang side of weight updates. `SGLangEngine` is the RolloutEngine (gyre/engine/engine.py) for
+engine.backend=sglang; role switches go through gyre.engine.switch like every engine's.
 
-    argv = sglang_launch_command(model_dir, cfg.engine, port=30000, model=cfg.model)
-    engine = start_sglang_server(model_dir, cfg.engine, model=cfg.model)   # waits for /health_generate
-    await release_for_training(client)                                     # rollout -> train
-    await resume_for_rollout(client, lambda: sync_from_disk(client, ckpt, "3"))  # train -> rollout
+    plan = plan_servers(model_dir, cfg.engine, cfg.model, nodes=["n1", "n2"], gpus_per_node=8)
+    engine = SGLangEngine(cfg.engine, setup); engine.start(model_dir)   # waits for /health_generate
 
-The role-switch and sync functions speak SGLang's native protocol only, so they drive the embedded
-engine the same way (which is how they are tested on CPU and timed on one GPU).
 Flag names follow sglang/srt/arg_groups/fields/*.py (tests parse our argv with SGLang's own parser).
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import subprocess
 import tempfile
+import threading
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gyre.config.schema import EngineConfig, ModelConfig
 from gyre.config.validate import check_engine, check_engine_for_model
-from gyre.engine.client import EngineClient, EngineError
+from gyre.engine.client import SyncEngineClient
+from gyre.engine.engine import EngineServers, EngineSetup, EngineUnsupported, resolved_weight_sync, stop_processes
 from gyre.engine.launcher import EngineProcess, EngineStartError, _tail
+
+if TYPE_CHECKING:
+    import torch
 
 MEMORY_TAGS = ("weights", "kv_cache")
 # Set truthy, SGLang 0.5.23 returns log_softmax of the logits before temperature (layers/sampler.py), not the
@@ -46,6 +47,24 @@ def sglang_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return out
 
 
+WEIGHT_GROUP_BACKEND = "nccl"  # the trainer -> engine broadcast group (tests use gloo on CPU)
+DIST_INIT_PORT_OFFSET = 50  # a multi-node server's torch.distributed rendezvous: its HTTP port + this
+# what SGLang needs at run time beyond its source: its CUDA kernels and a CUDA build of torch
+RUNTIME_PROBE = """
+import importlib.util, sys
+missing = [m for m in ("sglang", "sgl_kernel", "torch") if importlib.util.find_spec(m) is None]
+if missing:
+    print("missing " + " ".join(missing)); sys.exit(3)
+import torch
+if not torch.cuda.is_available():
+    print(f"torch {torch.__version__} sees no CUDA device"); sys.exit(4)
+"""
+
+
+class SGLangUnavailable(EngineStartError):
+    """engine.backend=sglang on a node whose engine.python cannot run SGLang's server."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """SGLang needs a concrete port (it binds several: HTTP, NCCL, ZMQ); 0 in config means pick one here."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -60,8 +79,13 @@ def sglang_server_args(
     model: ModelConfig | None = None,
     weight_version: str = "default",
     served_model_name: str | None = None,
+    base_gpu_id: int | None = None,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    dist_init_addr: str = "",
 ) -> list[str]:
-    """The `python -m sglang.launch_server` arguments for one engine of a cell."""
+    """The `python -m sglang.launch_server` arguments for one server of a cell (on one of its nodes when
+    the server spans `nnodes`; every node of it gets the same arguments but --node-rank)."""
     check_engine(cfg)
     if cfg.backend != "sglang":
         raise ValueError(f"engine.backend={cfg.backend!r}: SGLang command lines are for engine.backend=sglang")
@@ -81,7 +105,7 @@ def sglang_server_args(
         "--load-format", cfg.load_format,
         "--weight-version", weight_version,
         "--random-seed", str(cfg.random_seed),
-        "--base-gpu-id", str(cfg.base_gpu_id),
+        "--base-gpu-id", str(cfg.base_gpu_id if base_gpu_id is None else base_gpu_id),
         "--log-level", cfg.log_level,
     ]  # fmt: skip
     flags = {
@@ -95,6 +119,10 @@ def sglang_server_args(
         argv += ["--chunked-prefill-size", str(cfg.chunked_prefill_size)]
     if cfg.hicache_storage_backend:
         argv += ["--hicache-storage-backend", cfg.hicache_storage_backend]
+    if nnodes > 1:
+        if not dist_init_addr:
+            raise ValueError("a server over several nodes needs dist_init_addr (its first node's host:port)")
+        argv += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--dist-init-addr", dist_init_addr]
     if served_model_name:
         argv += ["--served-model-name", served_model_name]
     return argv + list(cfg.extra_args)
@@ -109,13 +137,6 @@ def sglang_launch_command(
 def wait_until_serving(engine: EngineProcess, timeout_s: float, poll_s: float = 1.0) -> EngineProcess:
     """Block until the engine answers /health_generate (it generated a token), or raise with its log."""
 
-    async def probe() -> bool:
-        client = EngineClient(engine.url, timeout_s=30.0)
-        try:
-            return await client.health_generate()
-        finally:
-            await client.close()
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not engine.alive():
@@ -124,7 +145,7 @@ def wait_until_serving(engine: EngineProcess, timeout_s: float, poll_s: float = 
                 f"engine at {engine.url} exited with code {code} before serving; log {engine.log_path}:\n"
                 f"{_tail(engine.log_path)}"
             )
-        if asyncio.run(probe()):
+        if SyncEngineClient(engine.url, timeout_s=30.0).health_generate():
             return engine
         time.sleep(poll_s)
     engine.stop()
@@ -132,6 +153,19 @@ def wait_until_serving(engine: EngineProcess, timeout_s: float, poll_s: float = 
         f"engine at {engine.url} not serving after {timeout_s:.0f}s (raise engine.startup_timeout_s for big "
         f"checkpoints); log {engine.log_path}:\n{_tail(engine.log_path)}"
     )
+
+
+def start_sglang_process(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> EngineProcess:
+    """Start one SGLang process in its own process group (not waiting for it); output to log_path."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_file = open(log_path, "w")  # noqa: SIM115 - owned by the EngineProcess
+    try:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=sglang_env(env), start_new_session=True)  # fmt: skip
+    except OSError as e:
+        log_file.close()
+        raise EngineStartError(f"cannot run {cmd[0]!r} ({e}); set engine.python to an interpreter with sglang") from e
+    return EngineProcess(proc, "", log_path, "", log_file)
 
 
 def start_sglang_server(
@@ -143,107 +177,271 @@ def start_sglang_server(
     env: dict[str, str] | None = None,
     **kwargs: Any,
 ) -> EngineProcess:
-    """Launch an SGLang server in its own process group and wait until it serves."""
+    """Launch one SGLang server here and wait until it serves (tools/gpu_check.py; cells use SGLangEngine)."""
     port = port or cfg.port or free_port(cfg.host)
     cmd = sglang_launch_command(model_path, cfg, port, model, **kwargs)
-    server_env = sglang_env(env)
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix="gyre-sglang-", suffix=".log")
         os.close(fd)
         log_path = name
-    log_path = Path(log_path)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log_file = open(log_path, "w")  # noqa: SIM115 - owned by the EngineProcess
-    try:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=server_env,
-            start_new_session=True,
-        )
-    except OSError as e:
-        log_file.close()
-        raise EngineStartError(f"cannot run {cmd[0]!r} ({e}); set engine.python to an interpreter with sglang") from e
-    engine = EngineProcess(proc, f"http://{cfg.host}:{port}", log_path, str(model_path), log_file)
+    engine = start_sglang_process(cmd, Path(log_path), env)
+    engine.url, engine.model_path = f"http://{cfg.host}:{port}", str(model_path)
     return wait_until_serving(engine, cfg.startup_timeout_s)
 
 
-# ----- role switches and weight sync (any engine speaking SGLang's protocol) -----
+@dataclass(frozen=True)
+class ServerLaunch:
+    """One `sglang.launch_server` process: on which node, as which node rank of its server."""
 
-
-@dataclass
-class SwitchTimings:
-    """Seconds spent in each phase of one role switch."""
-
-    pause_s: float = 0.0
-    release_s: float = 0.0
-    resume_weights_s: float = 0.0
-    sync_s: float = 0.0
-    resume_kv_s: float = 0.0
-    continue_s: float = 0.0
+    server: int  # index of the server (tensor-parallel group) in the cell
+    node: str  # "" = this host
+    node_rank: int
+    port: int  # the server's HTTP port (served by node rank 0)
+    argv: list[str]
 
     @property
-    def total_s(self) -> float:
-        return self.pause_s + self.release_s + self.resume_weights_s + self.sync_s + self.resume_kv_s + self.continue_s
+    def serves_http(self) -> bool:
+        return self.node_rank == 0
 
 
-async def release_for_training(client: EngineClient, pause_mode: str = "retract") -> SwitchTimings:
-    """Rollout -> train: stop decoding (retract keeps requests queued; their prefixes stay in the radix
-    cache until it is released), then free weights and KV cache memory for the trainer."""
-    t = SwitchTimings()
-    t0 = time.perf_counter()
-    await client.pause_generation(pause_mode)
-    t1 = time.perf_counter()
-    await client.release_memory()
-    t.pause_s, t.release_s = t1 - t0, time.perf_counter() - t1
-    return t
+def plan_servers(
+    model_path: str | Path,
+    cfg: EngineConfig,
+    model: ModelConfig | None = None,
+    nodes: list[str] | None = None,
+    gpus_per_node: int = 0,
+    weight_version: str = "default",
+    port: int | None = None,
+) -> list[ServerLaunch]:
+    """Every SGLang process of a cell: one server per tensor-parallel group of engine.tp_size GPUs.
+
+    nodes: the cell's hosts, this one first ("" or one entry: this host only). gpus_per_node=0: unknown,
+    one server over tp_size GPUs from engine.base_gpu_id. When tp_size exceeds a node, a server spans
+    tp_size / gpus_per_node nodes (--nnodes, --node-rank, --dist-init-addr on its first node).
+    """
+    nodes = list(nodes or [""])
+    tp = cfg.tp_size
+    base = port or cfg.port
+    if len(nodes) > 1 and not cfg.port:
+        raise ValueError("engine.port=0 cannot pick free ports on other nodes; set engine.port (e.g. 30000)")
+    base = base or free_port(cfg.host)
+    if gpus_per_node <= 0 or tp <= gpus_per_node:
+        if gpus_per_node > 0 and gpus_per_node % tp:
+            raise ValueError(f"engine.tp_size={tp} does not divide the cell's {gpus_per_node} GPUs per node")
+        per_node = gpus_per_node // tp if gpus_per_node > 0 else 1
+        launches = []
+        for n, node in enumerate(nodes):
+            for k in range(per_node):
+                server, server_port = n * per_node + k, base + k
+                gpu = cfg.base_gpu_id + k * tp
+                argv = sglang_server_args(model_path, cfg, server_port, model, weight_version, base_gpu_id=gpu)
+                launches.append(ServerLaunch(server, node, 0, server_port, argv))
+        return launches
+    if tp % gpus_per_node or len(nodes) % (tp // gpus_per_node):
+        raise ValueError(
+            f"engine.tp_size={tp} over nodes of {gpus_per_node} GPUs needs whole nodes: a multiple of "
+            f"{gpus_per_node} whose node count divides the cell's {len(nodes)} nodes"
+        )
+    nnodes = tp // gpus_per_node
+    if any(not n for n in nodes):
+        raise ValueError(f"a server over {nnodes} nodes needs the cell's host names; got {nodes}")
+    launches = []
+    for server in range(len(nodes) // nnodes):
+        group = nodes[server * nnodes : (server + 1) * nnodes]
+        addr = f"{group[0]}:{base + DIST_INIT_PORT_OFFSET}"
+        for rank, node in enumerate(group):
+            argv = sglang_server_args(model_path, cfg, base, model, weight_version, nnodes=nnodes, node_rank=rank,
+                                      dist_init_addr=addr)  # fmt: skip
+            launches.append(ServerLaunch(server, node, rank, base, argv))
+    return launches
 
 
-async def resume_for_rollout(client: EngineClient, sync: Callable[[], Awaitable[Any]] | None = None) -> SwitchTimings:
-    """Train -> rollout: weights memory first, then the new weights (sync), then the KV cache (so the
-    trainer's memory is gone before the KV pool returns), then continue the retracted requests."""
-    t = SwitchTimings()
-    t0 = time.perf_counter()
-    await client.resume_memory(["weights"])
-    t1 = time.perf_counter()
-    if sync is not None:
-        await sync()
-    t2 = time.perf_counter()
-    await client.resume_memory(["kv_cache"])
-    t3 = time.perf_counter()
-    await client.continue_generation()
-    t.resume_weights_s, t.sync_s, t.resume_kv_s, t.continue_s = t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3
-    return t
+def launch_command(cfg: EngineConfig, launch: ServerLaunch, local_node: str = "") -> list[str]:
+    """The process to start for `launch`: here, or on another node of the allocation through srun."""
+    cmd = [cfg.python, "-m", "sglang.launch_server", *launch.argv]
+    if launch.node in ("", local_node):
+        return cmd
+    return ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={launch.node}", "--kill-on-bad-exit=1", *cmd]
 
 
-async def sync_from_disk(client: EngineClient, checkpoint_dir: str | Path, version: str) -> None:
-    await client.update_weights_from_disk(str(checkpoint_dir), version)
-    await _check_version(client, version)
+def check_sglang_runtime(python: str, env: dict[str, str] | None = None) -> None:
+    """Raise SGLangUnavailable, saying what to install, unless `python` can run SGLang's server here."""
+    try:
+        probe = subprocess.run([python, "-c", RUNTIME_PROBE], capture_output=True, text=True, timeout=300,
+                               env={**os.environ, **(env or {})})  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise SGLangUnavailable(f"engine.python={python!r} cannot run ({e}); set engine.python to an "
+                                "interpreter with SGLang installed") from e  # fmt: skip
+    if probe.returncode == 0:
+        return
+    why = (probe.stdout.strip() or probe.stderr.strip()[-500:]) or f"exit code {probe.returncode}"
+    raise SGLangUnavailable(
+        f"engine.backend=sglang: {python} cannot serve SGLang on this node ({why}). Install SGLang's runtime on "
+        f'the GPU nodes (`pip install "sglang[all]"` with a CUDA build of torch, which brings sgl_kernel) or '
+        "point engine.python at an interpreter that has it; `pip install --no-deps sglang` (tools/setup_env.sh) "
+        "holds only its source, for the payload tests; on a CPU machine use engine.backend=embedded"
+    )
 
 
-async def sync_from_tensor(client: EngineClient, state: dict[str, Any], version: str, tp_size: int = 1) -> None:
-    """Same-node sync; `state` holds HF-named tensors (CUDA tensors go as IPC handles)."""
+# ----- the engine side of weight updates (any server speaking SGLang's protocol) -----
+
+
+def update_from_tensor(servers: EngineServers, state: dict[str, torch.Tensor], version: str, tp_size: int) -> None:
+    """Same-node update; `state` holds HF-named tensors (CUDA tensors go as IPC handles)."""
     from gyre.engine.sglang_weights import serialize_named_tensors
 
-    await client.update_weights_from_tensor(serialize_named_tensors(state.items(), tp_size), version)
-    await _check_version(client, version)
+    for c in servers.clients:
+        c.update_weights_from_tensor(serialize_named_tensors(state.items(), tp_size), version)
+    servers.check_version(version)
 
 
-async def sync_from_distributed(client: EngineClient, state: dict[str, Any], version: str, group: Any) -> None:
-    """Broadcast `state` from trainer rank 0 of `group` (see sglang_weights.open_weight_update_group)
-    while the engine receives it; both sides follow the announced name order."""
+def update_from_distributed(client: SyncEngineClient, state: dict[str, torch.Tensor], version: str, group: Any,
+                            group_name: str = "weight_update_group") -> None:  # fmt: skip
+    """Broadcast `state` from trainer rank 0 of `group` (sglang_weights.open_weight_update_group) while the
+    engine receives it; both sides follow the announced name order."""
     from gyre.engine.sglang_weights import broadcast_state, distributed_metadata
 
     names, dtypes, shapes = distributed_metadata(state)
-    request = client.update_weights_from_distributed(names, dtypes, shapes, version)
-    await asyncio.gather(request, asyncio.to_thread(broadcast_state, state, group))
-    await _check_version(client, version)
+    failed: list[BaseException] = []
+
+    def request() -> None:
+        try:
+            client.update_weights_from_distributed(names, dtypes, shapes, version, group_name=group_name)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            failed.append(e)
+
+    thread = threading.Thread(target=request, name="gyre-weights-request", daemon=True)
+    thread.start()
+    broadcast_state(state, group)
+    thread.join()
+    if failed:
+        raise failed[0]
+    EngineServers([client.base_url]).check_version(version)
 
 
-async def _check_version(client: EngineClient, version: str) -> None:
-    info = await client.server_info()
-    got = info.get("weight_version") or (info.get("internal_states") or [{}])[0].get("weight_version")
-    if got is not None and str(got) != version:
-        raise EngineError(f"engine at {client.base_url} reports weight_version {got!r} after syncing {version!r}")
+def open_distributed_group(client: SyncEngineClient, trainer_address: str, tp_size: int, group_name: str,
+                           backend: str = "nccl") -> Any:  # fmt: skip
+    """The trainer (rank 0) and the server's tp_size ranks (from rank 1) in one broadcast group."""
+    from gyre.engine.sglang_weights import bind_weight_update_store, open_weight_update_group
+
+    world = 1 + tp_size
+    store = bind_weight_update_store(trainer_address, world)
+    failed: list[BaseException] = []
+
+    def request() -> None:
+        try:
+            client.init_weights_update_group(trainer_address, store.port, 1, world, group_name, backend)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            failed.append(e)
+
+    thread = threading.Thread(target=request, name="gyre-weights-group", daemon=True)
+    thread.start()
+    group = open_weight_update_group(trainer_address, store.port, world, group_name, backend, store=store)
+    thread.join()
+    if failed:
+        raise failed[0]
+    return group
+
+
+class SGLangEngine:
+    """The cell's SGLang servers as one RolloutEngine; new weights by engine.weight_sync (distributed:
+    the trainer broadcasts to every server's TP ranks, one group per server, opened at the first update)."""
+
+    backend = "sglang"
+
+    def __init__(self, cfg: EngineConfig, setup: EngineSetup) -> None:
+        self.cfg, self.setup = cfg, setup
+        self.version = "0"
+        self.weight_sync = resolved_weight_sync(cfg)
+        self.processes: list[EngineProcess] = []
+        self.servers = EngineServers([])
+        self.groups: dict[int, Any] = {}
+
+    @property
+    def urls(self) -> list[str]:
+        return self.servers.urls
+
+    @property
+    def pid(self) -> int:
+        return self.processes[0].pid if self.processes else -1
+
+    def start(self, weights: Path) -> None:
+        check_sglang_runtime(self.cfg.python, self.setup.env)
+        plan = plan_servers(weights, self.cfg, self.setup.model_cfg, self.setup.nodes, self.setup.gpus_per_node,
+                            weight_version=self.version)  # fmt: skip
+        local = self.setup.nodes[0] if self.setup.nodes else ""
+        self.processes, heads = [], []
+        try:
+            for launch in plan:
+                log = self.setup.log_dir / f"sglang{launch.server}-node{launch.node_rank}.log"
+                proc = start_sglang_process(launch_command(self.cfg, launch, local), log, self.setup.env)
+                host = self.cfg.host if launch.node in ("", local) else launch.node
+                proc.url = f"http://{host}:{launch.port}"
+                self.processes.append(proc)
+                if launch.serves_http:
+                    heads.append(proc)
+            for proc in heads:
+                wait_until_serving(proc, self.cfg.startup_timeout_s)
+        except BaseException:
+            stop_processes(self.processes)
+            raise
+        self.servers = EngineServers([p.url for p in heads])
+        self.groups = {}
+
+    def alive(self) -> bool:
+        return bool(self.processes) and all(p.alive() for p in self.processes) and self.servers.healthy()
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(f"== {p.log_path}\n{p.log_tail(lines)}" for p in self.processes) or "(not started)"
+
+    def pause(self, mode: str) -> None:
+        self.servers.pause(mode)
+
+    def continue_generation(self) -> None:
+        self.servers.continue_generation()
+
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        self.servers.release_memory(tags)
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        self.servers.resume_memory(tags)
+
+    def flush_cache(self) -> None:
+        self.servers.flush_cache()
+
+    def update_weights(self, state: dict[str, torch.Tensor], version: str) -> None:
+        if self.weight_sync == "distributed":
+            self.update_weights_from_distributed(state, version)
+        elif self.weight_sync == "tensor":
+            self.update_weights_from_tensor(state, version)
+        else:
+            from gyre.model.hf_io import save_hf_checkpoint
+
+            cfg, tok = self.setup.model_cfg, self.setup.tokenizer_dir
+            self.update_weights_from_disk(save_hf_checkpoint(self.setup.scratch / "current", state, cfg, tok), version)
+
+    def update_weights_from_disk(self, path: Path, version: str) -> None:
+        self.servers.update_weights_from_disk(path, version)
+        self.version = version
+
+    def update_weights_from_tensor(self, state: dict[str, torch.Tensor], version: str) -> None:
+        update_from_tensor(self.servers, state, version, self.cfg.tp_size)
+        self.version = version
+
+    def update_weights_from_distributed(self, state: dict[str, torch.Tensor], version: str) -> None:
+        for i, client in enumerate(self.servers.clients):
+            name = f"gyre_weights_{i}"
+            if i not in self.groups:
+                address, tp = self.setup.trainer_address, self.cfg.tp_size
+                self.groups[i] = open_distributed_group(client, address, tp, name, WEIGHT_GROUP_BACKEND)
+            update_from_distributed(client, state, version, self.groups[i], group_name=name)
+        self.version = version
+
+    def export_kv(self, prefixes: list[dict[str, Any]]) -> dict[str, Any]:
+        raise EngineUnsupported("SGLang has no per-request KV export; set sched.kv_migration=false")
+
+    def import_kv(self, sessions: list[dict[str, Any]]) -> dict[str, Any]:
+        raise EngineUnsupported("SGLang has no per-request KV import; set sched.kv_migration=false")
+
+    def stop(self) -> None:
+        stop_processes(self.processes)

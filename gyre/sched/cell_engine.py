@@ -1,12 +1,13 @@
-"""A cell's rollout engine: the embedded engine subprocess, driven only through its HTTP API.
+"""A cell's rollout engine: whichever backend engine.backend names (gyre.engine.engine.make_engine),
+switched between roles by gyre.engine.switch, restarted when it died.
 
-Start it from the main thread: the launcher ties the engine's life to the thread that started it
-(PR_SET_PDEATHSIG), so that an engine dies with its cell even when the cell is SIGKILLed.
+Start it from the main thread: the embedded launcher ties the engine's life to the thread that started
+it (PR_SET_PDEATHSIG), so that an engine dies with its cell even when the cell is SIGKILLed.
 
-Roles map onto SGLang's calls: leaving rollout pauses (aborting stragglers back to the proxy) and
-releases memory; returning resumes memory, loads the newest weights if the engine is behind
-(`/update_weights_from_disk` from a checkpoint the cell writes, in /dev/shm when there is one) and
-continues generation. A dead engine is started again on return to rollout.
+Leaving rollout pauses (aborting stragglers back to the proxy) and releases memory; returning resumes
+memory, loads the newest weights if the engine is behind (engine.weight_sync: the embedded engine from a
+checkpoint the cell writes, in /dev/shm when there is one; SGLang by broadcast from the trainer) and
+continues generation. A dead engine is started again on return to rollout, from the newest weights.
 """
 
 from __future__ import annotations
@@ -14,14 +15,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import socket
+import subprocess
 import tempfile
-import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gyre.config.schema import EngineConfig, ModelConfig
-from gyre.engine.launcher import EngineProcess, start_engine_from_config
-from gyre.sched.reroute import engine_post
+from gyre.engine.engine import EngineSetup, RolloutEngine, make_engine
+from gyre.engine.switch import join_rollout, leave_rollout
 
 if TYPE_CHECKING:  # torch loads in the cell while its engine starts
     import torch
@@ -37,83 +40,76 @@ class CellEngine:
         log_dir: Path,
         threads: int,
         env: dict[str, str],
+        nodes: list[str] | None = None,
+        gpus_per_node: int = 0,
+        trainer_address: str = "127.0.0.1",
     ) -> None:
         self.cfg = dataclasses.replace(cfg, num_threads=threads)
-        self.model_cfg = model_cfg
         self.checkpoint_dir = checkpoint_dir
-        self.tokenizer_dir = tokenizer_dir
-        self.log_dir = log_dir
-        self.env = env
         shm = Path("/dev/shm")
         self.scratch = Path(tempfile.mkdtemp(prefix="gyre-cell-weights-", dir=shm if shm.is_dir() else None))
-        self.version = "0"
+        setup = EngineSetup(model_cfg, tokenizer_dir, log_dir, self.scratch, env, list(nodes or []), gpus_per_node,
+                            trainer_address)  # fmt: skip
+        self.engine: RolloutEngine = make_engine(self.cfg, setup)
+        self.setup = setup
         self.starts = 0
-        self.process: EngineProcess | None = None
         self.start()
 
     @property
+    def version(self) -> str:
+        return self.engine.version
+
+    @property
     def url(self) -> str:
-        return self.process.url if self.process is not None else ""
+        return self.engine.urls[0] if self.engine.urls else ""
+
+    @property
+    def urls(self) -> list[str]:
+        return self.engine.urls
 
     @property
     def pid(self) -> int:
-        return self.process.pid if self.process is not None else -1
+        return self.engine.pid
 
     def alive(self) -> bool:
-        """Its process runs and answers /health (a SIGKILLed engine can look running for a moment)."""
-        if self.process is None or not self.process.alive():
-            return False
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=5.0) as resp:
-                return resp.status == 200
-        except OSError:
-            return False
+        return self.engine.alive()
 
     def start(self) -> None:
         """Serve the newest weights this cell has written (the warm start before any)."""
         weights = self.scratch / "current" if (self.scratch / "current").exists() else self.checkpoint_dir
         self.starts += 1
-        self.process = start_engine_from_config(
-            weights,
-            self.cfg,
-            log_path=self.log_dir / f"engine{self.starts}.log",
-            weight_version=self.version,
-            env=self.env,
-        )
-        engine_post(self.url, "/gyre/kv/release")  # starts its Mooncake transfer engine now, not mid-switch
+        self.engine.start(weights)
+        if self.engine.backend == "embedded":  # starts its Mooncake transfer engine now, not mid-switch
+            from gyre.engine.client import SyncEngineClient
+
+            SyncEngineClient(self.url).post("/gyre/kv/release")
 
     def leave_rollout(self) -> None:
-        engine_post(self.url, "/pause_generation", {"mode": "abort"})  # stragglers go back to the proxy
-        engine_post(self.url, "/release_memory_occupation")
+        leave_rollout(self.engine, pause_mode="abort")  # stragglers go back to the proxy
 
     def join_rollout(self, state: dict[str, torch.Tensor] | None, version: str) -> None:
         if not self.alive():
-            if self.process is not None:
-                self.process.stop()
+            self.engine.stop()
             if state is not None:
                 self._write(state, version)
             self.start()
             return
-        engine_post(self.url, "/resume_memory_occupation")
-        if state is not None and version != self.version:
-            self.load(state, version)
-        engine_post(self.url, "/continue_generation")
+        stale = state is not None and version != self.version
+        join_rollout(self.engine, (lambda: self.engine.update_weights(state, version)) if stale else None)
 
     def load(self, state: dict[str, torch.Tensor], version: str) -> None:
         """New weights while serving: running requests continue with them (SGLang's weight_versions record it)."""
-        path = self._write(state, version)
-        engine_post(self.url, "/update_weights_from_disk", {"model_path": str(path), "weight_version": version})
+        self.engine.update_weights(state, version)
 
-    def _write(self, state: dict[str, torch.Tensor], version: str) -> Path:
+    def _write(self, state: dict[str, torch.Tensor], version: str) -> None:
+        """The checkpoint a restarted engine starts from."""
         from gyre.model.hf_io import save_hf_checkpoint
 
-        path = save_hf_checkpoint(self.scratch / "current", state, self.model_cfg, self.tokenizer_dir)
-        self.version = version
-        return path
+        save_hf_checkpoint(self.scratch / "current", state, self.setup.model_cfg, self.setup.tokenizer_dir)
+        self.engine.version = version
 
     def stop(self) -> None:
-        if self.process is not None:
-            self.process.stop()
+        self.engine.stop()
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 
@@ -125,3 +121,14 @@ def cell_env(hostname: str, protocol: str, threads: int) -> dict[str, str]:
         "OMP_NUM_THREADS": str(threads),
         "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR"),
     }
+
+
+def cell_nodes(cell: int, env: Mapping[str, str]) -> list[str]:
+    """The hosts of a cell's het component under Slurm, this host first; outside Slurm, [] (this host)."""
+    nodelist = env.get(f"SLURM_JOB_NODELIST_HET_GROUP_{cell}") or env.get("SLURM_JOB_NODELIST", "")
+    if not nodelist:
+        return []
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+    hosts = out.stdout.split()
+    here = env.get("SLURMD_NODENAME") or socket.gethostname()
+    return [here, *(h for h in hosts if h != here)] if here in hosts else hosts

@@ -25,7 +25,8 @@ from omegaconf import OmegaConf
 
 from gyre.comm.control import ControlPlane, world_control_plane
 from gyre.config.load import to_run_config
-from gyre.config.schema import ModelConfig, RunConfig
+from gyre.config.schema import CellResources, ModelConfig, RunConfig
+from gyre.config.validate import check_engine_in_cells
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted
 from gyre.sched.affinity import available_cpus, cpu_plan, pin
 from gyre.sched.faults import stalls_start
@@ -40,6 +41,7 @@ def run(out: Path) -> tuple[bool, dict[str, Any], int]:
     # mpiexec's -disable-auto-cleanup tells the survivors of a dead rank with SIGUSR1, whose default kills
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     cfg = to_run_config(OmegaConf.load(out / "config.yaml"))
+    check_engine_in_cells(cfg)
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
     n_cells = 1 + len(cfg.cluster.satellites)
@@ -179,10 +181,19 @@ def policy_paths(out: Path, cp: ControlPlane, start_id: str) -> dict[str, Any]:
     }
 
 
+def cell_resources(cfg: RunConfig, cell: int) -> CellResources:
+    """Cell 0 is cluster.core, cell i satellite i-1 (local runs may have more cells than listed: the last)."""
+    sats = cfg.cluster.satellites
+    if cell == 0 or not sats:
+        return cfg.cluster.core
+    return sats[min(cell, len(sats)) - 1]
+
+
 def run_cell(cfg: RunConfig, cp: ControlPlane, out: Path, start_id: str) -> bool:
     """Import megatron and build the training replica in a thread while the engine starts here (it must
     start on the main thread: see gyre.sched.cell_engine), then serve the controller."""
-    from gyre.sched.cell_engine import CellEngine, cell_env
+    from gyre.comm.mooncake_transport import resolve_hostname
+    from gyre.sched.cell_engine import CellEngine, cell_env, cell_nodes
 
     got: dict[str, Any] = {}
     have_paths = threading.Event()
@@ -203,9 +214,12 @@ def run_cell(cfg: RunConfig, cp: ControlPlane, out: Path, start_id: str) -> bool
         have_paths.set()
     threads = cfg.sched.threads_per_cell
     env = cell_env(cfg.comm.hostname, cfg.cluster.mooncake.protocol, threads)
+    resources = cell_resources(cfg, cp.cell)
+    nodes = cell_nodes(cp.cell, os.environ) if cfg.engine.backend == "sglang" else []
     engine = CellEngine(
-        cfg.engine, got["model_cfg"], got["ckpt"], got["tok"], out / "cells" / f"cell{cp.cell}", threads, env
-    )
+        cfg.engine, got["model_cfg"], got["ckpt"], got["tok"], out / "cells" / f"cell{cp.cell}", threads, env,
+        nodes=nodes, gpus_per_node=resources.gpus_per_node, trainer_address=resolve_hostname(cfg.comm.hostname),
+    )  # fmt: skip
     builder.join()
     if "trainer" not in got:
         engine.stop()

@@ -16,35 +16,14 @@ by recomputing their prefixes, which the proxy counts (`continued_recomputed_tok
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from gyre.engine.client import SyncEngineClient
+
 if TYPE_CHECKING:
     from gyre.proxy.server import ProxyServer
-
-
-class EngineCallError(RuntimeError):
-    """An engine control endpoint failed."""
-
-
-def engine_post(url: str, path: str, payload: dict[str, Any] | None = None, timeout: float = 60.0) -> Any:
-    data = json.dumps(payload or {}).encode()
-    req = urllib.request.Request(f"{url}{path}", data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            body = resp.read()
-    except urllib.error.HTTPError as e:
-        raise EngineCallError(f"POST {url}{path} -> {e.code}: {e.read()[:300]!r}") from e
-    except (urllib.error.URLError, OSError) as e:
-        raise EngineCallError(f"POST {url}{path} failed: {e}") from e
-    try:
-        return json.loads(body) if body.strip() else {}
-    except json.JSONDecodeError:
-        return {"text": body.decode(errors="replace")}
 
 
 @dataclass
@@ -94,15 +73,18 @@ def take_out_of_service(source: str, proxy: ProxyServer, migrate_kv: bool = True
     report = Migration(source)
     targets = [u for u in proxy.engines() if u != source.rstrip("/")]
     proxy.set_engines(targets)
-    engine_post(source, "/pause_generation", {"mode": "in_place"})
+    engine = SyncEngineClient(source, timeout_s=60.0)
+    engine.pause_generation("in_place")
     if migrate_kv and targets:
-        exported = engine_post(source, "/gyre/kv/export", {"prefixes": idle_contexts(source, proxy)})
+        exported = engine.post("/gyre/kv/export", {"prefixes": idle_contexts(source, proxy)})
         report.waiting = len(exported["waiting"])
         load = proxy.router.in_flight()
         for handle in exported["sessions"]:
             target = min(targets, key=lambda u: load.get(u, 0))
             load[target] = load.get(target, 0) + 1
-            (result,) = engine_post(target, "/gyre/kv/import", {"sessions": [handle]})["imported"]
+            (result,) = SyncEngineClient(target, timeout_s=60.0).post("/gyre/kv/import", {"sessions": [handle]})[
+                "imported"
+            ]
             if "error" in result:
                 report.failed.append(f"{result['rid']}: {result['error']}")
                 continue
@@ -116,8 +98,8 @@ def take_out_of_service(source: str, proxy: ProxyServer, migrate_kv: bool = True
             report.sessions += 1
             report.tokens += result["tokens"]
             report.would_recompute += result["tokens"] - result["already_cached"]
-    engine_post(source, "/abort_request", {"abort_all": True})
+    engine.abort(abort_all=True)
     if migrate_kv and targets:
-        engine_post(source, "/gyre/kv/release")
+        engine.post("/gyre/kv/release")
     report.seconds = time.monotonic() - start
     return report

@@ -15,11 +15,12 @@ from typing import Any
 
 from gyre.comm.messages import Ack, RoleSwitch
 from gyre.config.schema import RunConfig
+from gyre.engine.client import EngineError
 from gyre.metrics import MetricsWriter
 from gyre.proxy.server import ProxyServer
 from gyre.sched.cells import Cell, CellDied, CellTable, Outbox
 from gyre.sched.policy import PolicyConfig, Switch, session_capacity
-from gyre.sched.reroute import EngineCallError, Migration, take_out_of_service
+from gyre.sched.reroute import Migration, take_out_of_service
 from gyre.sched.rollout_driver import RolloutDriver
 from gyre.sched.timeline import Timeline
 
@@ -78,7 +79,7 @@ class Switcher:
                 if c.engine_url in self.proxy.engines():
                     try:
                         m = take_out_of_service(c.engine_url, self.proxy, self.cfg.sched.kv_migration)
-                    except EngineCallError as e:  # its engine died: the proxy reroutes (and recomputes)
+                    except EngineError as e:  # its engine died: the proxy reroutes (and recomputes)
                         self.proxy.set_engines([u for u in self.proxy.engines() if u != c.engine_url])
                         m = Migration(c.engine_url, failed=[str(e)])
                     migrations[c.index] = m

@@ -1,0 +1,67 @@
+"""A stand-in for an SGLang server's control side, for tests of gyre's SGLang engine on CPU: it answers
+SGLang's routes, records each request body (one JSON line per request, to argv[2]), and receives weight
+broadcasts the way SGLang's TP ranks do (SGLang's own init_custom_process_group, gloo on CPU).
+
+    python tests/fake_sglang_server.py <port> <record.jsonl>
+"""
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from aiohttp import web
+
+sys.path.insert(0, str(Path(__file__).parent))
+from sglang_io import light_common  # noqa: E402
+
+RECORD = Path(sys.argv[2])
+state = {"weight_version": "0", "groups": {}, "received_sum": 0.0}
+
+
+def record(path: str, body: object) -> None:
+    with RECORD.open("a") as f:
+        f.write(json.dumps({"path": path, "body": body}) + "\n")
+
+
+def join_group(body: dict) -> None:
+    group = light_common().init_custom_process_group(
+        backend="gloo", init_method=f"tcp://{body['master_address']}:{body['master_port']}",
+        world_size=body["world_size"], rank=body["rank_offset"], group_name=body["group_name"],
+    )  # fmt: skip
+    state["groups"][body["group_name"]] = group
+
+
+def receive(body: dict) -> float:
+    group = state["groups"][body["group_name"]]
+    total = 0.0
+    for dtype, shape in zip(body["dtypes"], body["shapes"], strict=True):
+        t = torch.empty(shape, dtype=getattr(torch, dtype))
+        torch.distributed.broadcast(t, src=0, group=group)
+        total += float(t.double().sum())
+    return total
+
+
+async def handle(request: web.Request) -> web.Response:
+    raw = await request.read()
+    body = json.loads(raw) if raw.strip() else None
+    record(request.path, body)
+    if request.path == "/init_weights_update_group":
+        await asyncio.to_thread(join_group, body)
+        return web.json_response({"success": True, "message": "ok"})
+    if request.path == "/update_weights_from_distributed":
+        state["received_sum"] += await asyncio.to_thread(receive, body)
+        state["weight_version"] = body["weight_version"]
+        return web.json_response({"success": True, "message": "ok"})
+    if request.path == "/get_server_info":
+        return web.json_response({"weight_version": state["weight_version"], "received_sum": state["received_sum"]})
+    if request.path == "/shutdown":
+        os._exit(0)  # as SGLang's processes end: killed, not torn down (gloo's destructors abort now and then)
+    return web.json_response({"status": "ok"}) if request.method == "POST" else web.Response(status=200)
+
+
+app = web.Application()
+app.router.add_route("*", "/{tail:.*}", handle)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=lambda *_: print("READY", flush=True))
