@@ -28,12 +28,15 @@ def main(dict_cfg: DictConfig) -> None:
     if not cfg.output_dir:
         cfg.output_dir = HydraConfig.get().runtime.output_dir
     if cfg.scheduler in CELL_SCHEDULERS:  # cells as an MPI job: re-executes under mpirun
-        from gyre.sched.launch import run_cells
+        from gyre.sched.launch import DEAD_CELLS_EXIT_CODE, DeadCellsError, run_cells
 
         try:
             run_cells(cfg)
         except Preempted:  # checkpointed; the same command (or the requeued job) resumes
             sys.exit(PREEMPTED_EXIT_CODE)
+        except DeadCellsError as e:
+            print(f"gyre: {e}", file=sys.stderr)
+            sys.exit(DEAD_CELLS_EXIT_CODE)
         return
     from gyre.loop import run  # heavy imports (torch, megatron) only once the config is valid
 

@@ -1,5 +1,10 @@
 """Shared fixtures. Tests marked `slurm` get a real local Slurm cluster (slurm/cluster.sh: slurmctld,
-3 slurmd, munge), started once per session and stopped at its end. Without Slurm they fail."""
+3 slurmd, munge), started once per session and stopped at its end. Without Slurm they fail.
+
+Two cluster modes (slurm/cluster.sh --hosts): `loopback`, every node on 127.0.0.1, and `netns`, each
+node its own host (network namespace, address, hostname, /etc/hosts). A test runs on `loopback`
+unless it takes the `slurm_hosts` argument, parametrized with `SLURM_HOST_MODES` (or a subset); each
+mode's cluster starts on first use. GYRE_SLURM_HOSTS=loopback (comma-separated) limits the modes run."""
 
 from __future__ import annotations
 
@@ -24,12 +29,22 @@ CELL_WORKLOAD = [
 ]
 
 
-def start_slurm_cluster(nodes: int = 3) -> Path:
+SLURM_HOST_MODES = ("loopback", "netns")
+
+
+def slurm_host_modes(*modes: str) -> list:
+    """pytest params for `slurm_hosts`: `modes` (default: both), those left out by GYRE_SLURM_HOSTS skipped."""
+    wanted = os.environ.get("GYRE_SLURM_HOSTS", ",".join(SLURM_HOST_MODES)).split(",")
+    skip = pytest.mark.skip(reason="GYRE_SLURM_HOSTS leaves this cluster mode out")
+    return [pytest.param(m, marks=[] if m in wanted else [skip], id=m) for m in modes or SLURM_HOST_MODES]
+
+
+def start_slurm_cluster(nodes: int = 3, hosts: str = "loopback") -> Path:
     """Start a cluster in a fresh directory; returns its slurm.conf. Fails the test on any problem."""
     state_dir = Path(tempfile.mkdtemp(prefix="gyre-slurm-test-"))
     state_dir.chmod(0o755)  # munged runs as the munge user and must reach its socket inside
     proc = subprocess.run(
-        ["bash", str(CLUSTER_SH), "start", "--dir", str(state_dir), "--nodes", str(nodes)],
+        ["bash", str(CLUSTER_SH), "start", "--dir", str(state_dir), "--nodes", str(nodes), "--hosts", hosts],
         capture_output=True,
         text=True,
         timeout=120,
@@ -48,21 +63,34 @@ def stop_slurm_cluster(conf: Path) -> None:
 
 
 @pytest.fixture(scope="session")
-def slurm_conf() -> Iterator[Path]:
-    conf = start_slurm_cluster()
-    previous = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = str(conf)  # subprocesses (sbatch, submitit, hydra) find the cluster
+def slurm_clusters() -> Iterator[dict[str, Path]]:
+    """mode -> slurm.conf of the clusters started so far (by `_slurm_cluster_for_marked_tests`)."""
+    started: dict[str, Path] = {}
     try:
-        yield conf
+        yield started
     finally:
-        if previous is None:
-            os.environ.pop("SLURM_CONF", None)
-        else:
-            os.environ["SLURM_CONF"] = previous
-        stop_slurm_cluster(conf)
+        for conf in started.values():
+            stop_slurm_cluster(conf)
+
+
+@pytest.fixture
+def slurm_hosts(request: pytest.FixtureRequest) -> str:
+    """The cluster mode a test runs on (parametrize it with slurm_host_modes())."""
+    return getattr(request, "param", "loopback")
 
 
 @pytest.fixture(autouse=True)
-def _slurm_cluster_for_marked_tests(request: pytest.FixtureRequest) -> None:
-    if request.node.get_closest_marker("slurm"):
-        request.getfixturevalue("slurm_conf")
+def _slurm_cluster_for_marked_tests(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not request.node.get_closest_marker("slurm"):
+        return
+    callspec = getattr(request.node, "callspec", None)
+    mode = callspec.params.get("slurm_hosts", "loopback") if callspec else "loopback"
+    started = request.getfixturevalue("slurm_clusters")
+    if mode not in started:
+        started[mode] = start_slurm_cluster(hosts=mode)
+    monkeypatch.setenv("SLURM_CONF", str(started[mode]))  # subprocesses (sbatch, submitit, hydra) find it
+
+
+@pytest.fixture
+def slurm_conf(_slurm_cluster_for_marked_tests: None) -> Path:
+    return Path(os.environ["SLURM_CONF"])

@@ -15,18 +15,22 @@ from pathlib import Path
 import pytest
 from conftest import CELL_WORKLOAD
 
+from gyre.sched.launch import DEAD_CELLS_EXIT_CODE
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = [*CELL_WORKLOAD, "train.micro_batch_tokens=1536"]  # a few micro-batches per group: work to spread
 
 
-def run(tmp_path: Path, scheduler: str, *extra: str) -> tuple[Path, list[dict], dict]:
+def run(tmp_path: Path, scheduler: str, *extra: str, rc: int = 0) -> tuple[Path, list[dict], dict]:
     out = tmp_path / scheduler
     args = [f"scheduler={scheduler}", *WORKLOAD, *extra, f"output_dir={out}", f"hydra.run.dir={tmp_path / 'hydra'}"]
     proc = subprocess.run(
         [sys.executable, "-m", "launch.run", *args], cwd=ROOT, capture_output=True, text=True, timeout=800
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.returncode == rc, proc.stdout[-3000:] + proc.stderr[-5000:]
+    if rc == DEAD_CELLS_EXIT_CODE:  # it finished without them, and says how to accept that
+        assert "Set sched.allow_dead_cells=true to accept that" in proc.stderr, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return out, rows, json.loads((out / "summary.json").read_text())
 
@@ -74,8 +78,11 @@ def test_scheduler_runs_as_an_mpi_job_of_cells(tmp_path: Path, scheduler: str) -
 
 def test_colocate_cells_survive_a_killed_satellite_and_a_killed_engine(tmp_path: Path) -> None:
     faults = "sched.faults=[kill_engine:1:after_calls:6,kill_cell:2:after_micro_batches:1]"
-    # small micro-batches: even a step with few trainable rollouts has one for every cell, the victim included
-    out, rows, summary = run(tmp_path, "colocate_cells", faults, "train.micro_batch_tokens=512")
+    # small micro-batches: even a step with few trainable rollouts has one for every cell, the victim included.
+    # The run finishes without the dead cell and exits non-zero, since sched.allow_dead_cells is not set
+    out, rows, summary = run(
+        tmp_path, "colocate_cells", faults, "train.micro_batch_tokens=512", rc=DEAD_CELLS_EXIT_CODE
+    )
     steps = check_common(out, rows, summary, max_lag=0)
     # every living cell switches, all together, both ways
     to_train, to_rollout = switches(rows, "rollout->train"), switches(rows, "train->rollout")
@@ -85,10 +92,10 @@ def test_colocate_cells_survive_a_killed_satellite_and_a_killed_engine(tmp_path:
     assert {r["cell"] for r in rows if r["event"] == "engine_died"} == {1}
     assert all(r["n_excluded"] == 0 for r in steps)
     # the satellite died mid-step: its micro-batches were trained again elsewhere, each counted once
-    assert summary["dead_cells"] == [2]
+    assert summary["dead_cells"] == [2] and summary["dead_cell_reasons"] == {"2": "its rank died"}
     assert sorted(f["fault"] for f in summary["faults"]) == ["kill_cell", "kill_engine"]
     (died,) = [r for r in rows if r["event"] == "cell_died"]
-    assert died["cell"] == 2 and died["requeued_micro_batches"] >= 1
+    assert died["cell"] == 2 and died["requeued_micro_batches"] >= 1 and died["reason"] == "its rank died"
     assert sum(r["mb_reassigned"] for r in steps) >= 1
     assert all("2" not in r["contributors"] for r in steps)
 

@@ -672,6 +672,10 @@ def test_engine_down_gives_503_and_the_proxy_recovers(tokenizer, engines):
         client.chat.completions.create(model="m", messages=msgs, max_tokens=2)
         (record,) = server.call_log.for_rollout("default")
         assert record.engine_url == engines[1].url and server.dispatcher.retries == 1
+        # routing around the dead engine is counted (the run's metrics report it; the controller declares an
+        # engine failing call after call dead)
+        d = server.dispatcher
+        assert d.engine_failures == {dead: 2} and d.routed_around == 2 and d.failing_since_success == {dead: 2}
         with urllib.request.urlopen(f"{server.url}/health") as resp:
             assert json.loads(resp.read())["status"] == "ok"
 

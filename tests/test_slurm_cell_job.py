@@ -2,7 +2,9 @@
 `launch.submit` writes the script and submits it, plainly or through submitit; the cell job runs as
 one MPI world over the components (controller and core cell on node 1, a satellite on each other
 node), trains two steps and writes shards and a checkpoint. Uses the default warm start (cached
-under ~/.cache/gyre; built on the first run)."""
+under ~/.cache/gyre; built on the first run). The run via sbatch and via submitit and the
+requeue-resume run also run on the multi-host cluster (`netns`: each node its own address and
+hostname), as shipped (`cluster=slurm_cpu`, nothing overridden about addresses)."""
 
 from __future__ import annotations
 
@@ -11,11 +13,13 @@ import re
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import h5py
 import pytest
-from conftest import CELL_WORKLOAD
+from conftest import CELL_WORKLOAD, slurm_host_modes
 from resume_job import adam_steps, shard_ids_by_step, wait_until
 from slurm_jobs import job_active, wait_for_end
 
@@ -33,11 +37,13 @@ def _wait_for_end(job_id: str, timeout_s: float) -> str:
     return state
 
 
+@pytest.mark.parametrize("slurm_hosts", slurm_host_modes(), indirect=True)
 @pytest.mark.parametrize("via", ["sbatch", "submitit"])
-def test_embedded_rl_run_as_a_het_job_across_three_nodes(tmp_path: Path, via: str, capsys) -> None:
+def test_embedded_rl_run_as_a_het_job_across_three_nodes(tmp_path: Path, via: str, slurm_hosts: str, capsys) -> None:
     out = tmp_path / "run"
     args = ["--via", via, "--out", str(out), "cluster=slurm_cpu", f"cluster.python={sys.executable}"]
-    submit_main([*args, f"cluster.workdir={ROOT}", *CELL_WORKLOAD])
+    # micro-batches of 512 tokens: enough of them per step for every cell to train some
+    submit_main([*args, f"cluster.workdir={ROOT}", *CELL_WORKLOAD, "train.micro_batch_tokens=512"])
     job_id = capsys.readouterr().out.split("submitted job ")[1].split(";")[0]
     if via == "submitit":  # submitit's own handle: one result per task, rank 0's the run's summary
         job = HetSlurmJob(folder=out / "slurm", job_id=job_id, tasks=range(4))
@@ -53,6 +59,7 @@ def test_embedded_rl_run_as_a_het_job_across_three_nodes(tmp_path: Path, via: st
     assert summary["steps"] == 2 and summary["dead_cells"] == []
     cells = json.loads((out / "cells.json").read_text())
     assert [c["cell"] for c in cells] == [0, 1, 2] and len({c["slurm_node"] for c in cells}) == 3
+    assert_every_cell_served_and_trained(out, cells, slurm_hosts)
     assert (out / "checkpoint" / "trainer.pt").stat().st_size > 0
     shards = sorted((out / "shards").glob("step*-group*.h5"))
     assert len(shards) == 4  # one per group
@@ -81,7 +88,8 @@ def test_a_start_that_never_brings_the_mpi_world_up_is_ended_and_run_again(tmp_p
     assert not list((out / "slurm").glob("*.world_up"))  # the marker of the start that came up is removed
 
 
-def test_het_job_stopped_mid_run_resumes_from_its_checkpoint(tmp_path: Path, capsys) -> None:
+@pytest.mark.parametrize("slurm_hosts", slurm_host_modes(), indirect=True)
+def test_het_job_stopped_mid_run_resumes_from_its_checkpoint(tmp_path: Path, slurm_hosts: str, capsys) -> None:
     """The time-limit signal (`--signal=B:TERM`, sent here with `scancel --batch`) mid-run: the script
     passes it to the ranks, the controller checkpoints the completed steps and exits 75, the script
     requeues the job, and the requeued job resumes there: every step once, every rollout once."""
@@ -117,6 +125,25 @@ def test_het_job_stopped_mid_run_resumes_from_its_checkpoint(tmp_path: Path, cap
     assert adam_steps(out) == sum(1 for r in st["ledger"] if r["trained"]), "optimizer state not carried over"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["event"] == "step"] == list(range(steps))
+
+
+def assert_every_cell_served_and_trained(out: Path, cells: list[dict], slurm_hosts: str) -> None:
+    """Per node, from the call log and the step metrics: every cell's engine served calls and every cell
+    trained micro-batches; on the multi-host cluster each cell advertised its own node's address."""
+    served = Counter(urlsplit(json.loads(line)["engine_url"]).netloc for line in (out / "calls.jsonl").open())
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trained = Counter()
+    for row in rows:
+        if row["event"] == "step":
+            trained.update({int(c): n for c, n in row["contributors"].items()})
+    for c in cells:
+        where = f"cell {c['cell']} on {c['slurm_node']} ({c['engine_url']})"
+        assert served[urlsplit(c["engine_url"]).netloc] > 0, f"{where} served no call: {dict(served)}"
+        assert trained[c["cell"]] > 0, f"{where} trained nothing: {dict(trained)}"
+    hosts = [urlsplit(c["engine_url"]).hostname for c in cells]
+    if slurm_hosts == "netns":  # node i is 10.200.0.(10 + i) (slurm/cluster.sh)
+        assert sorted(hosts) == ["10.200.0.11", "10.200.0.12", "10.200.0.13"], hosts
+        assert sorted(c["address"] for c in cells) == sorted(hosts)
 
 
 def job_logs(out: Path) -> str:

@@ -7,6 +7,8 @@ transfer never interleaves with the trainer's collectives on the default group.
 
 from __future__ import annotations
 
+import ipaddress
+import os
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -14,20 +16,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gyre.comm.address import interface_of
 from gyre.comm.flat import FlatLayout, pack, unpack
 from gyre.comm.transfer import BufferHandle
 
 
-def init_gloo_from_mpi(comm: Any, hostname: str = "127.0.0.1", timeout_s: float = 300.0) -> None:
-    """Start torch.distributed (gloo) over the ranks of an mpi4py communicator: rank 0 starts the store
-    on a port the kernel picks (port 0: no window in which another process can take it) and broadcasts
-    it; torch ranks equal the communicator's ranks."""
+def init_gloo_from_mpi(comm: Any, address: str = "127.0.0.1", timeout_s: float = 300.0) -> None:
+    """Start torch.distributed (gloo) over the ranks of an mpi4py communicator. `address` is this rank's
+    own, resolved (gyre.comm.address.advertise_address; never "auto" or a name): rank 0 starts the store
+    there on a port the kernel picks (port 0: no window in which another process can take it) and
+    broadcasts both; each rank's gloo pairs listen on the interface holding its address (GLOO_SOCKET_IFNAME,
+    unless set), since gloo's own pick resolves the host name, which may give loopback."""
+    ipaddress.ip_address(address)  # ValueError on a placeholder or a name: resolve it first
+    if not os.environ.get("GLOO_SOCKET_IFNAME") and (interface := interface_of(address)):
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
     timeout = timedelta(seconds=timeout_s)
     rank, size = comm.Get_rank(), comm.Get_size()
-    store = dist.TCPStore(hostname, 0, size, True, timeout, wait_for_workers=False) if rank == 0 else None
-    port = comm.bcast(store.port if store is not None else None, root=0)
+    store = dist.TCPStore(address, 0, size, True, timeout, wait_for_workers=False) if rank == 0 else None
+    master, port = comm.bcast((address, store.port) if store is not None else None, root=0)
     if store is None:
-        store = dist.TCPStore(hostname, port, size, is_master=False, timeout=timeout)
+        store = dist.TCPStore(master, port, size, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
 
 

@@ -9,13 +9,13 @@ overwritten bytes, which the version header inside the buffer catches (VersionMi
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from gyre.comm.address import advertise_address
 from gyre.comm.flat import FlatLayout, layout_of, pack_into, unpack
 from gyre.comm.transfer import BufferHandle
 
@@ -35,7 +35,8 @@ def _transfer_engine() -> Any:
 
 
 def resolve_hostname(hostname: str) -> str:
-    return socket.gethostbyname(socket.gethostname()) if hostname == "auto" else hostname
+    """comm.hostname as an address of this host (the cell job resolves it once, in its preflight)."""
+    return advertise_address(hostname)
 
 
 @dataclass

@@ -250,7 +250,10 @@ class CommConfig:
     `cluster.mooncake`."""
 
     transfer_backend: str = "mooncake"  # mooncake | gloo (torch.distributed fallback)
-    hostname: str = "127.0.0.1"  # the address peers reach this rank at; "auto": this host's IP
+    # the address peers reach this rank at (its engine, Mooncake, gloo), resolved once on the rank's node:
+    # "auto": this node's host name resolved there (a loopback answer is refused once the job spans hosts)
+    hostname: str = "127.0.0.1"
+    interface: str = ""  # with hostname=auto: the address of this network interface instead (eth0, ib0)
     idle_poll_max_s: float = 0.02  # longest sleep between control-plane probes while idle
 
 
@@ -268,6 +271,9 @@ class SchedConfig:
     cpu_sets: list[str] = field(default_factory=list)
     threads_per_cell: int = 1  # torch threads of each cell's trainer and engine
     cell_timeout_s: float = 120.0  # a cell that answers nothing for this long is declared dead
+    # a run that lost cells (rank gone, silent, or an engine unreachable or failing every call) finishes without
+    # them and lists them in summary.json's dead_cells; it exits non-zero (DEAD_CELLS_EXIT_CODE) unless this is set
+    allow_dead_cells: bool = False
     mpirun: str = ""  # empty: the mpirun next to this Python (MPICH from PyPI)
     faults: list[str] = field(default_factory=list)  # injected faults, e.g. "kill_cell:3:after_micro_batches:1"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import replace
 
 from gyre.engine.client import EngineClient, EngineError, GenerateResult, SamplingParams
@@ -37,6 +37,12 @@ class EngineDispatcher:
         self.continued = 0  # generations continued on another engine from their partial output
         self.continued_recomputed_tokens = 0  # of the tokens that had keys/values on the aborting engine
         self._home: OrderedDict[str, str] = OrderedDict()  # session (label) -> engine of its last call
+        # routing around engines that fail (counted in the run's metrics): failures by engine, calls that moved
+        # on after one, and each engine's failures since its last success (the controller declares an
+        # engine that keeps failing, its cell dead: gyre.sched.controller)
+        self.engine_failures: Counter[str] = Counter()
+        self.routed_around = 0
+        self.failing_since_success: Counter[str] = Counter()
 
     def rid(self, call_id: int, attempt: int, label: str = "") -> str:
         """Engine request id; no rid is a prefix of another (engines abort by rid prefix, as SGLang does)."""
@@ -103,11 +109,15 @@ class EngineDispatcher:
                 if not _retryable(e):
                     raise engine_failed(f"engine {url} rejected the request: {e}") from e
                 failure = (engine_unavailable if e.status is None else engine_failed)(f"engine {url}: {e}")
+                self.engine_failures[url] += 1
+                self.failing_since_success[url] += 1
+                self.routed_around += 1
                 continue
             except TimeoutError as e:
                 raise engine_timeout(f"engine {url} did not answer within {self.timeout_s:.0f} s") from e
             finally:
                 self.router.release(url)
+            self.failing_since_success.pop(url, None)
             if partial is not None and partial.output_ids:
                 self.continued += 1
                 self.continued_recomputed_tokens += max(0, len(sent_ids) - 1 - result.cached_tokens)

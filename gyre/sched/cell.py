@@ -116,6 +116,7 @@ class CellWorker:
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "slurm_node": os.environ.get("SLURMD_NODENAME", ""),
+            "address": self.cfg.comm.hostname,  # resolved on this node by the job's preflight
             "engine_url": advertised_url(self.engine.url, self.cfg.comm.hostname),
             "engine_pid": self.engine.pid,
             "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],

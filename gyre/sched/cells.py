@@ -81,6 +81,7 @@ class Outbox:
     cp: ControlPlane
     timeout_s: float
     waiting: dict[int, tuple[int, Any, float]] = field(default_factory=dict)  # seq -> (rank, body, sent)
+    forgotten: set[int] = field(default_factory=set)  # ranks declared dead: a late ack from one is dropped
 
     def send(self, rank: int, body: Any) -> int:
         seq = self.cp.send(rank, body)
@@ -92,6 +93,8 @@ class Outbox:
         got = []
         while (env := self.cp.recv(timeout=0)) is not None:
             ack = env.body
+            if env.src in self.forgotten:
+                continue
             if not isinstance(ack, Ack) or ack.seq not in self.waiting:
                 raise ControlError(f"unexpected control message from rank {env.src}: {type(ack).__name__}")
             _, body, _ = self.waiting.pop(ack.seq)
@@ -105,7 +108,8 @@ class Outbox:
         return sorted({rank for rank, _, sent in self.waiting.values() if now - sent > self.timeout_s})
 
     def forget(self, rank: int) -> None:
-        """A dead rank will answer nothing."""
+        """A dead rank will answer nothing (one declared dead while running may still: that is ignored)."""
+        self.forgotten.add(rank)
         self.waiting = {s: w for s, w in self.waiting.items() if w[0] != rank}
 
     def has_mail(self) -> bool:

@@ -7,14 +7,16 @@ looks (no spinning) and ends once the last step's weights are published.
 
 from __future__ import annotations
 
+import http.client
 import json
 import signal
 import statistics
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from gyre.comm.control import ControlPlane
+from gyre.comm.control import ControlError, ControlPlane
 from gyre.comm.messages import Hello, RoleSwitch, SaveCheckpoint, Shutdown
 from gyre.config.schema import LogprobDistribution, RunConfig
 from gyre.metrics import MetricsWriter, plot_learning_curve
@@ -38,6 +40,27 @@ from gyre.sched.train_plane import TrainPlane
 # SIGTERM: Slurm preemption, `scontrol requeue`, the time-limit signal (the batch script forwards it through
 # srun). Not SIGUSR1: mpiexec uses it to tell survivors that a rank died
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
+ENGINE_PROBE_S = 15.0  # how long the controller tries to reach each engine before the first rollout
+MAX_ENGINE_FAILURES = 5  # calls in a row an engine fails (the proxy routing around it) before its cell is dead
+
+
+def engine_reachable(url: str, timeout_s: float) -> str:
+    """ "" once `url` answers HTTP at all (any status: the port is the engine's), else the last error."""
+    parts = urllib.parse.urlsplit(url)
+    deadline, error = time.monotonic() + timeout_s, "not tried"
+    while True:
+        conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=min(3.0, timeout_s))
+        try:
+            conn.request("GET", "/health")
+            conn.getresponse().read()
+            return ""
+        except (OSError, http.client.HTTPException) as e:
+            error = f"{type(e).__name__}: {e}"
+        finally:
+            conn.close()
+        if time.monotonic() > deadline:
+            return error
+        time.sleep(0.5)
 
 
 def policy_config(cfg: RunConfig) -> PolicyConfig:
@@ -81,6 +104,8 @@ class Controller:
         self.finalize = True  # False once a cell died (see gyre.sched.job)
         self.step_rows: list[dict[str, Any]] = []
         self.stop_signal = ""  # set by SIGTERM/SIGUSR2: checkpoint at the last completed step, then stop
+        self.dead_reasons: dict[int, str] = {}  # cell -> why it was declared dead
+        self.abandoned: set[int] = set()  # ranks declared dead whose process may still run (told to stop at the end)
 
     def hello(self) -> CellTable:
         acks = self.cp.request(self.cp.layout.workers, Hello(), timeout=self.cfg.sched.cell_timeout_s)
@@ -110,7 +135,8 @@ class Controller:
         start = time.monotonic()
         self.timeline.start_clock()
         initial = [Switch(c, r) for c, r in enumerate(initial_roles(self.pcfg)) if r != "rollout"]
-        self.proxy.set_engines([c.engine_url for c in self.table.cells if c.role == "rollout"])
+        self.check_engines_reachable()
+        self.proxy.set_engines([c.engine_url for c in self.table.serving()])
         self.cells_died(self.switcher.apply(initial, self.train.on_ack, record=False))
         self.switcher.update_capacity()
         while self.train.version < self.cfg.steps:
@@ -151,8 +177,26 @@ class Controller:
         if overdue := self.outbox.overdue():
             self.cells_died(overdue)
 
+    def check_engines_reachable(self) -> None:
+        """Before the first rollout: a cell whose engine the proxy (here) cannot reach is a dead cell."""
+        self.faults.hide_engines(self.table, 0)
+        for c in self.table.alive():
+            if error := engine_reachable(c.engine_url, ENGINE_PROBE_S):
+                self.cells_died([c.rank], f"its engine at {c.engine_url} is unreachable from the controller ({error})")
+
+    def failing_engines(self) -> None:
+        """A cell whose engine keeps failing calls (the proxy routes around it) is a dead cell."""
+        for old, new in self.faults.hide_engines(self.table, len(self.call_log)):
+            self.proxy.set_engines([new if u == old else u for u in self.proxy.engines()])
+        failing = self.proxy.dispatcher.failing_since_success
+        for c in self.table.serving():
+            n = failing.get(c.engine_url.rstrip("/"), 0)
+            if n >= MAX_ENGINE_FAILURES and (not c.local or pid_alive(c.engine_pid)):
+                self.cells_died([c.rank], f"its engine at {c.engine_url} failed {n} calls in a row")
+
     def check_health(self) -> None:
         self.cells_died(self.dead())
+        self.failing_engines()
         self.faults.tick(self.table, len(self.call_log), self.proxy.router.in_flight())
         for c in self.table.serving():  # an engine died under a living cell: route around it, start another
             if c.local and c.engine_pid > 0 and not pid_alive(c.engine_pid):
@@ -183,13 +227,20 @@ class Controller:
     def dead(self) -> list[int]:
         return [c.rank for c in self.table.newly_dead()]
 
-    def cells_died(self, ranks: list[int]) -> None:
+    def cells_died(self, ranks: list[int], reason: str = "") -> None:
+        """`reason` given: the rank may still run (its engine is unreachable or failing); it is told to stop at
+        the end. Without: its process is gone or it stopped answering."""
         for rank in ranks:
             c = self.table.by_rank(rank)
             if not c.alive:
                 continue
+            why = reason or ("its rank died" if c.local and not pid_alive(c.pid) else "it stopped answering")
             if c.index == 0:
-                raise RuntimeError(f"the core cell (rank {rank}) died: it holds the only optimizer state; rerun")
+                raise RuntimeError(f"the core cell (rank {rank}) is lost: {why}; it holds the only optimizer state")
+            print(f"gyre: cell {c.index} (rank {rank}, {c.host}) is dead: {why}", flush=True)
+            self.dead_reasons[c.index] = why
+            if reason:
+                self.abandoned.add(rank)
             c.alive = False
             self.outbox.forget(rank)
             requeued = self.train.ledger.fail_cell(c.index)
@@ -198,6 +249,7 @@ class Controller:
                 kill_pid(c.engine_pid, signal.SIGKILL)  # its engine outlives a killed rank otherwise
             self.timeline.set_role(c.index, "dead")
             row = {"event": "cell_died", "cell": c.index, "rank": rank, "requeued_micro_batches": len(requeued)}
+            row["reason"] = why
             self.metrics.write(row | {"t": round(self.timeline.now(), 3), "role": c.role})
             self.switcher.update_capacity()
 
@@ -209,6 +261,8 @@ class Controller:
         row |= {"wall_s": round(time.monotonic() - rec.submitted, 3), "t": round(self.timeline.now(), 3)}
         row |= {"version": self.train.version, "continued_calls": self.proxy.dispatcher.continued}
         row |= {"continued_recomputed_tokens": self.proxy.dispatcher.continued_recomputed_tokens}
+        row |= {"routed_around": self.proxy.dispatcher.routed_around}
+        row |= {"engine_failures": sum(self.proxy.dispatcher.engine_failures.values())}
         self.metrics.write(row)
         self.step_rows.append(row)
         rollouts = [m.outcome.rollout_id for members in rec.groups.values() for m in members]
@@ -260,6 +314,11 @@ class Controller:
         alive = [c.rank for c in self.table.alive()]
         self.finalize = len(alive) == len(self.table.cells)
         self.cp.request(alive, Shutdown("run finished", self.finalize), timeout=self.cfg.sched.cell_timeout_s)
+        for rank in sorted(self.abandoned):  # declared dead but perhaps running: it would hold the job open
+            try:
+                self.cp.request([rank], Shutdown("declared dead", False), timeout=10.0)
+            except ControlError:
+                pass
         self.timeline.save(self.out, f"{self.cfg.scheduler}: {len(self.step_rows)} steps, {wall_s:.0f} s")
         plot_learning_curve(self.step_rows, self.out / "learning_curve.png")
         summary = self.summary(wall_s) | {"stopped_by": stopped}
@@ -285,6 +344,9 @@ class Controller:
             "continued_recomputed_tokens": self.proxy.dispatcher.continued_recomputed_tokens,
             **self.switcher.migrated,
             "dead_cells": [c.index for c in self.table.cells if not c.alive],
+            "dead_cell_reasons": {str(k): v for k, v in sorted(self.dead_reasons.items())},
+            "routed_around": self.proxy.dispatcher.routed_around,
+            "engine_failures": dict(self.proxy.dispatcher.engine_failures),
             "faults": self.faults.log,
             "role_seconds": self.timeline.role_seconds(),
         }

@@ -4,6 +4,9 @@
   assignment is sent, so it dies mid-step holding training work.
 - `kill_engine:<cell>:after_calls:<n>`: once the proxy has served n calls, SIGKILL the cell's engine
   while it has requests in flight.
+- `unreachable_engine:<cell>:after_calls:<n>`: once the proxy has served n calls (0: before the first),
+  the controller sees the cell's engine at an address where nothing listens, as when a node advertises
+  an address the others cannot reach; the cell should be declared dead (gyre.sched.controller).
 - `stall_start:<cell>:attempts:<n>`: on the first n starts of a Slurm cell job under the script's
   start-up guard, the cell's rank stalls before the MPI world is up, as a hung MPI_Init would (the
   guard ends and reruns the start); ignored elsewhere, where nothing would end the stall.
@@ -14,11 +17,17 @@ from __future__ import annotations
 
 import os
 import signal
+import urllib.parse
 from dataclasses import dataclass
 
 from gyre.sched.cells import Cell, CellTable, kill_pid
 
-TRIGGERS = {"kill_cell": "after_micro_batches", "kill_engine": "after_calls", "stall_start": "attempts"}
+TRIGGERS = {
+    "kill_cell": "after_micro_batches",
+    "kill_engine": "after_calls",
+    "unreachable_engine": "after_calls",
+    "stall_start": "attempts",
+}
 
 
 @dataclass
@@ -50,7 +59,7 @@ class FaultInjector:
         self.faults = parse_faults(specs)
         if bad := [f.cell for f in self.faults if not 0 <= f.cell < n_cells]:
             raise ValueError(f"sched.faults names cells {bad}; cells are 0..{n_cells - 1}")
-        if any(f.kind == "kill_cell" and f.cell == 0 for f in self.faults):
+        if any(f.kind in ("kill_cell", "unreachable_engine") and f.cell == 0 for f in self.faults):
             raise ValueError("sched.faults cannot kill cell 0: the core holds the only optimizer state")
         self.log: list[dict] = []
 
@@ -60,6 +69,19 @@ class FaultInjector:
                 f.fired = True
                 kill_pid(cell.pid, signal.SIGKILL)
                 self.log.append({"fault": "kill_cell", "cell": cell.index, "pid": cell.pid})
+
+    def hide_engines(self, table: CellTable, calls_served: int) -> list[tuple[str, str]]:
+        """unreachable_engine faults due now: (old, new) engine URLs, the new one refusing connections."""
+        moved = []
+        for f in self.faults:
+            if f.kind == "unreachable_engine" and not f.fired and calls_served >= f.n and table.cells[f.cell].alive:
+                f.fired = True
+                cell = table.cells[f.cell]
+                parts = urllib.parse.urlsplit(cell.engine_url)
+                old, cell.engine_url = cell.engine_url, parts._replace(netloc=f"{parts.hostname}:1").geturl()
+                moved.append((old, cell.engine_url))
+                self.log.append({"fault": "unreachable_engine", "cell": cell.index, "engine_url": cell.engine_url})
+        return moved
 
     def tick(self, table: CellTable, calls_served: int, in_flight: dict[str, int]) -> None:
         for f in self.faults:

@@ -30,7 +30,8 @@ from gyre.config.validate import check_engine_in_cells
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted
 from gyre.sched.affinity import available_cpus, cpu_plan, pin
 from gyre.sched.faults import stalls_start
-from gyre.sched.launch import CONTROLLER_PID_FILE
+from gyre.sched.job_preflight import run_preflight
+from gyre.sched.launch import CONTROLLER_PID_FILE, DEAD_CELLS_EXIT_CODE, DeadCellsError
 from gyre.sched.slurm_env import WORLD_UP_VAR, cell_rank_from_env, mark_world_up, start_attempt
 
 
@@ -57,6 +58,8 @@ def run(out: Path) -> tuple[bool, dict[str, Any], int]:
     cp = world_control_plane([1] * n_cells, cfg.comm.idle_poll_max_s)  # collective: every rank has joined
     if rank == 0:
         mark_world_up(os.environ)
+    # resolved once, here on this rank's node; engines, Mooncake and gloo use this address from now on
+    cfg.comm.hostname = run_preflight(world, cfg, out, start_id)
     if cfg.comm.transfer_backend == "gloo":
         from gyre.comm.gloo_transport import init_gloo_from_mpi
 
@@ -68,6 +71,9 @@ def run(out: Path) -> tuple[bool, dict[str, Any], int]:
         except Preempted:
             finalize, code = True, PREEMPTED_EXIT_CODE
         report = json.loads((out / "summary.json").read_text())
+        if report.get("dead_cells") and not cfg.sched.allow_dead_cells and code == 0:
+            print(f"gyre: {dead_cells_message(report)}", file=sys.stderr, flush=True)
+            code = DEAD_CELLS_EXIT_CODE
     else:
         for sig in (signal.SIGTERM, signal.SIGUSR2):  # they reach every rank: the controller stops the cells
             signal.signal(sig, signal.SIG_IGN)
@@ -75,6 +81,15 @@ def run(out: Path) -> tuple[bool, dict[str, Any], int]:
     if finalize:
         cp.close()
     return finalize, report, code
+
+
+def dead_cells_message(summary: dict[str, Any]) -> str:
+    reasons = summary.get("dead_cell_reasons", {})
+    cells = "; ".join(f"cell {c}: {reasons.get(str(c), 'dead')}" for c in summary["dead_cells"])
+    return (
+        f"the run finished without cells {summary['dead_cells']} ({cells}); exit {DEAD_CELLS_EXIT_CODE}. "
+        "Set sched.allow_dead_cells=true to accept a run that lost cells"
+    )
 
 
 def run_controller(cfg: RunConfig, cp: ControlPlane, out: Path, start_id: str) -> bool:
@@ -140,6 +155,8 @@ def submitit_main(run_dir: str, abort_after_s: float = 30.0) -> dict[str, Any]:
         raise
     if finalize:
         MPI.Finalize()
+    if code == DEAD_CELLS_EXIT_CODE:  # submitit's result is this error; the task exits non-zero
+        raise DeadCellsError(dead_cells_message(report))
     # after submitit has written the result: skip the slow teardown; exit 75 when stopped (the script requeues)
     atexit.register(os._exit, code)
     return report

@@ -26,7 +26,12 @@ from gyre.sched.policy import SCHEDULERS
 
 POLICY_FILE = "policy.json"  # the warm start the cells load, written by rank 0
 CONTROLLER_PID_FILE = "controller.pid"  # rank 0's pid, for passing stop signals on
+DEAD_CELLS_EXIT_CODE = 3  # rank 0's exit when the run lost cells and sched.allow_dead_cells is not set
 RANK_SHELL = 'trap "" USR1; "$0" -m mpi4py -m gyre.sched.job "$1"; exit $?'
+
+
+class DeadCellsError(RuntimeError):
+    """The run finished without some of its cells (sched.allow_dead_cells is not set)."""
 
 
 def mpirun_command(cfg: RunConfig, out: Path) -> list[str]:
@@ -81,5 +86,10 @@ def run_cells(cfg: RunConfig) -> Path:
         dead = json.loads(summary.read_text()).get("dead_cells") if summary.exists() else None
         if not dead:
             raise RuntimeError(f"the cell job failed (mpirun exit code {rc}); see the output above and {out}")
+        if not cfg.sched.allow_dead_cells:
+            raise DeadCellsError(
+                f"cells {dead} died during the run (summary.json: dead_cell_reasons); it finished without them "
+                f"(mpirun exit code {rc}). Set sched.allow_dead_cells=true to accept that"
+            )
         print(f"gyre: cells {dead} died during the run; it finished without them (mpirun exit code {rc})")
     return out
