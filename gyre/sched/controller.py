@@ -138,9 +138,10 @@ class Controller:
             done = self.driver.events.get()
             ago = time.time() - done.started  # the driver's times are wall clock, the timeline's monotonic
             row = {"event": "session", "rollout_id": done.job.rollout_id, "step": done.job.step}
-            self.log(
-                row | {"started": round(self.timeline.now() - ago, 3), "seconds": round(done.ended - done.started, 3)}
-            )
+            row |= {"started": round(self.timeline.now() - ago, 3), "seconds": round(done.ended - done.started, 3)}
+            if done.outcome is not None:  # the harness's own clock: model calls and tools, not start-up or grading
+                row |= {"harness_s": done.outcome.wall_s, "turns": done.outcome.turns}
+            self.log(row)
             calls = self.call_log.pop_rollout(done.job.rollout_id)
             group = self.book.finished(done, calls, self.out / "rollouts" / f"step{done.job.step:04d}")
             if group is not None:
