@@ -89,7 +89,7 @@ class Controller:
         self.table = self.hello()
         self.faults = FaultInjector(cfg.sched.faults, self.pcfg.n_cells)
         self.book = StepBook(cfg, out)
-        self.train = TrainPlane(cfg, self.table, self.outbox, self.book, self.faults, out, self.cells_died)
+        self.train = TrainPlane(cfg, self.table, self.outbox, self.book, self.faults, out, self.cells_died, self.log)
         self.switcher = Switcher(
             cfg, self.pcfg, self.table, self.outbox, self.proxy, self.driver, self.timeline, self.metrics
         )
@@ -163,9 +163,18 @@ class Controller:
     def _on_stop(self, signum: int, frame: object) -> None:
         self.stop_signal = signal.Signals(signum).name
 
+    def log(self, row: dict[str, Any]) -> None:
+        self.metrics.write(row | {"t": round(self.timeline.now(), 3)})
+
     def collect_sessions(self) -> None:
         while not self.driver.events.empty() and not self.stop_signal:  # a stop kills harnesses: no results
             done = self.driver.events.get()
+            ago = time.time() - done.started  # the driver's times are wall clock, the timeline's monotonic
+            row = {"event": "session", "rollout_id": done.job.rollout_id, "step": done.job.step}
+            row |= {"started": round(self.timeline.now() - ago, 3), "seconds": round(done.ended - done.started, 3)}
+            if done.outcome is not None:  # the harness's own clock: model calls and tools, not start-up or grading
+                row |= {"harness_s": done.outcome.wall_s, "turns": done.outcome.turns}
+            self.log(row)
             calls = self.call_log.pop_rollout(done.job.rollout_id)
             group = self.book.finished(done, calls, self.out / "rollouts" / f"step{done.job.step:04d}")
             if group is not None:

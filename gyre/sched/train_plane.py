@@ -32,10 +32,12 @@ class TrainPlane:
         faults: FaultInjector,
         out: Path,
         on_death: Callable[[list[int]], None],
+        log: Callable[[dict[str, Any]], None] = lambda row: None,
     ) -> None:
         self.cfg, self.table, self.outbox, self.book, self.faults = cfg, table, outbox, book, faults
         self.out = out
         self.on_death = on_death
+        self.log = log  # one row per micro-batch done (what the simulator calibrates training from)
         self.ledger = MicroBatchLedger()
         self.version = 0  # optimizer steps done; the step being trained
         self.handle: Any = None  # the newest weights' transfer handle
@@ -62,6 +64,9 @@ class TrainPlane:
         for ref in body.refs:
             self.ledger.done(cell.index, ref)
         self.book.steps[body.step].train_metrics.append(ack.detail["metrics"])
+        tokens = sum(r.tokens for r in body.refs)
+        self.log({"event": "micro_batch", "step": body.step, "cell": cell.index, "tokens": tokens,
+                  "seconds": round(ack.detail["seconds"], 4)})  # fmt: skip
 
     def waiting_work(self) -> int:
         """Work of the current step that no cell has taken: pending micro-batches, or (1) the optimizer
