@@ -136,6 +136,7 @@ ROLLOUT_COLUMNS: tuple[Column, ...] = (
         "why the grade is what it is: for failed the evaluation's problem, for agent_failed `<code>: <detail>` "
         "(codes: harness_exit, harness_protocol, checker_killed, workspace_limits); empty when graded normally",
         since=2,
+        default="",
     ),
     Column("score", "<f4", "grader's score (fraction of checks passed); NaN when the evaluation failed", "fraction"),
     Column("reward", "<f4", "reward used for training; NaN when excluded"),
