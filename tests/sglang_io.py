@@ -36,7 +36,7 @@ import types
 from decimal import Decimal
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 # Names taken from heavy SGLang modules, replaced here. None is a request class or a field we send.
 STUBBED: dict[str, dict[str, Any]] = {
@@ -218,3 +218,21 @@ def light_common() -> types.ModuleType:
 def load_sampling_params() -> type:
     load_io_struct()
     return importlib.import_module("sglang.srt.sampling.sampling_params").SamplingParams
+
+
+def load_sampler_function(name: str) -> Any:
+    """A module-level function of SGLang's sglang/srt/layers/sampler.py, compiled from its own source alone.
+
+    The module imports the CUDA sampling stack (flashinfer, distributed groups), so it is not imported; the
+    function's source is cut out (decorators such as torch.compile dropped) and run with torch only."""
+    path = sglang_root() / "srt" / "layers" / "sampler.py"
+    tree = ast.parse(path.read_text())
+    node = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+    if node is None:
+        raise LookupError(f"{path} has no function {name}; SGLang changed, re-read its sampler")
+    node.decorator_list = []
+    import torch
+
+    namespace: dict[str, Any] = {"torch": torch, "Optional": Optional}
+    exec(compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec"), namespace)  # noqa: S102
+    return namespace[name]
