@@ -261,3 +261,18 @@ def test_rl_micro_batches_apply_the_configured_distribution():
         (mb,) = rl_micro_batches([rollout], 64, 64, 1, dist)
         assert mb.batch.sampling.truncated == (dist is LogprobDistribution.truncated)
         assert mb.batch.sampling.temperature[mb.batch.policy_mask].tolist() == pytest.approx([0.7, 0.7])
+
+
+@pytest.mark.unit
+def test_call_log_lines_carry_sampling_parameters_and_older_lines_read_as_defaults(tmp_path):
+    from gyre.proxy.call_log import read_call_log
+
+    log = CallLog(tmp_path / "calls.jsonl")
+    log.add(replace(make_record(1, [1, 2], [3]), temperature=0.7, top_p=0.9, top_k=20, min_p=0.05))
+    (back,) = read_call_log(tmp_path / "calls.jsonl")
+    assert (back.temperature, back.top_p, back.top_k, back.min_p) == (0.7, 0.9, 20, 0.05)
+    row = back.to_json()
+    for name in ("temperature", "top_p", "top_k", "min_p"):
+        del row[name]  # a line written before they were recorded
+    old = CallRecord.from_json(row)
+    assert (old.temperature, old.top_p, old.top_k, old.min_p) == (1.0, 1.0, -1, 0.0)
