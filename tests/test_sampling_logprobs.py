@@ -154,10 +154,10 @@ def stack(tmp_path_factory):
         engine.stop()
 
 
-def proxy_rollout(tok: Tokenizer, url: str) -> list[CallRecord]:
+def proxy_rollout(tok: Tokenizer, url: str, truncated: bool = False) -> list[CallRecord]:
     """A harness-shaped rollout through the proxy: a turn at 0.7, a follow-up at 1.6 on the same path (its
     prompt splices the first reply), and a compaction-like branch at 1.6 with top-p 0.9."""
-    server = ProxyServer(tok, [url], ProxyConfig(), CallLog())
+    server = ProxyServer(tok, [url], ProxyConfig(), CallLog(), truncated_logprobs=truncated)
     base = server.start()
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
     try:
@@ -208,6 +208,9 @@ def test_engine_behaviour_logprobs_equal_trainer_logprobs_at_temperatures_0_7_an
     assert policy_diff(trainer, mb) < TOL  # tempered (the default): top-p 0.9 on the branch ignored
     mb.sampling = neutral(mb.sampling)
     assert policy_diff(trainer, mb) > 100 * TOL  # negative check: the untempered definition fails this test
+    mb = pack_forest([build_tree("default", proxy_rollout(tok, engine.url, truncated=True))])
+    mb.sampling = replace(mb.sampling, truncated=True)  # rl.logprob_distribution=truncated: top-p 0.9 renormalised
+    assert policy_diff(trainer, mb) < TOL
 
     prompt = tok.encode("Write the value 12 into out_5.txt")
     for truncated in (False, True):
