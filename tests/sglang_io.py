@@ -37,7 +37,7 @@ import types
 from decimal import Decimal
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 # Names taken from heavy SGLang modules, replaced here. None is a request class or a field we send.
 STUBBED: dict[str, dict[str, Any]] = {
@@ -262,3 +262,21 @@ def parse_like_sglang(path: str, payload: dict) -> object:
     missing = sorted(required - set(payload) - {"rid", "http_worker_ipc"})
     assert not missing, f"{path}: required fields {missing} of {cls.__name__} are missing"
     return TypeAdapter(cls).validate_json(json.dumps(payload))
+
+
+def load_sampler_function(name: str) -> Any:
+    """A module-level function of SGLang's sglang/srt/layers/sampler.py, compiled from its own source alone.
+
+    The module imports the CUDA sampling stack (flashinfer, distributed groups), so it is not imported; the
+    function's source is cut out (decorators such as torch.compile dropped) and run with torch only."""
+    path = sglang_root() / "srt" / "layers" / "sampler.py"
+    tree = ast.parse(path.read_text())
+    node = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+    if node is None:
+        raise LookupError(f"{path} has no function {name}; SGLang changed, re-read its sampler")
+    node.decorator_list = []
+    import torch
+
+    namespace: dict[str, Any] = {"torch": torch, "Optional": Optional}
+    exec(compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec"), namespace)  # noqa: S102
+    return namespace[name]

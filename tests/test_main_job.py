@@ -27,6 +27,7 @@ def test_main_job_runs_end_to_end(tmp_path):
         "tokenizer.vocab_size=512",
         "harness.max_turns=3",
         "harness.max_tokens=24",
+        "harness.temperature=0.7",  # trained as sampled: behaviour and training logprobs at T=0.7
         f"warm_start.cache_dir={tmp_path / 'cache'}",
         f"output_dir={out}",
         f"hydra.run.dir={tmp_path / 'hydra'}",
@@ -46,6 +47,7 @@ def test_main_job_runs_end_to_end(tmp_path):
     assert (out / "checkpoint" / "trainer.pt").exists()
     calls = [json.loads(line) for line in (out / "calls.jsonl").read_text().splitlines()]
     assert calls and all(len(c["output_ids"]) == len(c["output_logprobs"]) for c in calls)
+    assert {c["temperature"] for c in calls} == {0.7}
 
     # every rollout of every step is in exactly one group shard, as a tree holding all its calls
     shards = sorted((out / "shards").glob("*.h5"))
@@ -57,6 +59,7 @@ def test_main_job_runs_end_to_end(tmp_path):
     recorded = {c["rollout_id"] for c in calls}
     for r in stored:
         assert r.rollout_id in recorded and r.tree.calls and r.tree.policy.any()
+        assert {c.temperature for c in r.tree.calls} == {0.7}
         assert r.meta.excluded or abs(float(r.loss_weight.sum()) - 1.0) < 1e-5
 
     # a second run reuses the cached warm start

@@ -66,6 +66,8 @@ class Recorder:
         if request.path == "/generate":
             meta = {"id": "r", "finish_reason": {"type": "length", "length": 2}, "prompt_tokens": 3,
                     "weight_version": "7", "output_token_logprobs": [[-0.5, 11, None], [-0.25, 12, None]]}  # fmt: skip
+            if json.loads(raw).get("return_sampling_mask"):  # SGLang's selected mode: one logprob per token
+                meta |= {"output_token_sampling_mask": [[11], [12, 3]], "output_token_sampling_logprobs": [0.0, -0.1]}
             return web.json_response({"text": "", "output_ids": [11, 12], "meta_info": meta})
         if request.path == "/get_server_info":
             return web.json_response({"weight_version": "7"})
@@ -83,6 +85,8 @@ async def _drive_every_client_method(url: str) -> None:
                                                               stop_token_ids=[2], seed=5), rid="call-1")  # fmt: skip
         assert res.output_ids == [11, 12] and res.output_logprobs == [-0.5, -0.25] and res.weight_version == "7"
         await client.generate([4, 5], SamplingParams())
+        truncated = SamplingParams(temperature=1.6, top_k=20, min_p=0.05, truncated_logprobs=True)
+        assert (await client.generate([4, 5], truncated)).output_logprobs == [0.0, -0.1]
         await client.abort("call-1")
         await client.abort(abort_all=True)
         for mode in ("in_place", "retract", "abort"):
@@ -154,6 +158,9 @@ def test_generate_payload_normalizes_and_its_sampling_params_verify(captured):
         params = SGLangSampling(**body["sampling_params"])  # unknown sampling keys raise TypeError
         params.normalize(None)
         params.verify(vocab_size=1000)
+    masked = [parse_like_sglang("/generate", b) for b in bodies if b.get("return_sampling_mask")]
+    assert len(masked) == 1 and masked[0].return_sampling_mask is True and masked[0].sampling_logprobs_mode is None
+    assert (masked[0].sampling_params["top_k"], masked[0].sampling_params["min_p"]) == (20, 0.05)
     first = parse_like_sglang("/generate", bodies[0])
     assert first.rid == "call-1" and first.input_ids == [1, 2, 3]
     assert SGLangSampling(**bodies[0]["sampling_params"]).sampling_seed == 5

@@ -99,7 +99,10 @@ def _gain_key(
 def subtree(tree: TrajectoryTree, nodes: np.ndarray) -> TrajectoryTree:
     """The tree restricted to `nodes` (ascending, closed under parents), re-indexed.
 
-    Calls whose leaf is outside are dropped; the others keep their info with the leaf re-indexed.
+    Calls with no token inside are dropped; the others keep their info with the leaf re-indexed. A call whose
+    leaf is outside but some of whose generated tokens are inside (a retry sharing the first tokens of a dropped
+    reply) is kept with its deepest kept token as leaf: its tokens' behaviour logprobs need its sampling
+    parameters.
     """
     remap = np.full(tree.n_tokens, -1, np.int64)
     remap[nodes] = np.arange(nodes.shape[0])
@@ -107,7 +110,9 @@ def subtree(tree: TrajectoryTree, nodes: np.ndarray) -> TrajectoryTree:
     new_parent = np.where(parent >= 0, remap[np.maximum(parent, 0)], -1)
     if np.any((parent >= 0) & (new_parent < 0)):
         raise ValueError("nodes are not closed under parents; pass whole root paths")
-    calls = [c for c in tree.calls if remap[c.leaf] >= 0]
+    kept_calls = tree.call_id[nodes]
+    deepest = dict(zip(kept_calls.tolist(), remap[nodes].tolist(), strict=True))  # ascending: last write wins
+    leaf = {c.call_id: int(remap[c.leaf]) if remap[c.leaf] >= 0 else deepest.get(c.call_id, -1) for c in tree.calls}
     return TrajectoryTree(
         rollout_id=tree.rollout_id,
         tokens=tree.tokens[nodes],
@@ -117,7 +122,7 @@ def subtree(tree: TrajectoryTree, nodes: np.ndarray) -> TrajectoryTree:
         logprob=tree.logprob[nodes],
         call_id=tree.call_id[nodes],
         role=tree.role[nodes],
-        calls=[replace(c, leaf=int(remap[c.leaf])) for c in calls],
+        calls=[replace(c, leaf=leaf[c.call_id]) for c in tree.calls if leaf[c.call_id] >= 0],
     )
 
 
