@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import closing
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -18,6 +19,7 @@ from gyre.resume.state import RunState
 from gyre.rollouts import RolloutService, StepRollouts
 from gyre.sched.policy import SCHEDULERS as CELL_SCHEDULERS
 from gyre.store.reader import Shard, read_shard
+from gyre.tracking import open_trackers
 from gyre.train.megatron_trainer import MegatronTrainer
 from gyre.train.warm_start import prepare_policy
 
@@ -40,9 +42,9 @@ def run(cfg: RunConfig) -> Path:
     state.begin()  # this start (its Slurm job id and restart count) joins the run's history
     print(describe_start(start, cfg, out))
     saved_step = state.next_step if start.checkpoint is not None else None
-    writer = MetricsWriter(out)
+    writer = MetricsWriter(out, open_trackers(cfg, out))
     writer.rows = start.metrics_rows
-    with RolloutService(cfg, policy, out) as service:
+    with RolloutService(cfg, policy, out) as service, closing(writer):
         if state.weight_version:  # engines serve the checkpoint's weights, not the warm start
             service.load_weights(trainer.hf_state_dict(), version=state.weight_version)
         bar = tqdm(range(state.next_step, cfg.steps), desc="gyre", unit="step", dynamic_ncols=True,
@@ -66,7 +68,7 @@ def run(cfg: RunConfig) -> Path:
             if isinstance(stop, Preempted):
                 raise
             raise Preempted(guard.signal_name or "a signal") from stop
-    plot_learning_curve(writer.rows, out / "learning_curve.png")
+        writer.image("learning_curve", plot_learning_curve(writer.rows, out / "learning_curve.png"))
     print(summary(writer.rows, out))
     return out
 

@@ -1,23 +1,56 @@
-"""Per-step metrics: one JSON object per line in metrics.jsonl, and a PNG of the learning curve."""
+"""Per-step metrics: one JSON object per line in metrics.jsonl (the source of truth), the same rows to the
+experiment trackers `logger` names (gyre/tracking.py), and a PNG of the learning curve."""
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gyre.tracking import Tracker
 
 
 class MetricsWriter:
-    def __init__(self, output_dir: str | Path) -> None:
+    def __init__(self, output_dir: str | Path, trackers: Sequence[Tracker] = ()) -> None:
         self.path = Path(output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rows: list[dict[str, Any]] = []
+        self.trackers = list(trackers)
+        self.events: dict[str, int] = {}  # rows seen per event kind: each kind's own x axis in the trackers
 
     def write(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
         with self.path.open("a") as f:
             f.write(json.dumps(row, sort_keys=True) + "\n")
+        if self.trackers:
+            self._track(row)
+
+    def _track(self, row: dict[str, Any]) -> None:
+        from gyre.tracking import scalars_of
+
+        kind = row.get("event", "step" if "step" in row else "row")
+        scalars = scalars_of({k: v for k, v in row.items() if k != "event" and not (kind == "step" and k == "step")})
+        for t in self.trackers:
+            if kind == "step":
+                t.step(int(row["step"]), scalars)
+            elif kind == "summary":
+                t.summary(row)
+            else:
+                t.event(str(kind), self.events.get(str(kind), 0), scalars, row)
+        if kind not in ("step", "summary"):
+            self.events[str(kind)] = self.events.get(str(kind), 0) + 1
+
+    def image(self, name: str, png: Path) -> None:
+        for t in self.trackers:
+            t.image(name, png)
+
+    def close(self) -> None:
+        for t in self.trackers:
+            t.close()
+        self.trackers = []
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

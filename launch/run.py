@@ -14,7 +14,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from gyre.config.load import ConfigKeyError, check_overrides, register_configs, to_run_config
+from gyre.config.load import ConfigKeyError, check_overrides, normalize_overrides, register_configs, to_run_config
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted
 from gyre.resume.recovery import ResumeError
 from gyre.sched.policy import SCHEDULERS as CELL_SCHEDULERS
@@ -27,6 +27,8 @@ def main(dict_cfg: DictConfig) -> None:
     cfg = to_run_config(dict_cfg)
     if not cfg.output_dir:
         cfg.output_dir = HydraConfig.get().runtime.output_dir
+    if not cfg.tracking.run_name:  # one tracker run per Hydra (multirun) job, named by its overrides
+        cfg.tracking.run_name = HydraConfig.get().job.override_dirname
     if cfg.scheduler in CELL_SCHEDULERS:  # cells as an MPI job: re-executes under mpirun
         from gyre.sched.launch import DEAD_CELLS_EXIT_CODE, DeadCellsError, run_cells
 
@@ -50,6 +52,7 @@ def main(dict_cfg: DictConfig) -> None:
 
 def run_app(app: Callable[[], object]) -> None:
     """Check the command line's overrides (a mistyped key names the valid ones), then run the Hydra app."""
+    sys.argv[1:] = normalize_overrides(sys.argv[1:])
     try:
         check_overrides([a for a in sys.argv[1:] if not a.startswith("-")])
     except ConfigKeyError as e:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import CELL_WORKLOAD
+from tracking_readers import tensorboard_scalars, tensorboard_tags
 
 from gyre.sched.launch import DEAD_CELLS_EXIT_CODE
 
@@ -56,7 +57,7 @@ def switches(rows: list[dict], direction: str) -> list[dict]:
 
 @pytest.mark.parametrize("scheduler", ["async", "elastic"])
 def test_scheduler_runs_as_an_mpi_job_of_cells(tmp_path: Path, scheduler: str) -> None:
-    out, rows, summary = run(tmp_path, scheduler)
+    out, rows, summary = run(tmp_path, scheduler, *(["logger=tensorboard"] if scheduler == "elastic" else []))
     check_common(out, rows, summary, max_lag=1)
     cells = json.loads((out / "cells.json").read_text())
     assert [c["cell"] for c in cells] == [0, 1, 2] and len({c["engine_url"] for c in cells}) == 3
@@ -74,6 +75,20 @@ def test_scheduler_runs_as_an_mpi_job_of_cells(tmp_path: Path, scheduler: str) -
                 assert (r["reason"], r["cell"], r["together"]) == ("training_waits", 0, 1)
         assert all(r["latency_s"] > 0 for r in to_train + to_rollout)
         assert summary["switch_median_s"]["rollout->train"] > 0
+        check_tensorboard(out, rows)
+
+
+def check_tensorboard(out: Path, rows: list[dict]) -> None:
+    """logger=tensorboard in a cell job: the controller's step rows, every switch event, both images."""
+    (tb_dir,) = (out / "tensorboard").iterdir()
+    tb = tensorboard_scalars(tb_dir)
+    for r in (r for r in rows if r["event"] == "step"):
+        for key, value in r.items():
+            if key != "step" and isinstance(value, (int, float)):
+                assert tb[key][r["step"]] == pytest.approx(value, rel=1e-6, abs=1e-6), key
+    latencies = [r["latency_s"] for r in rows if r["event"] == "switch"]
+    assert [tb["events/switch/latency_s"][i] for i in range(len(latencies))] == pytest.approx(latencies, rel=1e-6)
+    assert sorted(tensorboard_tags(tb_dir)["images"]) == ["learning_curve", "timeline"]
 
 
 def test_colocate_cells_survive_a_killed_satellite_and_a_killed_engine(tmp_path: Path) -> None:

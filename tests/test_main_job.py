@@ -1,11 +1,13 @@
 """The main job end to end, through the real CLI, at a toy size."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tracking_readers import tensorboard_scalars, tensorboard_tags, wandb_run
 
 from gyre.store.reader import read_shard
 
@@ -32,9 +34,9 @@ def test_main_job_runs_end_to_end(tmp_path):
         f"output_dir={out}",
         f"hydra.run.dir={tmp_path / 'hydra'}",
     ]
-    proc = subprocess.run(
-        [sys.executable, "-m", "launch.run", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
-    )
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": str(tmp_path / "wb")}
+    proc = subprocess.run([sys.executable, "-m", "launch.run", *args, "logger=[tensorboard,wandb]"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"gyre: outputs in {out}" in proc.stdout
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -44,6 +46,7 @@ def test_main_job_runs_end_to_end(tmp_path):
         assert r["n_rollouts"] == 4
         assert 0.0 <= r["success_rate"] <= 1.0
     assert (out / "learning_curve.png").stat().st_size > 1000
+    check_trackers(out, rows)
     assert (out / "checkpoint" / "trainer.pt").exists()
     calls = [json.loads(line) for line in (out / "calls.jsonl").read_text().splitlines()]
     assert calls and all(len(c["output_ids"]) == len(c["output_logprobs"]) for c in calls)
@@ -70,3 +73,21 @@ def test_main_job_runs_end_to_end(tmp_path):
     )  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
     assert "reusing cached warm start" in again.stdout
+
+
+def check_trackers(out: Path, rows: list[dict]) -> None:
+    """logger=[tensorboard,wandb]: every numeric metric of every step row, read back by each tracker's reader,
+    in one run named by the job's overrides."""
+    (tb_dir,) = (out / "tensorboard").iterdir()
+    assert "logger=" in tb_dir.name and "steps=2" in tb_dir.name and "output_dir" not in tb_dir.name
+    tb = tensorboard_scalars(tb_dir)
+    (run_dir,) = (out / "wandb").glob("offline-run-*")
+    name, history, _ = wandb_run(run_dir)
+    assert name == tb_dir.name
+    by_step = {h["step"]: h for h in history if "reward_mean" in h}
+    for r in rows:
+        for key, value in r.items():
+            if key != "step" and isinstance(value, (int, float)):
+                assert tb[key][r["step"]] == pytest.approx(value, rel=1e-6, abs=1e-6), key
+                assert by_step[r["step"]][key] == pytest.approx(value, rel=1e-9, abs=1e-9), key
+    assert tensorboard_tags(tb_dir)["images"] == ["learning_curve"]

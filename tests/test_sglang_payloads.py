@@ -8,6 +8,7 @@ a key the class lacks fails here, where SGLang would silently drop it.
 
 import asyncio
 import dataclasses
+import inspect
 import json
 import subprocess
 import sys
@@ -29,7 +30,7 @@ from sglang_io import (
 
 from gyre.config.schema import EngineConfig, ModelConfig
 from gyre.config.validate import ConfigValueError
-from gyre.engine.client import EngineClient, SamplingParams
+from gyre.engine.client import EngineClient, SamplingParams, SyncEngineClient
 from gyre.engine.sglang_backend import sglang_launch_command, sglang_server_args
 from gyre.engine.sglang_weights import (
     bind_weight_update_store,
@@ -76,42 +77,48 @@ class Recorder:
         return web.json_response({"status": "ok"}) if request.method == "POST" else web.Response(status=200)
 
 
-async def _drive_every_client_method(url: str) -> None:
-    client = EngineClient(url)
+async def call(result: object) -> object:
+    """The answer of a call through either face: the async face returns a coroutine, the sync one the value."""
+    return await result if inspect.isawaitable(result) else result
+
+
+async def _drive_every_client_method(url: str, face: type = EngineClient) -> None:
+    """Every call, through either face of the one client (the sync face blocks only its own thread's loop)."""
+    client = face(url)
     state = random_hf_state(SHAPES["qwen3-tiny"], seed=0, dtype=torch.bfloat16)
     names, dtypes, shapes = distributed_metadata(state)
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=2, stop_token_ids=[2], seed=5)
     try:
-        res = await client.generate([1, 2, 3], SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=2,
-                                                              stop_token_ids=[2], seed=5), rid="call-1")  # fmt: skip
+        res = await call(client.generate([1, 2, 3], params, rid="call-1"))
         assert res.output_ids == [11, 12] and res.output_logprobs == [-0.5, -0.25] and res.weight_version == "7"
-        await client.generate([4, 5], SamplingParams())
+        await call(client.generate([4, 5], SamplingParams()))
         truncated = SamplingParams(temperature=1.6, top_k=20, min_p=0.05, truncated_logprobs=True)
-        assert (await client.generate([4, 5], truncated)).output_logprobs == [0.0, -0.1]
-        await client.abort("call-1")
-        await client.abort(abort_all=True)
+        assert (await call(client.generate([4, 5], truncated))).output_logprobs == [0.0, -0.1]
+        await call(client.abort("call-1"))
+        await call(client.abort(abort_all=True))
         for mode in ("in_place", "retract", "abort"):
-            await client.pause_generation(mode)
-        await client.continue_generation()
-        await client.flush_cache()
-        await client.release_memory()
-        await client.release_memory(["kv_cache"])
-        await client.resume_memory(["weights"])
-        await client.resume_memory()
-        await client.update_weights_from_disk("/ckpt/v3", "3")
-        await client.update_weights_from_tensor(serialize_named_tensors(list(state.items())[:2], tp_size=2), "4")
-        await client.init_weights_update_group("10.0.0.1", 29600, rank_offset=1, world_size=3)
-        await client.update_weights_from_distributed(names, dtypes, shapes, "5")
-        await client.destroy_weights_update_group()
-        await client.update_weight_version("6")
-        assert await client.health() and await client.health_generate()
-        await client.server_info()
-        await client.model_info()
+            await call(client.pause_generation(mode))
+        await call(client.continue_generation())
+        await call(client.flush_cache())
+        await call(client.release_memory())
+        await call(client.release_memory(["kv_cache"]))
+        await call(client.resume_memory(["weights"]))
+        await call(client.resume_memory())
+        await call(client.update_weights_from_disk("/ckpt/v3", "3"))
+        await call(client.update_weights_from_tensor(serialize_named_tensors(list(state.items())[:2], tp_size=2), "4"))
+        await call(client.init_weights_update_group("10.0.0.1", 29600, rank_offset=1, world_size=3))
+        await call(client.update_weights_from_distributed(names, dtypes, shapes, "5"))
+        await call(client.destroy_weights_update_group())
+        await call(client.update_weight_version("6"))
+        assert await call(client.health()) and await call(client.health_generate())
+        await call(client.server_info())
+        await call(client.model_info())
     finally:
-        await client.close()
+        if hasattr(client, "close"):
+            await client.close()
 
 
-@pytest.fixture(scope="module")
-def captured() -> list[tuple[str, str, object]]:
+def _record(face: type) -> list[tuple[str, str, object]]:
     recorder = Recorder()
 
     async def run() -> None:
@@ -122,12 +129,29 @@ def captured() -> list[tuple[str, str, object]]:
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         host, port = runner.addresses[0][:2]
         try:
-            await _drive_every_client_method(f"http://{host}:{port}")
+            drive = _drive_every_client_method(f"http://{host}:{port}", face)
+            if face is EngineClient:
+                await drive
+            else:  # a blocking client in this loop would stall the recorder: drive it from another thread
+                await asyncio.to_thread(asyncio.run, drive)
         finally:
             await runner.cleanup()
 
     asyncio.run(run())
     return recorder.requests
+
+
+@pytest.fixture(scope="module")
+def captured() -> list[tuple[str, str, object]]:
+    return _record(EngineClient)
+
+
+def test_the_sync_face_sends_exactly_what_the_async_face_sends(captured):
+    def comparable(requests: list) -> list:  # CPU tensors pickle as file descriptors: their bytes differ per run
+        return [(m, p, {**b, "serialized_named_tensors": len(b["serialized_named_tensors"])}
+                 if p == "/update_weights_from_tensor" else b) for m, p, b in requests]  # fmt: skip
+
+    assert comparable(_record(SyncEngineClient)) == comparable(captured)
 
 
 def test_every_endpoint_the_client_uses_is_checked(captured):

@@ -62,6 +62,20 @@ def check_key(dotted: str, schema: type = RunConfig) -> None:
         cls = _resolve_type(fields[part], cls)
 
 
+LIST_KEYS = ("logger",)  # list-valued keys that also take one bare value: logger=tensorboard
+
+
+def normalize_overrides(overrides: list[str]) -> list[str]:
+    """`logger=tensorboard` -> `logger=[tensorboard]` (a list field); sweeps (`a,b`) and lists pass as given."""
+    out = []
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        if eq and key in LIST_KEYS and value and not value.startswith("[") and "," not in value:
+            item = f"{key}=[{value}]"
+        out.append(item)
+    return out
+
+
 def check_overrides(overrides: list[str]) -> None:
     """Check `key=value` command-line overrides; Hydra's own `hydra.*` keys and groups pass through."""
     for item in overrides:
@@ -79,7 +93,7 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    overrides = list(overrides or [])
+    overrides = normalize_overrides(list(overrides or []))
     check_overrides(overrides)
     register_configs()
     if GlobalHydra.instance().is_initialized():

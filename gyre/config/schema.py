@@ -279,6 +279,21 @@ class SchedConfig:
 
 
 @dataclass
+class TrackingConfig:
+    """Where `logger=tensorboard|wandb` sends the run (metrics.jsonl is always written: the source of truth)."""
+
+    run_name: str = ""  # empty: the Hydra job's overrides (one run per multirun job), else the output dir's name
+    wandb_project: str = "gyre"
+    wandb_mode: str = "offline"  # offline: compute nodes often have no internet; `wandb sync <run dir>` later
+
+    def __post_init__(self) -> None:
+        if self.wandb_mode not in ("offline", "online", "disabled"):
+            from gyre.config.validate import ConfigValueError
+
+            raise ConfigValueError(f"tracking.wandb_mode={self.wandb_mode!r}: choose offline, online or disabled")
+
+
+@dataclass
 class RunConfig:
     steps: int = 24
     seed: int = 0
@@ -288,6 +303,9 @@ class RunConfig:
     # auto: continue from output_dir/checkpoint/ when it is complete, else start at step 0; must: continue or
     # fail; never: start at step 0, moving an earlier run's outputs aside (gyre/resume/recovery.py)
     resume: str = "auto"
+    # experiment trackers beside metrics.jsonl: jsonl, tensorboard, wandb; several at once: logger=[tensorboard,wandb]
+    logger: list[str] = field(default_factory=lambda: ["jsonl"])
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -301,3 +319,8 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     sched: SchedConfig = field(default_factory=SchedConfig)
+
+    def __post_init__(self) -> None:
+        from gyre.config.validate import check_loggers
+
+        check_loggers(self.logger)

@@ -18,6 +18,7 @@ ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # SGLang's --load-format choices that read an HF-format directory or none (server_args.py has more).
 SGLANG_LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy", "fastsafetensors", "layered")
 TRANSFORMER_ENGINE = ("auto", "on", "off")
+LOGGERS = ("jsonl", "tensorboard", "wandb")
 WEIGHT_SYNCS = ("auto", "disk", "tensor", "distributed")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOSS_NORMS = ("all_rollouts", "with_signal")
@@ -116,6 +117,11 @@ def check_train(t: TrainConfig, m: ModelConfig) -> None:
         _fail("train.pipeline_parallel", t.pipeline_parallel, f"must divide model.num_layers={m.num_layers}")
     if t.transformer_engine not in TRANSFORMER_ENGINE:
         _fail("train.transformer_engine", t.transformer_engine, f"choose one of {', '.join(TRANSFORMER_ENGINE)}")
+
+
+def check_loggers(loggers: list[str]) -> None:
+    if bad := sorted(set(loggers) - set(LOGGERS)):
+        _fail("logger", list(loggers), f"unknown {bad}; choose from {', '.join(LOGGERS)} (several: logger=[a,b])")
 
 
 def check_engine_in_cells(cfg: RunConfig) -> None:

@@ -91,8 +91,9 @@ class EngineServers:
     def urls(self) -> list[str]:
         return [c.base_url for c in self.clients]
 
-    def healthy(self) -> bool:
-        return bool(self.clients) and all(c.health() for c in self.clients)
+    def healthy(self, timeout_s: float = 5.0) -> bool:
+        """Every server answers /health within timeout_s (a hung or SIGKILLed one must not stall the caller)."""
+        return bool(self.clients) and all(SyncEngineClient(u, timeout_s).health() for u in self.urls)
 
     def pause(self, mode: str) -> None:
         for c in self.clients:

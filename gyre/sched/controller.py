@@ -36,6 +36,7 @@ from gyre.sched.steps import StepBook
 from gyre.sched.switching import Switcher
 from gyre.sched.timeline import Timeline
 from gyre.sched.train_plane import TrainPlane
+from gyre.tracking import open_trackers
 
 # SIGTERM: Slurm preemption, `scontrol requeue`, the time-limit signal (the batch script forwards it through
 # srun). Not SIGUSR1: mpiexec uses it to tell survivors that a rank died
@@ -75,7 +76,7 @@ class Controller:
     ) -> None:
         self.cfg, self.cp, self.out = cfg, cp, out
         self.pcfg = policy_config(cfg)
-        self.metrics = MetricsWriter(out)
+        self.metrics = MetricsWriter(out, open_trackers(cfg, out))
         self.timeline = Timeline(self.pcfg.n_cells)
         self.outbox = Outbox(cp, cfg.sched.cell_timeout_s)
         self.call_log = CallLog(out / "calls.jsonl")
@@ -328,11 +329,14 @@ class Controller:
                 self.cp.request([rank], Shutdown("declared dead", False), timeout=10.0)
             except ControlError:
                 pass
-        self.timeline.save(self.out, f"{self.cfg.scheduler}: {len(self.step_rows)} steps, {wall_s:.0f} s")
-        plot_learning_curve(self.step_rows, self.out / "learning_curve.png")
+        timeline = self.timeline.save(self.out, f"{self.cfg.scheduler}: {len(self.step_rows)} steps, {wall_s:.0f} s")
+        curve = plot_learning_curve(self.step_rows, self.out / "learning_curve.png")
         summary = self.summary(wall_s) | {"stopped_by": stopped}
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
         self.metrics.write({"event": "summary", **summary})
+        self.metrics.image("timeline", timeline)
+        self.metrics.image("learning_curve", curve)
+        self.metrics.close()
         print(f"gyre: {self.cfg.scheduler} finished {len(self.step_rows)} steps in {wall_s:.1f} s")
         print(f"gyre: outputs in {self.out}")
 

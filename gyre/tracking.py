@@ -1,0 +1,135 @@
+"""Experiment trackers beside metrics.jsonl (`logger=jsonl|tensorboard|wandb`, several at once).
+
+metrics.jsonl stays the source of truth; each tracker gets the same rows as they are written:
+- a step row (`step` and no `event`, or `event: "step"`): every numeric value as a scalar at that step;
+- an event row (`switch`, `engine_died`, `cell_died`, ...): its numeric values under `events/<event>/`,
+  numbered per event kind (switch 0, 1, ...), and the row as text;
+- the summary row: the run's summary;
+- images (the learning curve, the timeline) at the end.
+TensorBoard event files go to <output_dir>/tensorboard/<run name>/; W&B runs (offline by default: compute
+nodes often have no internet; `wandb sync` them later) to <output_dir>/wandb/. One run per Hydra multirun
+job, named by its overrides.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any, Protocol
+
+from gyre.config.schema import RunConfig
+from gyre.config.validate import check_loggers
+
+log = logging.getLogger(__name__)
+
+
+class Tracker(Protocol):
+    def step(self, step: int, scalars: dict[str, float]) -> None: ...
+    def event(self, kind: str, index: int, scalars: dict[str, float], row: dict[str, Any]) -> None: ...
+    def summary(self, row: dict[str, Any]) -> None: ...
+    def image(self, name: str, png: Path) -> None: ...
+    def close(self) -> None: ...
+
+
+def scalars_of(row: dict[str, Any]) -> dict[str, float]:
+    """The row's finite numbers (bools as 0/1), by key; nested dicts flattened with '/'."""
+    out: dict[str, float] = {}
+    for key, value in row.items():
+        if isinstance(value, dict):
+            out |= {f"{key}/{k}": v for k, v in scalars_of(value).items()}
+        elif isinstance(value, (bool, int, float)) and math.isfinite(float(value)):
+            out[key] = float(value)
+    return out
+
+
+def _require(package: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(package) is None:
+        raise ImportError(f"logger={package} needs the {package} package: pip install 'gyre[tracking]'")
+
+
+class TensorBoardTracker:
+    def __init__(self, logdir: Path) -> None:
+        _require("tensorboard")
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.logdir = logdir
+        self.writer = SummaryWriter(log_dir=str(logdir))
+
+    def step(self, step: int, scalars: dict[str, float]) -> None:
+        for key, value in scalars.items():
+            self.writer.add_scalar(key, value, global_step=step)
+
+    def event(self, kind: str, index: int, scalars: dict[str, float], row: dict[str, Any]) -> None:
+        for key, value in scalars.items():
+            self.writer.add_scalar(f"events/{kind}/{key}", value, global_step=index)
+        self.writer.add_text(f"events/{kind}", json.dumps(row, sort_keys=True), global_step=index)
+
+    def summary(self, row: dict[str, Any]) -> None:
+        self.writer.add_text("summary", json.dumps(row, sort_keys=True, default=str))
+
+    def image(self, name: str, png: Path) -> None:
+        from matplotlib.image import imread
+
+        self.writer.add_image(name, imread(str(png))[..., :3], dataformats="HWC")
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    def __init__(self, directory: Path, name: str, project: str, mode: str, config: dict[str, Any]) -> None:
+        _require("wandb")
+        import wandb
+
+        directory.mkdir(parents=True, exist_ok=True)
+        self.wandb = wandb
+        self.run = wandb.init(project=project, name=name, dir=str(directory), mode=mode, config=config,
+                              reinit="create_new")  # fmt: skip
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+        self.defined: set[str] = set()
+
+    def step(self, step: int, scalars: dict[str, float]) -> None:
+        self.run.log({**scalars, "step": step})
+
+    def event(self, kind: str, index: int, scalars: dict[str, float], row: dict[str, Any]) -> None:
+        counter = f"events/{kind}/index"
+        if kind not in self.defined:
+            self.run.define_metric(counter)
+            self.run.define_metric(f"events/{kind}/*", step_metric=counter)
+            self.defined.add(kind)
+        self.run.log({**{f"events/{kind}/{k}": v for k, v in scalars.items()}, counter: index})
+
+    def summary(self, row: dict[str, Any]) -> None:
+        self.run.summary.update({f"summary/{k}": v for k, v in scalars_of(row).items()})
+
+    def image(self, name: str, png: Path) -> None:
+        self.run.log({name: self.wandb.Image(str(png))})
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def run_name(cfg: RunConfig, output_dir: Path) -> str:
+    return cfg.tracking.run_name or output_dir.name
+
+
+def open_trackers(cfg: RunConfig, output_dir: Path) -> list[Tracker]:
+    """The trackers `logger` names beyond jsonl (which MetricsWriter always writes)."""
+    check_loggers(cfg.logger)
+    name = run_name(cfg, output_dir)
+    trackers: list[Tracker] = []
+    if "tensorboard" in cfg.logger:
+        trackers.append(TensorBoardTracker(output_dir / "tensorboard" / name.replace("/", "_")))
+    if "wandb" in cfg.logger:
+        from dataclasses import asdict
+
+        t = cfg.tracking
+        trackers.append(WandbTracker(output_dir, name, t.wandb_project, t.wandb_mode, asdict(cfg)))
+    for t in trackers:
+        log.info("logging run %r to %s", name, type(t).__name__)
+    return trackers
