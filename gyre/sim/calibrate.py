@@ -145,12 +145,16 @@ class Calibration:
     def from_json(cls, d: dict[str, Any]) -> Calibration:
         rollouts = {
             k: Rollout(
-                v["rollout_id"], v["group"], tuple(Call(**c) for c in v["calls"]), v["overhead_s"], v["train_tokens"]
+                v["rollout_id"], v["group"], tuple(_call(c) for c in v["calls"]), v["overhead_s"], v["train_tokens"]
             )
             for k, v in d["rollouts"].items()
         }
         shape = RunShape(**{**d["shape"], "timeout_s": float(d["shape"]["timeout_s"])})
         return cls(CellModel(**d["cell"]), shape, rollouts, d["measured"])
+
+
+def _call(c: dict[str, Any] | list[Any]) -> Call:
+    return Call(**c) if isinstance(c, dict) else Call(int(c[0]), int(c[1]), float(c[2]))
 
 
 def calibrate(runs: list[RunRecord]) -> Calibration:
