@@ -244,7 +244,7 @@ def heatmaps(points: list[dict[str, float]], out: Path) -> list[Path]:
         "over_bound": "elastic wall / lower bound",
     }
     for key, title in titles.items():
-        fig = Figure(figsize=(4.2 * len(GRID_CELLS), 3.8), dpi=110)
+        fig = Figure(figsize=(4.2 * len(GRID_CELLS), 3.8), dpi=110, layout="constrained")
         axes = fig.subplots(1, len(GRID_CELLS))
         vals = [p[key] for p in points]
         lo, hi = min(vals), max(vals)
@@ -258,7 +258,8 @@ def heatmaps(points: list[dict[str, float]], out: Path) -> list[Path]:
             ax.set_xticks(range(len(GRID_TAILS)), [str(t) for t in GRID_TAILS])
             ax.set_yticks(range(len(GRID_RATIOS)), [str(r) for r in GRID_RATIOS])
             ax.set_xlabel("tail sigma (tool time, lognormal)")
-            ax.set_ylabel("training / rollout cell-seconds")
+            if c == GRID_CELLS[0]:
+                ax.set_ylabel("training / rollout cell-seconds")
             ax.set_title(f"{c} cells")
         fig.colorbar(im, ax=list(axes), shrink=0.8)
         fig.suptitle(title)

@@ -73,6 +73,7 @@ class Simulation:
         self._seq = 0
         # the cells
         self.roles: list[str] = ["rollout"] * shape.n_cells
+        self.n_serving = shape.n_cells
         self.serving_capacity = 0
         self.train_queue: dict[int, deque[MicroBatchRef]] = {c: deque() for c in range(shape.n_cells)}
         self.training_now: set[int] = set()
@@ -130,6 +131,7 @@ class Simulation:
         self.role_seconds[prev] = self.role_seconds.get(prev, 0.0) + self.t - self._role_since[c]
         self.segments.append((c, prev, self._role_since[c], self.t))
         self.roles[c], self._role_since[c] = role, self.t
+        self.n_serving = sum(1 for r in self.roles if r == "rollout")
 
     def states(self) -> list[policy.CellState]:
         role = {"switching": "rollout"}  # only seen while the controller is blocked in the switch
@@ -153,7 +155,7 @@ class Simulation:
             self.at(self.t + s.rollout.overhead_s, self._next_call(s, s.token))
 
     def _serving(self) -> int:
-        return max(1, sum(1 for r in self.roles if r == "rollout"))
+        return max(1, self.n_serving)
 
     def _next_call(self, s: _Session, token: int) -> Callable[[], None]:
         def fn() -> None:

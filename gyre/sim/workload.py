@@ -10,6 +10,7 @@ reduction and a weight sync. `Workload.sample` draws the rollouts of a step from
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Callable
@@ -93,35 +94,29 @@ class Workload:
     seed: int = 0
 
     def sample(self, step: int, shape: RunShape) -> list[Rollout]:
-        out = []
-        for g in range(shape.groups_per_step):
-            for i in range(shape.group_size):
-                rid = f"s{step}-g{g}-r{i}"
-                out.append(self.rollout(rid, g))
-        return out
+        return _sample(self, step, shape.groups_per_step, shape.group_size)
 
     def rollout(self, rid: str, group: int) -> Rollout:
         rng = random.Random(f"{self.seed}:{rid}")
         factor = tool_factor(f"{self.seed}:{rid}", self.tail_sigma)
         n = max(1, round(self.calls_mean * rng.lognormvariate(-(self.calls_sigma**2) / 2, self.calls_sigma)))
-        calls = [Call(self.prefill_per_call, self.decode_per_call, self.tool_s * factor) for _ in range(n)]
+        k = max(1, self.max_calls_per_segment)  # consecutive calls merged into one segment
+        sizes = [k] * (n // k) + ([n % k] if n % k else [])
+        calls = tuple(
+            Call(self.prefill_per_call * m, self.decode_per_call * m, self.tool_s * factor * m) for m in sizes
+        )
         tokens = self.train_tokens_per_rollout or n * (self.prefill_per_call + self.decode_per_call)
-        return Rollout(rid, group, merge_calls(calls, self.max_calls_per_segment), self.overhead_s, tokens)
+        return Rollout(rid, group, calls, self.overhead_s, tokens)
+
+
+@functools.lru_cache(maxsize=256)
+def _sample(w: Workload, step: int, groups: int, group_size: int) -> list[Rollout]:
+    return [w.rollout(f"s{step}-g{g}-r{i}", g) for g in range(groups) for i in range(group_size)]
 
 
 def tool_factor(key: str, sigma: float) -> float:
     """Lognormal with mean 1, seeded by `key` (gyre.harness.builtin.rollout_tool_factor draws it alike)."""
     return random.Random(key).lognormvariate(-sigma * sigma / 2, sigma) if sigma > 0 else 1.0
-
-
-def merge_calls(calls: list[Call], per_segment: int) -> tuple[Call, ...]:
-    if per_segment <= 1:
-        return tuple(calls)
-    out = []
-    for i in range(0, len(calls), per_segment):
-        part = calls[i : i + per_segment]
-        out.append(Call(sum(c.prefill for c in part), sum(c.decode for c in part), sum(c.tool_s for c in part)))
-    return tuple(out)
 
 
 @dataclass
