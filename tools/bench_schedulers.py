@@ -10,7 +10,9 @@ time is mostly harness tool time (tasks.tool_time_s, a per-rollout lognormal fac
 rollout id, identical across schedulers). Reported: the controller's wall clock per run (startup
 excluded; the same for all), final scores, median switch latency each way, and prefill tokens
 recomputed on reroute (with KV migration; and what they would have been without, as measured by the
-engines' prefix caches when the keys/values arrived). Extra `key=value` arguments go to every run.
+engines' prefix caches when the keys/values arrived), and each scheduler's distance from the lower bound
+no scheduler can beat on the run's workload (`over_bound`: wall / bound; gyre.sim.bound, fitted from
+each run's own outputs). Extra `key=value` arguments go to every run.
 """
 
 from __future__ import annotations
@@ -82,8 +84,19 @@ def run_once(scheduler: str, steps: int, out: Path, extra: list[str]) -> dict[st
         "would_recompute_tokens": summary["would_recompute_tokens"],
         "rollout_wall_max_s": max(r["rollout_wall_max_s"] for r in steps_rows),
         "role_seconds": summary["role_seconds"],
+        "bound_s": round(run_bound(out), 3),
         "out": str(out),
     }
+
+
+def run_bound(out: Path) -> float:
+    """The lower bound no scheduler beats on this run's workload and cells (gyre.sim.bound), from the run's
+    own calibration."""
+    from gyre.sim.bound import lower_bound
+    from gyre.sim.calibrate import calibrate, read_run
+
+    cal = calibrate([read_run(out)])
+    return lower_bound(cal.cell, cal.shape, cal.trace()).seconds
 
 
 def same_engine_followups(calls_jsonl: Path) -> float:
@@ -120,7 +133,9 @@ def report(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "migrated_idle_sessions": sum(r["migrated_idle_sessions"] for r in runs),
             "same_engine_followups": statistics.median(r["same_engine_followups"] for r in runs),
             "walls": [r["wall_s"] for r in runs],
+            "bound_s": statistics.median(r["bound_s"] for r in runs),
         }
+        table[sched]["over_bound"] = round(table[sched]["wall_s"] / table[sched]["bound_s"], 3)
     e = table.get("elastic", {}).get("wall_s")
     for other in ("colocate_cells", "async"):
         if e and other in table:

@@ -13,6 +13,7 @@ largest micro-batches go first, so the last ones handed out are the smallest.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gyre.comm.messages import MicroBatchRef
@@ -102,3 +103,33 @@ class MicroBatchLedger:
 
     def total(self, step: int) -> int:
         return len(self._of(step))
+
+
+# The controller's streaming-training rules as functions of the ledger, so that the simulator
+# (gyre.sim) runs the same rules on a simulated clock.
+
+
+def hand_out(
+    ledger: MicroBatchLedger, step: int, training: Sequence[int], depth: int
+) -> list[tuple[int, MicroBatchRef]]:
+    """Give each training cell the largest pending micro-batches of `step` until it holds `depth`:
+    least-loaded first; on a tie satellites before the core, which also reduces and steps."""
+    out = []
+    for cell in sorted(training, key=lambda c: (ledger.in_flight(c), c == 0)):
+        while ledger.in_flight(cell) < depth and (ref := ledger.take(step, cell)):
+            out.append((cell, ref))
+    return out
+
+
+def waiting_work(ledger: MicroBatchLedger, step: int, all_groups_in: bool) -> int:
+    """Work of `step` that no cell has taken: pending micro-batches, or (1) the optimizer update once
+    every group is in and every micro-batch is done, which only the core can make."""
+    if pending := ledger.pending(step):
+        return pending
+    return int(all_groups_in and ledger.open_work(step) == 0)
+
+
+def step_ready(ledger: MicroBatchLedger, step: int, all_groups_in: bool, core_trains: bool) -> bool:
+    """The step can be reduced: all its groups are in, every micro-batch is done, and the core trains
+    (its memory holds the optimizer step, not its engine)."""
+    return all_groups_in and ledger.open_work(step) == 0 and core_trains

@@ -18,7 +18,7 @@ from gyre.comm.messages import Ack, GradientReduce, MicroBatchAssignment, Weight
 from gyre.config.schema import RunConfig
 from gyre.sched.cells import Cell, CellDied, CellTable, Outbox
 from gyre.sched.faults import FaultInjector
-from gyre.sched.ledger import MicroBatchLedger
+from gyre.sched.ledger import MicroBatchLedger, hand_out, step_ready, waiting_work
 from gyre.sched.steps import StepBook
 
 
@@ -47,12 +47,12 @@ class TrainPlane:
 
     def assign(self) -> None:
         depth = self.cfg.sched.micro_batches_in_flight
-        # least-loaded first; on a tie satellites before the core, which also reduces and steps
-        for cell in sorted(self.table.training(), key=lambda c: (self.ledger.in_flight(c.index), c.index == 0)):
-            while self.ledger.in_flight(cell.index) < depth and (ref := self.ledger.take(self.version, cell.index)):
-                self.outbox.send(cell.rank, MicroBatchAssignment(self.version, (ref.index,), (ref,)))
-                cell.micro_batches += 1
-                self.faults.after_assignment(cell)
+        training = [c.index for c in self.table.training()]
+        for index, ref in hand_out(self.ledger, self.version, training, depth):
+            cell = self.table.cells[index]
+            self.outbox.send(cell.rank, MicroBatchAssignment(self.version, (ref.index,), (ref,)))
+            cell.micro_batches += 1
+            self.faults.after_assignment(cell)
 
     def on_ack(self, body: Any, ack: Ack) -> None:
         """Acks that arrive while the controller waits for something else: micro-batches done."""
@@ -69,21 +69,14 @@ class TrainPlane:
                   "seconds": round(ack.detail["seconds"], 4)})  # fmt: skip
 
     def waiting_work(self) -> int:
-        """Work of the current step that no cell has taken: pending micro-batches, or (1) the optimizer
-        update once every micro-batch is done, which only the core can make."""
+        """Work of the current step that no cell has taken (gyre.sched.ledger.waiting_work)."""
         rec = self.book.steps.get(self.version)
-        if rec is None:
-            return 0
-        if pending := self.ledger.pending(self.version):
-            return pending
-        return int(rec.all_shards_written and self.ledger.open_work(self.version) == 0)
+        return 0 if rec is None else waiting_work(self.ledger, self.version, rec.all_shards_written)
 
     def ready(self) -> bool:
-        """All of the step's groups are in, every micro-batch is done, and the core is training (its
-        memory holds the optimizer step, not its engine)."""
         rec = self.book.steps.get(self.version)
         core_trains = self.table.cells[0].role == "train"
-        return rec is not None and rec.all_shards_written and self.ledger.open_work(self.version) == 0 and core_trains
+        return rec is not None and step_ready(self.ledger, self.version, rec.all_shards_written, core_trains)
 
     def finish_step(self) -> dict[str, Any]:
         """Reduce to the core, step, publish, sync every living cell; returns the step's training metrics."""

@@ -1,0 +1,1 @@
+"""A discrete-event simulator that drives the production scheduling code (gyre.sched) on a simulated clock."""

@@ -1,0 +1,60 @@
+"""A lower bound on the wall time of any scheduler, for a workload, cells and staleness bound.
+
+Two bounds; the larger holds.
+- chain: rollouts of step s cannot start before version s - staleness exists (step s - staleness - 1
+  trained); the step cannot be trained before its slowest rollout ends (each rollout at its own speed,
+  alone on an engine) and its last group's largest micro-batch is trained; steps train one after the
+  other, each at best on every cell at once; each ends with a reduction and a weight sync.
+- work: every cell-second goes to rollouts (a session holds 1/capacity of a cell for its whole
+  duration) or to training micro-batches, so the total divided by the number of cells.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from gyre.sim.simulator import RolloutSource
+from gyre.sim.workload import CellModel, Rollout, RunShape
+
+
+@dataclass(frozen=True)
+class Bound:
+    chain_s: float
+    work_s: float
+
+    @property
+    def seconds(self) -> float:
+        return max(self.chain_s, self.work_s)
+
+
+def alone_seconds(r: Rollout, cell: CellModel, timeout_s: float) -> float:
+    s = r.overhead_s + sum(cell.call_seconds(c, 1.0) + c.tool_s for c in r.calls)
+    return min(s, timeout_s)
+
+
+def lower_bound(cell: CellModel, shape: RunShape, source: RolloutSource) -> Bound:
+    n = shape.n_cells
+    ends: list[float] = []
+    work = 0.0
+    for step in range(shape.steps):
+        rollouts = source.sample(step, shape)
+        durations = [alone_seconds(r, cell, shape.timeout_s) for r in rollouts]
+        tokens = sum(r.train_tokens for r in rollouts)
+        n_mb = sum(math.ceil(g / shape.micro_batch_tokens) for g in _group_tokens(rollouts).values())
+        train_cell_s = n_mb * cell.micro_batch_s + tokens / cell.train_tps
+        last_mb = cell.micro_batch_seconds(min(shape.micro_batch_tokens, max(_group_tokens(rollouts).values())))
+        start = ends[step - shape.staleness - 1] if step - shape.staleness - 1 >= 0 else 0.0
+        rollouts_end = start + max(durations)
+        prev = ends[-1] if ends else 0.0
+        trained = max(rollouts_end + last_mb, prev + train_cell_s / n)
+        ends.append(trained + cell.reduce_s + cell.sync_s)
+        work += sum(durations) / cell.capacity + train_cell_s
+    return Bound(ends[-1], work / n)
+
+
+def _group_tokens(rollouts: list[Rollout]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for r in rollouts:
+        out[r.group] = out.get(r.group, 0) + r.train_tokens
+    return out

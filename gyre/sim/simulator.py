@@ -1,0 +1,383 @@
+"""A discrete-event simulation of a cell job that runs the production scheduling code on a simulated clock.
+
+What is simulated: the sessions (their calls on the rollout engines, their tool time, admission under
+the session capacity, as gyre.sched.rollout_driver does), the cells' training work, and the time the
+controller spends blocked in role switches, shard writes, gradient reductions and weight syncs. What
+is not: every decision. The controller's loop here is gyre.sched.controller.Controller.run step by
+step: `may_start` admits steps, completed groups put their micro-batches in a `MicroBatchLedger`,
+`step_ready` closes a step, `gyre.sched.policy.decide` moves cells (releases first, then returns, as
+gyre.sched.switching.Switcher.apply does), and `hand_out` streams micro-batches to training cells.
+A change to any of them changes the simulation.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from gyre.comm.messages import MicroBatchRef
+from gyre.sched import ledger as ledger_rules
+from gyre.sched import policy
+from gyre.sim.workload import CellModel, Rollout, RunShape
+
+
+class RolloutSource(Protocol):
+    def sample(self, step: int, shape: RunShape) -> list[Rollout]: ...
+
+
+@dataclass
+class _Session:
+    step: int
+    rollout: Rollout
+    started: float
+    segment: int = 0
+    calling: bool = False
+    token: int = 0  # events of an earlier phase carry another token and are dropped
+
+
+@dataclass
+class SimResult:
+    scheduler: str
+    wall_s: float
+    step_end_s: list[float]
+    role_seconds: dict[str, float]  # cell-seconds by role: rollout, train, switching
+    train_busy_s: float  # cell-seconds spent on micro-batches
+    session_s: float  # session-seconds (capacity held)
+    timeouts: int
+    switches: dict[str, int]
+    n_cells: int
+    capacity: int
+    decisions: int = 0
+    segments: list[tuple[int, str, float, float]] = field(default_factory=list)
+
+    @property
+    def utilisation(self) -> float:
+        """Share of cell-seconds doing work: training micro-batches, or holding a session (a session
+        holds 1/capacity of a rollout cell)."""
+        used = self.train_busy_s + self.session_s / self.capacity
+        return used / (self.n_cells * self.wall_s) if self.wall_s else 0.0
+
+
+class Simulation:
+    def __init__(self, scheduler: str, cell: CellModel, shape: RunShape, source: RolloutSource) -> None:
+        self.p = policy.PolicyConfig(
+            scheduler, shape.n_cells, cell.capacity, shape.staleness, shape.async_rollout_cells
+        )
+        self.cell, self.shape, self.source = cell, shape, source
+        self.t = 0.0
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = 0
+        # the cells
+        self.roles: list[str] = ["rollout"] * shape.n_cells
+        self.n_serving = shape.n_cells
+        self.serving_capacity = 0
+        self.train_queue: dict[int, deque[MicroBatchRef]] = {c: deque() for c in range(shape.n_cells)}
+        self.training_now: set[int] = set()
+        self.fresh: set[int] = set()  # cells that have not trained since they began training
+        self._role_since = [0.0] * shape.n_cells
+        self.role_seconds: dict[str, float] = {}
+        self.segments: list[tuple[int, str, float, float]] = []
+        # the sessions (the rollout driver's view)
+        self.queue: deque[_Session] = deque()
+        self.running: dict[str, _Session] = {}
+        self.in_call = 0
+        self.done_inbox: list[_Session] = []
+        # the controller's books
+        self.ledger = ledger_rules.MicroBatchLedger()
+        self.version = 0
+        self.submitted = 0
+        self.group_left: dict[tuple[int, int], int] = {}
+        self.groups_left: dict[int, int] = {}
+        self.group_tokens: dict[tuple[int, int], int] = {}
+        self.blocked = False
+        self.tick_due = False
+        self.missed_news = False
+        self.step_end: list[float] = []
+        self.train_busy = 0.0
+        self.session_s = 0.0
+        self.timeouts = 0
+        self.switches = {"rollout->train": 0, "train->rollout": 0}
+        self.decisions = 0
+
+    # ----- the clock -----
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, fn))
+
+    def run(self, max_events: int = 50_000_000) -> SimResult:
+        initial = [policy.Switch(c, r) for c, r in enumerate(policy.initial_roles(self.p)) if r != "rollout"]
+        self.update_capacity()
+        self.blocked = self.missed_news = True  # the loop's first look comes after the initial switches
+        self.apply(initial, record=False, then=self.unblock)
+        n = 0
+        while self._events and self.version < self.shape.steps:
+            t, _, fn = heapq.heappop(self._events)
+            self.t = t
+            fn()
+            n += 1
+            if n > max_events:
+                raise RuntimeError(f"the simulation ran {max_events} events without finishing {self.shape.steps} steps")
+        if self.version < self.shape.steps:
+            raise RuntimeError(f"the simulation stalled at step {self.version} (t={self.t:.1f} s): nothing left to do")
+        return self.result()
+
+    # ----- cells -----
+    def set_role(self, c: int, role: str) -> None:
+        prev = self.roles[c]
+        self.role_seconds[prev] = self.role_seconds.get(prev, 0.0) + self.t - self._role_since[c]
+        self.segments.append((c, prev, self._role_since[c], self.t))
+        self.roles[c], self._role_since[c] = role, self.t
+        self.n_serving = sum(1 for r in self.roles if r == "rollout")
+
+    def states(self) -> list[policy.CellState]:
+        role = {"switching": "rollout"}  # only seen while the controller is blocked in the switch
+        return [
+            policy.CellState(c, role.get(r, r), self.ledger.in_flight(c) > 0)  # type: ignore[arg-type]
+            for c, r in enumerate(self.roles)
+        ]
+
+    def update_capacity(self) -> None:
+        self.serving_capacity = policy.session_capacity(self.p, self.states())
+        self.pump()
+
+    # ----- sessions (gyre.sched.rollout_driver) -----
+    def pump(self) -> None:
+        while self.queue and len(self.running) < self.serving_capacity:
+            s = self.queue.popleft()
+            s.started = self.t
+            self.running[s.rollout.rollout_id] = s
+            if self.shape.timeout_s < math.inf:
+                self.at(self.t + self.shape.timeout_s, self._timeout(s, s.token))
+            self.at(self.t + s.rollout.overhead_s, self._next_call(s, s.token))
+
+    def _serving(self) -> int:
+        return max(1, self.n_serving)
+
+    def _next_call(self, s: _Session, token: int) -> Callable[[], None]:
+        def fn() -> None:
+            if s.token != token:
+                return
+            if s.segment >= len(s.rollout.calls):
+                self.session_done(s)
+                return
+            call = s.rollout.calls[s.segment]
+            s.calling = True
+            self.in_call += 1
+            seconds = self.cell.call_seconds(call, self.in_call / self._serving())
+            self.at(self.t + seconds, self._call_done(s, token))
+
+        return fn
+
+    def _call_done(self, s: _Session, token: int) -> Callable[[], None]:
+        def fn() -> None:
+            if s.token != token:
+                return
+            self.in_call -= 1
+            s.calling = False
+            call = s.rollout.calls[s.segment]
+            s.segment += 1
+            self.at(self.t + call.tool_s, self._next_call(s, token))
+
+        return fn
+
+    def _timeout(self, s: _Session, token: int) -> Callable[[], None]:
+        def fn() -> None:
+            if s.token != token or s.rollout.rollout_id not in self.running:
+                return
+            self.timeouts += 1
+            if s.calling:
+                self.in_call -= 1
+            self.session_done(s)
+
+        return fn
+
+    def session_done(self, s: _Session) -> None:
+        s.token += 1
+        del self.running[s.rollout.rollout_id]
+        self.session_s += self.t - s.started
+        self.done_inbox.append(s)
+        self.pump()
+        self.news()
+
+    # ----- the controller (gyre.sched.controller.Controller.run) -----
+    def news(self) -> None:
+        if self.blocked:
+            self.missed_news = True  # seen once the controller looks again
+        elif not self.tick_due:
+            self.tick_due = True
+            self.at(self.t, self.tick)
+
+    def block(self, seconds: float, then: Callable[[], None]) -> None:
+        self.blocked = True
+        self.at(self.t + seconds, then)
+
+    def unblock(self) -> None:
+        """The controller looks again at once if anything happened meanwhile; else it waits for news."""
+        self.blocked = False
+        if self.missed_news:
+            self.missed_news = False
+            self.news()
+
+    def tick(self) -> None:
+        self.tick_due = False
+        if self.blocked or self.version >= self.shape.steps:
+            return
+        self.admit()
+        written = self.collect_sessions()
+        if written:  # the controller writes each completed group's shard before it looks again
+            self.missed_news = True
+            self.block(written * self.cell.group_write_s, self.unblock)
+            return
+        if ledger_rules.step_ready(
+            self.ledger, self.version, self.all_groups_in(self.version), self.roles[0] == "train"
+        ):
+            self.block(self.cell.reduce_s + self.cell.sync_s, self.finish_step)
+            return
+        switches = policy.decide(self.p, self.states(), self.load())
+        self.decisions += 1
+        self.blocked = True
+        self.missed_news = self.missed_news or bool(switches)  # roles changed: the next look may decide more
+        self.apply(switches, record=True, then=self.after_switches)
+
+    def after_switches(self) -> None:
+        self.assign()
+        self.unblock()
+
+    def admit(self) -> None:
+        while self.submitted < self.shape.steps and policy.may_start(self.p, self.submitted, self.version):
+            step = self.submitted
+            rollouts = self.source.sample(step, self.shape)
+            for r in rollouts:
+                key = (step, r.group)
+                self.group_left[key] = self.group_left.get(key, 0) + 1
+                self.group_tokens[key] = self.group_tokens.get(key, 0) + r.train_tokens
+                self.queue.append(_Session(step, r, 0.0))
+            self.groups_left[step] = len({r.group for r in rollouts})
+            self.submitted += 1
+        self.pump()
+
+    def collect_sessions(self) -> int:
+        completed = 0
+        for s in self.done_inbox:
+            key = (s.step, s.rollout.group)
+            self.group_left[key] -= 1
+            if self.group_left[key] == 0:
+                self.ledger.add(s.step, self.plan_group(s.step, s.rollout.group))
+                self.groups_left[s.step] -= 1
+                completed += 1
+        self.done_inbox = []
+        return completed
+
+    def plan_group(self, step: int, group: int) -> list[MicroBatchRef]:
+        tokens = self.group_tokens.pop((step, group))
+        n = max(1, math.ceil(tokens / self.shape.micro_batch_tokens))
+        sizes = [tokens // n + (1 if i < tokens % n else 0) for i in range(n)]
+        return [MicroBatchRef(f"step{step}-group{group}", i, sz) for i, sz in enumerate(sizes)]
+
+    def all_groups_in(self, step: int) -> bool:
+        return self.groups_left.get(step, 1) == 0
+
+    def load(self) -> policy.Load:
+        trainable = ledger_rules.waiting_work(self.ledger, self.version, self.all_groups_in(self.version))
+        return policy.Load(len(self.queue), len(self.running), trainable if step_open(self, self.version) else 0)
+
+    def apply(self, switches: list[policy.Switch], record: bool, then: Callable[[], None]) -> None:
+        """Releases first, then returns; each a blocking call as long as the switch takes."""
+        releases = [s.cell for s in switches if s.role == "train" and self.roles[s.cell] != "train"]
+        returns = [s.cell for s in switches if s.role == "rollout" and self.roles[s.cell] != "rollout"]
+
+        def do_returns() -> None:
+            if not returns:
+                then()
+                return
+            for c in returns:
+                self.set_role(c, "switching")
+            self.block(self.cell.to_rollout_s, finish_returns)
+
+        def finish_returns() -> None:
+            for c in returns:
+                self.set_role(c, "rollout")
+                self.switches["train->rollout"] += record
+            self.update_capacity()
+            then()
+
+        def finish_releases() -> None:
+            for c in releases:
+                self.set_role(c, "train")
+                self.fresh.add(c)
+                self.switches["rollout->train"] += record
+            do_returns()
+
+        if not releases:
+            do_returns()
+            return
+        moved = len(self.running) * len(releases) / max(1, self._serving())
+        for c in releases:
+            self.set_role(c, "switching")
+        self.serving_capacity = policy.session_capacity(self.p, self.states_after(releases))
+        self.block(self.cell.to_train_s + self.cell.kv_migration_s * moved, finish_releases)
+
+    def states_after(self, releases: list[int]) -> list[policy.CellState]:
+        return [policy.CellState(c.cell, "train" if c.cell in releases else c.role, c.busy) for c in self.states()]
+
+    def assign(self) -> None:
+        training = [c for c, r in enumerate(self.roles) if r == "train"]
+        for c, ref in ledger_rules.hand_out(self.ledger, self.version, training, self.shape.micro_batches_in_flight):
+            self.train_queue[c].append(ref)
+            if c not in self.training_now:
+                self._start_micro_batch(c)
+
+    def _start_micro_batch(self, c: int) -> None:
+        ref = self.train_queue[c].popleft()
+        self.training_now.add(c)
+        seconds = self.cell.micro_batch_seconds(ref.tokens) + self.cell.first_micro_batch_s * (c in self.fresh)
+        self.fresh.discard(c)
+        self.train_busy += seconds
+
+        def done() -> None:
+            self.training_now.discard(c)
+            self.ledger.done(c, ref)
+            if self.train_queue[c]:
+                self._start_micro_batch(c)
+            self.news()
+
+        self.at(self.t + seconds, done)
+
+    def finish_step(self) -> None:
+        self.ledger.close_step(self.version)
+        self.version += 1
+        self.step_end.append(self.t)
+        self.missed_news = True  # the loop goes round at once after a step (gyre.sched.controller: continue)
+        self.unblock()
+
+    def result(self) -> SimResult:
+        for c in range(self.shape.n_cells):
+            self.set_role(c, self.roles[c])
+        for s in self.running.values():
+            self.session_s += self.t - s.started
+        return SimResult(
+            self.p.kind,
+            self.t,
+            self.step_end,
+            {k: round(v, 3) for k, v in self.role_seconds.items()},
+            self.train_busy,
+            self.session_s,
+            self.timeouts,
+            dict(self.switches),
+            self.shape.n_cells,
+            self.cell.capacity,
+            self.decisions,
+            self.segments,
+        )
+
+
+def step_open(sim: Simulation, step: int) -> bool:
+    return step in sim.groups_left
+
+
+def simulate(scheduler: str, cell: CellModel, shape: RunShape, source: RolloutSource, **kw: Any) -> SimResult:
+    return Simulation(scheduler, cell, shape, source).run(**kw)

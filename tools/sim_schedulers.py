@@ -1,0 +1,304 @@
+"""Elastic vs colocate vs async in the simulator (gyre.sim): validation, the reference system's scale, a map.
+
+    python -m tools.sim_schedulers [--out DIR] [--bench DIR] [--quick]
+
+1. Validation: every run of the local benchmark (tools/bench_schedulers.py, layout disjoint2, three
+   workloads) is simulated from its own calibration (its sessions, micro-batches, switches, steps);
+   the medians over repeats beside the measured medians. The calibrations of the recorded benchmark
+   are in tools/sim_data/bench17_calibration.json.gz; `--bench DIR` refits them from a benchmark's
+   output directory (DIR/<workload>/<scheduler>-<repeat>/).
+2. The reference system's scale: the 2.4T setting (4 cells of 48 nodes x 8 GPUs) and the 122B setting
+   (24 and 32 nodes), with the throughputs and costs below stated as assumptions, beside the reference
+   table; GPU utilisation of each scheduler and the lower bound (gyre.sim.bound).
+3. A map: tail heaviness x training/rollout cost x number of cells, heatmaps of elastic's speedup over
+   each baseline and its distance from the lower bound.
+Writes DIR/results.json and DIR/*.png (default outputs/sim_schedulers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from gyre.sim.bound import alone_seconds, lower_bound
+from gyre.sim.calibrate import Calibration, calibrate, read_run
+from gyre.sim.simulator import SimResult, simulate
+from gyre.sim.workload import CellModel, RunShape, Workload
+
+ROOT = Path(__file__).resolve().parents[1]
+CALIBRATION = ROOT / "tools" / "sim_data" / "bench17_calibration.json.gz"
+SCHEDULERS = ("colocate_cells", "async", "elastic")
+WORKLOADS = {"sigma0.5": "tool-time tail sigma=0.5", "sigma1.0": "sigma=1.0", "trainheavy": "training ~ rollouts"}
+HOUR = 3600.0
+
+# ----- the reference system's scale: assumptions, not measurements -----
+# 2.4T MoE: SGLang at 128 concurrent 700K-token sessions a cell: 40 tokens/s for one call alone, 3200 tokens/s
+# decode and 2e5 tokens/s prefill a cell; role switch 8.52 s / 3.46 s (the reference's figures); weight sync 60 s.
+# Training 3.6e4 tokens/s a cell: chosen so that one cell trains a step (512 x 700K tokens) in ~2.8 h, the
+# reference's async time per step (its training side is one cell); not derived from FLOPs
+REF_24T = {
+    "cell": CellModel(
+        capacity=128,
+        decode_tps=3200,
+        session_tps=40,
+        prefill_tps=2e5,
+        call_s=0.5,
+        train_tps=3.6e4,
+        micro_batch_s=2.0,
+        to_train_s=8.52,
+        to_rollout_s=3.46,
+        reduce_s=30,
+        sync_s=60,
+        kv_migration_s=0.05,
+        group_write_s=1.0,
+    ),  # fmt: skip
+    "shape": RunShape(
+        steps=48,
+        groups_per_step=32,
+        group_size=16,
+        n_cells=4,
+        staleness=1,
+        micro_batch_tokens=2_000_000,
+        timeout_s=1.25 * HOUR,
+    ),  # fmt: skip
+    # ~700K tokens: 140 calls of 4700 new prompt + 300 generated tokens; 6 s of tools after each call, a long tail
+    # (lognormal sigma 1.2 per rollout on tool time, 0.5 on the number of calls) against a 1.25 h timeout
+    "workload": Workload(
+        calls_mean=140,
+        prefill_per_call=4700,
+        decode_per_call=300,
+        tool_s=6.0,
+        tail_sigma=1.2,
+        overhead_s=120,
+        train_tokens_per_rollout=700_000,
+        calls_sigma=0.5,
+        max_calls_per_segment=10,
+    ),  # fmt: skip
+    "reference_h": {"elastic": 75.42, "async": 134.55, "colocate_cells": 91.47},
+}
+# 122B MoE (~10B active) on cells of 8 nodes x 8 GPUs: fwd-bwd ~3.2e5 tokens/s a cell; ~200K-token rollouts
+REF_122B_CELL = CellModel(
+    capacity=128, decode_tps=5120, session_tps=80, prefill_tps=3e5, call_s=0.3, train_tps=3.2e5, micro_batch_s=1.0,
+    to_train_s=4.0, to_rollout_s=2.0, reduce_s=5, sync_s=10, kv_migration_s=0.02, group_write_s=0.5,
+)  # fmt: skip
+REF_122B_WORKLOAD = Workload(calls_mean=80, prefill_per_call=2300, decode_per_call=200, tool_s=6.0, tail_sigma=1.2,
+                             overhead_s=60, train_tokens_per_rollout=200_000, calls_sigma=0.5, max_calls_per_segment=5)  # fmt: skip
+
+
+def ref_122b(nodes: int) -> dict[str, Any]:
+    cells = nodes // 8
+    return {
+        "cell": REF_122B_CELL,
+        "shape": RunShape(
+            steps=48,
+            groups_per_step=8 * cells,
+            group_size=16,
+            n_cells=cells,
+            staleness=1,
+            micro_batch_tokens=1_000_000,
+            timeout_s=1 * HOUR,
+        ),  # fmt: skip
+        "workload": REF_122B_WORKLOAD,
+        "reference_h": {},
+    }
+
+
+# ----- 1. validation -----
+def load_calibrations(bench: Path | None) -> dict[str, dict[str, Calibration]]:
+    if bench is not None:
+        return {
+            wl: {
+                d.name: calibrate([read_run(d)])
+                for d in sorted((bench / wl).iterdir())
+                if (d / "summary.json").exists()
+            }
+            for wl in WORKLOADS
+            if (bench / wl).is_dir()
+        }
+    data = json.loads(gzip.decompress(CALIBRATION.read_bytes()))
+    return {wl: {name: Calibration.from_json(c) for name, c in d["runs"].items()} for wl, d in data.items()}
+
+
+def validate(cals: dict[str, dict[str, Calibration]]) -> dict[str, Any]:
+    table: dict[str, Any] = {}
+    for wl, runs in cals.items():
+        rows = {}
+        for sched in SCHEDULERS:
+            mine = {n: c for n, c in runs.items() if n.rsplit("-", 1)[0] == sched}
+            sims = {n: simulate(sched, c.cell, c.shape, c.trace()) for n, c in mine.items()}
+            bounds = [lower_bound(c.cell, c.shape, c.trace()).seconds for c in mine.values()]
+            measured = [c.measured[sched][0] for c in mine.values()]
+            simulated = [s.wall_s for s in sims.values()]
+            rows[sched] = {
+                "measured_s": round(statistics.median(measured), 2),
+                "simulated_s": round(statistics.median(simulated), 2),
+                "error": round(statistics.median(simulated) / statistics.median(measured) - 1, 4),
+                "bound_s": round(statistics.median(bounds), 2),
+                "measured_runs": measured,
+                "simulated_runs": [round(x, 2) for x in simulated],
+            }
+        order = {k: sorted(SCHEDULERS, key=lambda s: rows[s][k]) for k in ("measured_s", "simulated_s")}
+        table[wl] = {**rows, "same_order": order["measured_s"] == order["simulated_s"], "order": order}
+    return table
+
+
+def print_validation(table: dict[str, Any]) -> None:
+    print("\n1. Validation: local benchmark (2 one-CPU cells), each run simulated from its own calibration")
+    print(f"{'workload':24s} {'scheduler':15s} {'measured s':>10s} {'simulated s':>11s} {'error':>7s} {'bound s':>8s}")
+    for wl, rows in table.items():
+        for sched in SCHEDULERS:
+            r = rows[sched]
+            print(f"{WORKLOADS[wl]:24s} {sched:15s} {r['measured_s']:10.1f} {r['simulated_s']:11.1f} "
+                  f"{r['error']:+7.1%} {r['bound_s']:8.1f}")  # fmt: skip
+        print(f"{'':24s} same order: {rows['same_order']} (measured {' < '.join(rows['order']['measured_s'])})")
+
+
+# ----- 2. the reference scale -----
+def reference(setting: dict[str, Any]) -> dict[str, Any]:
+    cell, shape, wl = setting["cell"], setting["shape"], setting["workload"]
+    results: dict[str, SimResult] = {s: simulate(s, cell, shape, wl) for s in SCHEDULERS}
+    bound = lower_bound(cell, shape, wl)
+    durations = [alone_seconds(r, cell, shape.timeout_s) for r in wl.sample(0, shape)]
+    out: dict[str, Any] = {
+        s: {"hours": round(r.wall_s / HOUR, 2), "utilisation": round(r.utilisation, 3), "timeouts": r.timeouts,
+            "switches": r.switches, "reference_h": setting["reference_h"].get(s)}
+        for s, r in results.items()
+    }  # fmt: skip
+    e = results["elastic"].wall_s
+    out["bound_h"] = {"chain": round(bound.chain_s / HOUR, 2), "work": round(bound.work_s / HOUR, 2)}
+    out["elastic_over_bound"] = round(e / bound.seconds, 3)
+    out["elastic_speedup"] = {s: round(results[s].wall_s / e, 3) for s in ("colocate_cells", "async")}
+    out["rollout_h"] = {
+        "median": round(statistics.median(durations) / HOUR, 2),
+        "max": round(max(durations) / HOUR, 2),
+        "at_timeout": sum(1 for d in durations if d >= shape.timeout_s) / len(durations),
+    }
+    out["assumptions"] = {"cell": asdict(cell), "shape": asdict(shape), "workload": asdict(wl)}
+    return out
+
+
+def print_reference(name: str, r: dict[str, Any]) -> None:
+    print(f"\n2. {name}: rollouts median {r['rollout_h']['median']} h, slowest {r['rollout_h']['max']} h, "
+          f"{r['rollout_h']['at_timeout']:.0%} at the timeout")  # fmt: skip
+    print(f"{'scheduler':15s} {'sim hours':>9s} {'reference h':>11s} {'GPU util':>8s} {'timeouts':>8s}")
+    for s in SCHEDULERS:
+        x = r[s]
+        ref = f"{x['reference_h']:.2f}" if x["reference_h"] else "-"
+        print(f"{s:15s} {x['hours']:9.2f} {ref:>11s} {x['utilisation']:8.1%} {x['timeouts']:8d}")
+    b = r["bound_h"]
+    print(f"{'lower bound':15s} {max(b.values()):9.2f}  (chain {b['chain']} h, work {b['work']} h); elastic is "
+          f"{r['elastic_over_bound']:.2f}x the bound; speedup {r['elastic_speedup']}")  # fmt: skip
+
+
+# ----- 3. the map -----
+GRID_TAILS = (0.25, 0.5, 1.0, 1.5)
+GRID_RATIOS = (0.1, 0.3, 1.0, 3.0)
+GRID_CELLS = (2, 4, 8)
+
+
+def grid_point(tail: float, ratio: float, cells: int, steps: int) -> dict[str, float]:
+    """One workload of the map: one wave of sessions a step (16 per cell), training `ratio` times the
+    rollouts' cell-seconds."""
+    base = RunShape(steps=steps, groups_per_step=cells, group_size=16, n_cells=cells, staleness=1,
+                    micro_batch_tokens=50_000, timeout_s=4 * 600.0)  # fmt: skip
+    wl = Workload(calls_mean=20, prefill_per_call=2000, decode_per_call=200, tool_s=20.0, tail_sigma=tail,
+                  overhead_s=10, train_tokens_per_rollout=44_000, calls_sigma=0.3)  # fmt: skip
+    cell = replace(REF_122B_CELL, capacity=16, to_train_s=4.0, to_rollout_s=2.0, reduce_s=5, sync_s=10)
+    rollouts = wl.sample(0, base)
+    rollout_cell_s = sum(alone_seconds(r, cell, base.timeout_s) for r in rollouts) / cell.capacity
+    tokens = sum(r.train_tokens for r in rollouts)
+    cell = replace(cell, micro_batch_s=0.0, train_tps=tokens / (ratio * rollout_cell_s))
+    walls = {s: simulate(s, cell, base, wl).wall_s for s in SCHEDULERS}
+    bound = lower_bound(cell, base, wl).seconds
+    return {
+        "vs_colocate": walls["colocate_cells"] / walls["elastic"],
+        "vs_async": walls["async"] / walls["elastic"],
+        "over_bound": walls["elastic"] / bound,
+        **{f"{s}_s": w for s, w in walls.items()},
+        "bound_s": bound,
+    }
+
+
+def grid(steps: int) -> list[dict[str, float]]:
+    return [
+        {"tail": t, "ratio": r, "cells": c, **grid_point(t, r, c, steps)}
+        for c in GRID_CELLS
+        for t in GRID_TAILS
+        for r in GRID_RATIOS
+    ]
+
+
+def heatmaps(points: list[dict[str, float]], out: Path) -> list[Path]:
+    from matplotlib.figure import Figure
+
+    pngs = []
+    titles = {
+        "vs_colocate": "elastic speedup over colocate",
+        "vs_async": "elastic speedup over async",
+        "over_bound": "elastic wall / lower bound",
+    }
+    for key, title in titles.items():
+        fig = Figure(figsize=(4.2 * len(GRID_CELLS), 3.8), dpi=110, layout="constrained")
+        axes = fig.subplots(1, len(GRID_CELLS))
+        vals = [p[key] for p in points]
+        lo, hi = min(vals), max(vals)
+        for ax, c in zip(axes, GRID_CELLS, strict=True):
+            m = [[next(p[key] for p in points if p["cells"] == c and p["tail"] == t and p["ratio"] == r)
+                  for t in GRID_TAILS] for r in GRID_RATIOS]  # fmt: skip
+            im = ax.imshow(m, origin="lower", cmap="viridis", vmin=lo, vmax=hi, aspect="auto")
+            for i, row in enumerate(m):
+                for j, v in enumerate(row):
+                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", color="w", fontsize=8)
+            ax.set_xticks(range(len(GRID_TAILS)), [str(t) for t in GRID_TAILS])
+            ax.set_yticks(range(len(GRID_RATIOS)), [str(r) for r in GRID_RATIOS])
+            ax.set_xlabel("tail sigma (tool time, lognormal)")
+            if c == GRID_CELLS[0]:
+                ax.set_ylabel("training / rollout cell-seconds")
+            ax.set_title(f"{c} cells")
+        fig.colorbar(im, ax=list(axes), shrink=0.8)
+        fig.suptitle(title)
+        png = out / f"heatmap_{key}.png"
+        fig.savefig(png)
+        pngs.append(png)
+    return pngs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=str(ROOT / "outputs" / "sim_schedulers"))
+    p.add_argument("--bench", default=None, help="refit the validation from a bench_schedulers output directory")
+    p.add_argument("--quick", action="store_true", help="a smaller map (12 steps) and the reference at 12 steps")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    results: dict[str, Any] = {"validation": validate(load_calibrations(Path(args.bench) if args.bench else None))}
+    print_validation(results["validation"])
+    settings = {
+        "2.4T, 4 cells x 48 nodes x 8 GPUs": REF_24T,
+        "122B, 32 nodes": ref_122b(32),
+        "122B, 24 nodes": ref_122b(24),
+    }
+    for name, s in settings.items():
+        if args.quick:
+            s = {**s, "shape": replace(s["shape"], steps=12)}
+        results[name] = reference(s)
+        print_reference(name, results[name])
+    results["grid"] = grid(steps=6 if args.quick else 12)
+    pngs = heatmaps(results["grid"], out)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    worst = max(results["grid"], key=lambda g: g["over_bound"])
+    print(f"\n3. Map: {len(results['grid'])} points; elastic is farthest from the bound at tail {worst['tail']}, "
+          f"ratio {worst['ratio']}, {worst['cells']} cells ({worst['over_bound']:.2f}x); heatmaps: "
+          f"{', '.join(str(p) for p in pngs)}")  # fmt: skip
+    print(f"sim_schedulers: {out / 'results.json'} in {time.monotonic() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
