@@ -30,7 +30,7 @@ from gyre.harness.attribution import harness_failure
 from gyre.harness.endpoint import ProxyEndpoint
 from gyre.proxy.keys import RolloutKeys
 from gyre.sandbox import Mount, Sandbox, SandboxJob, make_sandbox, place
-from gyre.sandbox.base import HARNESS_DIR, RELAY_PORT, WORKSPACE, code_mounts
+from gyre.sandbox.base import HARNESS_DIR, RELAY_PORT, WORKSPACE, code_mounts, host_env
 from gyre.tasks.grading import Grade, grade_workspace
 from gyre.tasks.task import Task
 
@@ -182,15 +182,15 @@ def openai_base_url(url: str) -> str:
 CLAUDE_TRACE = "claude.trace"  # GYRE_CLAUDE_TRACE inside the sandbox: in the harness directory, copied out after
 
 
-def harness_env(kind: str, key: str, harness_dir: str, host_env: Mapping[str, str] | None = None) -> dict[str, str]:
+def harness_env(kind: str, key: str, harness_dir: str, source: Mapping[str, str] | None = None) -> dict[str, str]:
     """What a harness kind gets in its environment besides the sandbox's allowlist: its rollout key, and
     for claude_code the CLAUDE_* variables and gyre's Claude Code knobs."""
     env = {"GYRE_API_KEY": key}
-    host_env = os.environ if host_env is None else host_env
+    source = os.environ if source is None else source
     if kind == "claude_code":
         names = ("GYRE_CLAUDE_FOLLOW_UPS", "GYRE_CLAUDE_BIN")
-        env.update({k: v for k, v in host_env.items() if k.startswith("CLAUDE_") or k in names})
-        if host_env.get("GYRE_CLAUDE_TRACE"):
+        env.update({k: v for k, v in source.items() if k.startswith("CLAUDE_") or k in names})
+        if source.get("GYRE_CLAUDE_TRACE"):
             env["GYRE_CLAUDE_TRACE"] = f"{harness_dir}/{CLAUDE_TRACE}"
     return env
 
@@ -222,7 +222,7 @@ async def _run_harness(
             proc = await asyncio.create_subprocess_exec(
                 *sandbox.command(job),
                 cwd=job.cwd if not sandbox.isolated else "/",
-                env=sandbox.base_env() if not sandbox.isolated else {"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+                env=host_env(sandbox, job),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
