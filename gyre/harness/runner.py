@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import signal
@@ -34,6 +35,7 @@ from gyre.sandbox.base import HARNESS_DIR, RELAY_PORT, WORKSPACE, code_mounts, h
 from gyre.tasks.grading import Grade, grade_workspace
 from gyre.tasks.task import Task
 
+log = logging.getLogger(__name__)
 KILL_GRACE_S = 2.0
 STDERR_TAIL_CHARS = 2000
 
@@ -197,8 +199,11 @@ def harness_env(kind: str, key: str, harness_dir: str, source: Mapping[str, str]
 
 def _copy_out_trace(kind: str, harness_dir: Path) -> None:
     target = os.environ.get("GYRE_CLAUDE_TRACE")
-    if kind == "claude_code" and target and (harness_dir / CLAUDE_TRACE).is_file():
-        shutil.copyfile(harness_dir / CLAUDE_TRACE, target)
+    if kind == "claude_code" and target:
+        try:  # the harness directory is the agent's: whatever it left there must not stop the run
+            shutil.copyfile(harness_dir / CLAUDE_TRACE, target, follow_symlinks=False)
+        except OSError as e:
+            log.warning("no Claude Code trace copied from %s: %s", harness_dir, e)
 
 
 @dataclass
