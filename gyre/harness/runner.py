@@ -223,14 +223,14 @@ async def _run_harness(
     start = time.monotonic()
     timed_out = False
     try:
-        with open(log_path, "wb") as log:
+        with open(log_path, "wb") as log_file:
             proc = await asyncio.create_subprocess_exec(
                 *sandbox.command(job),
                 cwd=job.cwd if not sandbox.isolated else "/",
                 env=host_env(sandbox, job),
                 stdin=asyncio.subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
+                stdout=log_file,
+                stderr=log_file,
                 start_new_session=True,
                 pass_fds=(write_fd,) if write_fd >= 0 else (),
             )
