@@ -139,7 +139,7 @@ def test_resent_replies_are_spliced_as_recorded_tokens(recording):
 @pytest.mark.integration
 def test_claude_code_accounts_the_reported_usage(recording):
     """usage.input_tokens is the exact prompt length: Claude Code's totals equal the records'."""
-    results = json.loads((Path(recording.outcome.workdir) / "result.json").read_text())["claude"]
+    results = json.loads((Path(recording.outcome.workdir) / "harness" / "result.json").read_text())["claude"]
     (model_usage,) = results[-1]["modelUsage"].values()  # cumulative over the session, compactions included
     assert model_usage["inputTokens"] == sum(r.prompt_tokens for r in recording.records)
     assert model_usage["outputTokens"] == sum(len(r.output_ids) for r in recording.records)

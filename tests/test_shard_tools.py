@@ -65,7 +65,7 @@ def test_summary_json(shards, tmp_path):
     assert s["steps"] == [0, 1] and len(s["shards"]) == 2
     assert [u["path"] for u in s["unreadable_shards"]] == [str(bad)]
     assert s["rollouts"]["total"] == 2 * N_ROLLOUTS
-    assert s["rollouts"]["grade_status"] == {"ok": 8, "timeout": 2, "failed": 2}
+    assert s["rollouts"]["grade_status"] == {"ok": 8, "timeout": 2, "failed": 2, "agent_failed": 0}
     assert s["rollouts"]["timeouts"] == 2 and s["rollouts"]["excluded"] == 2 and s["rollouts"]["trained"] == 10
     assert s["rollouts"]["exclusion_reasons"] == {"checker exited with code 1: workspace missing": 2}
     assert s["tokens"]["tree"] == tree_tokens and s["tokens"]["expanded"] == expanded

@@ -41,6 +41,7 @@ from gyre.model.hf_io import save_hf_checkpoint
 from gyre.model.llama import LlamaForCausalLM
 from gyre.model.tokenizer import Tokenizer
 from gyre.proxy.call_log import CallLog, CallRecord
+from gyre.proxy.keys import RolloutKeys
 from gyre.proxy.server import ProxyServer
 from gyre.tasks.suite import sample_tasks
 from gyre.tasks.task import Task
@@ -164,11 +165,13 @@ def record_session(root: Path, blocks: int = 15, extra_tokens: int = 3000, timeo
     engine = start_engine(build_policy(root / "policy"), max_context_tokens=CONTEXT_TOKENS,
                           prefix_cache_tokens=4 * CONTEXT_TOKENS, log_path=root / "engine.log")  # fmt: skip
     calls_jsonl = root / "calls.jsonl"
+    keys = RolloutKeys()  # as in a run: Claude Code's ANTHROPIC_API_KEY is the rollout's own key
     proxy = ProxyServer(
         Tokenizer.load(root / "policy" / "tok"),
         [engine.url],
         ProxyConfig(max_context_tokens=CONTEXT_TOKENS, max_output_tokens=24),
         CallLog(calls_jsonl),
+        keys=keys,
     )
     task = keep_going_task(blocks)
     rec = Recording(calls_jsonl, root / "net.trace")
@@ -185,7 +188,9 @@ def record_session(root: Path, blocks: int = 15, extra_tokens: int = 3000, timeo
         proxy.start()
         watcher.start()
         harness = HarnessConfig(kind="claude_code", max_turns=4 * blocks, timeout_s=timeout_s)
-        rec.outcome = asyncio.run(run_rollout(task, ROLLOUT_ID, proxy.url, root / "rollout", harness, TaskConfig()))
+        rec.outcome = asyncio.run(
+            run_rollout(task, ROLLOUT_ID, proxy.url, root / "rollout", harness, TaskConfig(), keys=keys)
+        )  # in the default sandbox (bwrap)
     finally:
         done.set()
         for k, v in saved.items():

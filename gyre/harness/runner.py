@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import signal
@@ -30,10 +31,11 @@ from gyre.harness.attribution import harness_failure
 from gyre.harness.endpoint import ProxyEndpoint
 from gyre.proxy.keys import RolloutKeys
 from gyre.sandbox import Mount, Sandbox, SandboxJob, make_sandbox, place
-from gyre.sandbox.base import HARNESS_DIR, RELAY_PORT, WORKSPACE, code_mounts
+from gyre.sandbox.base import HARNESS_DIR, RELAY_PORT, WORKSPACE, code_mounts, host_env
 from gyre.tasks.grading import Grade, grade_workspace
 from gyre.tasks.task import Task
 
+log = logging.getLogger(__name__)
 KILL_GRACE_S = 2.0
 STDERR_TAIL_CHARS = 2000
 
@@ -182,23 +184,26 @@ def openai_base_url(url: str) -> str:
 CLAUDE_TRACE = "claude.trace"  # GYRE_CLAUDE_TRACE inside the sandbox: in the harness directory, copied out after
 
 
-def harness_env(kind: str, key: str, harness_dir: str, host_env: Mapping[str, str] | None = None) -> dict[str, str]:
+def harness_env(kind: str, key: str, harness_dir: str, source: Mapping[str, str] | None = None) -> dict[str, str]:
     """What a harness kind gets in its environment besides the sandbox's allowlist: its rollout key, and
     for claude_code the CLAUDE_* variables and gyre's Claude Code knobs."""
     env = {"GYRE_API_KEY": key}
-    host_env = os.environ if host_env is None else host_env
+    source = os.environ if source is None else source
     if kind == "claude_code":
         names = ("GYRE_CLAUDE_FOLLOW_UPS", "GYRE_CLAUDE_BIN")
-        env.update({k: v for k, v in host_env.items() if k.startswith("CLAUDE_") or k in names})
-        if host_env.get("GYRE_CLAUDE_TRACE"):
+        env.update({k: v for k, v in source.items() if k.startswith("CLAUDE_") or k in names})
+        if source.get("GYRE_CLAUDE_TRACE"):
             env["GYRE_CLAUDE_TRACE"] = f"{harness_dir}/{CLAUDE_TRACE}"
     return env
 
 
 def _copy_out_trace(kind: str, harness_dir: Path) -> None:
     target = os.environ.get("GYRE_CLAUDE_TRACE")
-    if kind == "claude_code" and target and (harness_dir / CLAUDE_TRACE).is_file():
-        shutil.copyfile(harness_dir / CLAUDE_TRACE, target)
+    if kind == "claude_code" and target:
+        try:  # the harness directory is the agent's: whatever it left there must not stop the run
+            shutil.copyfile(harness_dir / CLAUDE_TRACE, target, follow_symlinks=False)
+        except OSError as e:
+            log.warning("no Claude Code trace copied from %s: %s", harness_dir, e)
 
 
 @dataclass
@@ -218,14 +223,14 @@ async def _run_harness(
     start = time.monotonic()
     timed_out = False
     try:
-        with open(log_path, "wb") as log:
+        with open(log_path, "wb") as log_file:
             proc = await asyncio.create_subprocess_exec(
                 *sandbox.command(job),
                 cwd=job.cwd if not sandbox.isolated else "/",
-                env=sandbox.base_env() if not sandbox.isolated else {"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+                env=host_env(sandbox, job),
                 stdin=asyncio.subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
+                stdout=log_file,
+                stderr=log_file,
                 start_new_session=True,
                 pass_fds=(write_fd,) if write_fd >= 0 else (),
             )

@@ -1,8 +1,8 @@
 """The sandbox backends: bubblewrap (local, Debian's `bubblewrap`), Apptainer (clusters) and none.
 
-bwrap: new user (uid 1000, no capabilities), PID, network, IPC, UTS and cgroup namespaces; a root
-of its own with /usr (and the /bin, /lib symlinks) and a few /etc files read-only, the job's mounts,
-a private /tmp and HOME, /proc and a minimal /dev. `--die-with-parent` and the PID namespace end
+bwrap: new user (uid 1000, no capabilities), PID, network, IPC, UTS and cgroup namespaces; a
+read-only root of its own with /usr (and the /bin, /lib symlinks) and a few /etc files read-only, the
+job's mounts, a private /tmp and HOME (tmpfs), /proc and a minimal /dev. `--die-with-parent` and the PID namespace end
 every process when the launcher or the runner goes. apptainer: `exec --containall --no-home
 --cleanenv` with no network and the same binds, in the configured image. none: the job as a plain
 host process with the host environment (rollout ids and paths as on the host).
@@ -67,12 +67,12 @@ class BwrapSandbox:
     def command(self, job: SandboxJob) -> list[str]:
         argv = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session",
                 "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
-                *self.system_args(), "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--dir", HOME]  # fmt: skip
+                *self.system_args(), "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", HOME]  # fmt: skip
         for m in job.mounts:
             argv += ["--bind" if m.writable else "--ro-bind", str(m.source), m.target]
         if job.proxy_socket is not None:
             argv += ["--bind", str(job.proxy_socket), SOCKET_PATH]
-        argv += ["--chdir", job.cwd, "--clearenv"]
+        argv += ["--remount-ro", "/", "--chdir", job.cwd, "--clearenv"]  # the root: read-only; binds as given
         for key, value in {**self.base_env(), **job.env}.items():
             argv += ["--setenv", key, value]
         return [*argv, "--", *launcher_argv(self.python, self.cfg, job)]

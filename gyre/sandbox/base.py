@@ -78,6 +78,13 @@ def place(sandbox: Sandbox, mount: Mount) -> str:
     return mount.target if sandbox.isolated else str(mount.source)
 
 
+def host_env(sandbox: Sandbox, job: SandboxJob) -> dict[str, str]:
+    """The environment of the host command: an isolated sandbox sets the job's own inside (--clearenv)."""
+    if sandbox.isolated:
+        return {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    return {**sandbox.base_env(), **job.env}
+
+
 def host_python() -> str:
     """The base interpreter (not a venv's symlink): its prefix is what an isolated sandbox mounts."""
     return os.path.realpath(getattr(sys, "_base_executable", sys.executable))

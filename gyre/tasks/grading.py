@@ -31,7 +31,7 @@ from typing import Any
 from gyre.config.schema import SandboxConfig
 from gyre.sandbox import Mount, Sandbox, SandboxJob, place
 from gyre.sandbox.backends import NoSandbox
-from gyre.sandbox.base import WORKSPACE, code_mounts
+from gyre.sandbox.base import WORKSPACE, code_mounts, host_env
 from gyre.tasks import checker
 from gyre.tasks.task import Task
 
@@ -149,7 +149,7 @@ def _run_checker(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=sandbox.base_env() if not sandbox.isolated else {"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+        env=host_env(sandbox, job),
         start_new_session=True,
     )
     try:

@@ -1,0 +1,157 @@
+"""Sandbox command lines (golden), their config, rollout keys at the proxy, copying a workspace for
+grading, and who a failure is attributed to. The attacks themselves: tests/test_red_team.py."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import anthropic
+import openai
+import pytest
+
+from gyre.config.schema import ProxyConfig, SandboxConfig
+from gyre.config.validate import ConfigValueError
+from gyre.harness.attribution import harness_failure
+from gyre.model.tokenizer import Tokenizer
+from gyre.proxy.call_log import CallLog
+from gyre.proxy.keys import RolloutKeys
+from gyre.proxy.server import ProxyServer
+from gyre.sandbox import ApptainerSandbox, BwrapSandbox, Mount, SandboxJob, SandboxUnavailable, make_sandbox
+from gyre.sandbox.base import SOURCE_ROOT, host_python
+from gyre.tasks.grading import copy_workspace
+
+PY = host_python()
+LAUNCHER = [PY, "-I", "-S", "/opt/gyre/gyre/sandbox/inside.py", "--fsize", str(256 << 20), "--nofile", "1024",
+            "--nproc", "4096", "--relay", "41000:/run/gyre/proxy.sock", "--started", "5", "--"]  # fmt: skip
+
+
+def job() -> SandboxJob:
+    return SandboxJob(
+        argv=[PY, "-m", "gyre.harness.builtin"], cwd="/workspace", env={"GYRE_API_KEY": "k"},
+        mounts=[Mount(Path("/srv/ws"), "/workspace", writable=True), Mount(SOURCE_ROOT / "gyre", "/opt/gyre/gyre")],
+        proxy_socket=Path("/tmp/ep/proxy.sock"), started_fd=5,
+    )  # fmt: skip
+
+
+@pytest.mark.unit
+def test_bwrap_command_line():
+    sb = BwrapSandbox(SandboxConfig(), "bwrap")
+    argv = sb.command(job())
+    head = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--uid", "1000", "--gid", "1000",
+            "--hostname", "sandbox"]  # fmt: skip
+    assert argv[: len(head)] == head
+    tail = ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/home/agent",
+            "--bind", "/srv/ws", "/workspace", "--ro-bind", str(SOURCE_ROOT / "gyre"), "/opt/gyre/gyre",
+            "--bind", "/tmp/ep/proxy.sock", "/run/gyre/proxy.sock", "--remount-ro", "/", "--chdir", "/workspace",
+            "--clearenv"]  # fmt: skip
+    i = argv.index("--proc")
+    assert argv[i : i + len(tail)] == tail
+    system = argv[len(head) : i]  # only system directories and named /etc entries, never / or /etc or /root
+    binds = [system[k + 1] for k in range(len(system)) if system[k] == "--ro-bind"]
+    assert "/usr" in binds and all(b == "/usr" or b.startswith("/etc/") or b.startswith("/lib") for b in binds)
+    assert "/etc/shadow" not in binds and "/" not in binds
+    sets = {argv[k + 1]: argv[k + 2] for k in range(len(argv) - 2) if argv[k] == "--setenv"}
+    assert sets["GYRE_API_KEY"] == "k" and sets["HOME"] == "/home/agent" and sets["PYTHONPATH"] == "/opt/gyre"
+    assert set(sets) <= {"GYRE_API_KEY", "HOME", "PATH", "TMPDIR", "PYTHONPATH", "PYTHONDONTWRITEBYTECODE",
+                         "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TERM"}, sets  # fmt: skip
+    assert argv[argv.index("--") + 1 :] == [*LAUNCHER, PY, "-m", "gyre.harness.builtin"]
+
+
+@pytest.mark.unit
+def test_apptainer_command_line(monkeypatch):
+    monkeypatch.setattr(os, "environ", {"LANG": "C.UTF-8", "SLURM_JOB_ID": "7", "HF_TOKEN": "x"})
+    sb = ApptainerSandbox(SandboxConfig(backend="apptainer", apptainer_image="/images/task.sif"), "apptainer")
+    assert sb.command(job()) == [
+        "apptainer", "exec", "--containall", "--no-home", "--cleanenv", "--net", "--network", "none",
+        "--pwd", "/workspace",
+        "--bind", "/srv/ws:/workspace:rw", "--bind", f"{SOURCE_ROOT / 'gyre'}:/opt/gyre/gyre:ro",
+        "--bind", "/tmp/ep/proxy.sock:/run/gyre/proxy.sock",
+        "--env", "LANG=C.UTF-8", "--env", "PATH=/usr/local/bin:/usr/bin:/bin", "--env", "TMPDIR=/tmp",
+        "--env", "PYTHONPATH=/opt/gyre", "--env", "PYTHONDONTWRITEBYTECODE=1", "--env", "GYRE_API_KEY=k",
+        "/images/task.sif", *LAUNCHER, PY, "-m", "gyre.harness.builtin",
+    ]  # fmt: skip
+
+
+@pytest.mark.unit
+def test_sandbox_config_is_checked(monkeypatch):
+    with pytest.raises(ConfigValueError, match="sandbox.backend='docker'"):
+        SandboxConfig(backend="docker")
+    with pytest.raises(ConfigValueError, match="apptainer_image"):
+        SandboxConfig(backend="apptainer")
+    with pytest.raises(ConfigValueError, match="sandbox.open_files"):
+        SandboxConfig(open_files=0)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(SandboxUnavailable, match="apptainer` is not on PATH"):
+        make_sandbox(SandboxConfig(backend="apptainer", apptainer_image="/x.sif"))
+    with pytest.raises(SandboxUnavailable, match="install bubblewrap"):
+        make_sandbox(SandboxConfig())
+    assert make_sandbox(SandboxConfig(backend="none")).isolated is False
+
+
+@pytest.mark.unit
+def test_workspace_copy_follows_no_link(tmp_path):
+    src, outside = tmp_path / "ws", tmp_path / "outside"
+    (src / "d").mkdir(parents=True)
+    outside.mkdir()
+    (outside / "secret").write_text("host file")
+    (src / "d" / "a.txt").write_text("a")
+    (src / "link_file").symlink_to(outside / "secret")
+    (src / "link_dir").symlink_to(outside)
+    os.mkfifo(src / "fifo")  # would block a reader: not copied
+    copy_workspace(src, tmp_path / "copy")
+    copy = tmp_path / "copy"
+    assert (copy / "d" / "a.txt").read_text() == "a" and not (copy / "fifo").exists()
+    assert os.readlink(copy / "link_file") == str(outside / "secret") and (copy / "link_dir").is_symlink()
+    assert sorted(p.name for p in copy.rglob("*")) == ["a.txt", "d", "link_dir", "link_file"]
+
+
+@pytest.mark.unit
+def test_failure_attribution():
+    ok = {"stop_reason": "finish", "turns": 2}
+    common = {"started": True, "timed_out": False, "stderr_tail": "boom"}
+    assert harness_failure(returncode=0, result=ok, endpoint_failures=[], **common) is None
+    assert harness_failure(returncode=-9, result=None, endpoint_failures=[], started=True, timed_out=True,
+                           stderr_tail="") is None  # timed out: the workspace is graded  # fmt: skip
+    infra = harness_failure(returncode=1, result={"stop_reason": "api_error"}, endpoint_failures=["HTTP 503"], **common)
+    assert (infra.status, infra.score) == ("failed", None) and "HTTP 503" in infra.reason
+    lie = harness_failure(returncode=0, result={"stop_reason": "api_error"}, endpoint_failures=[], **common)
+    assert (lie.status, lie.score) == ("agent_failed", 0.0) and lie.reason.startswith("harness_protocol:")
+    crash = harness_failure(returncode=2, result=None, endpoint_failures=[], **common)
+    assert crash.status == "agent_failed" and crash.reason.startswith("harness_exit:") and "boom" in crash.reason
+    silent = harness_failure(returncode=0, result=None, endpoint_failures=[], **common)
+    assert silent.status == "agent_failed" and silent.reason.startswith("harness_protocol:")
+    down = harness_failure(returncode=1, result=None, endpoint_failures=[], started=False, timed_out=False,
+                           stderr_tail="bwrap: No permissions")  # fmt: skip
+    assert down.status == "failed" and "sandbox could not start: bwrap: No permissions" in down.reason
+
+
+@pytest.mark.integration
+def test_proxy_refuses_calls_without_their_rollouts_key(tmp_path):
+    """Refusals happen before any engine is asked: no engine here."""
+    keys = RolloutKeys()
+    tok = Tokenizer.train(["hello world"] * 20, 280)
+    proxy = ProxyServer(tok, [], ProxyConfig(), CallLog(), keys=keys)
+    url = proxy.start()
+    key = keys.issue("s0-g0-r0")
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        for api_key, headers in [
+            ("wrong", {}),
+            ("none", {"X-Rollout-Id": "s0-g0-r0"}),
+            (key, {"X-Rollout-Id": "s0-g0-r1"}),
+        ]:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, default_headers=headers)
+            with pytest.raises(openai.AuthenticationError) as err:
+                client.chat.completions.create(model="m", messages=messages, max_tokens=2)
+            assert err.value.body["code"] == "invalid_api_key" and err.value.body["type"] == "invalid_request_error"
+        keys.revoke(key)
+        client = anthropic.Anthropic(base_url=url, api_key=key, max_retries=0)
+        with pytest.raises(anthropic.AuthenticationError) as aerr:
+            client.messages.create(model="m", messages=messages, max_tokens=2)
+        body = aerr.value.body
+        assert body["type"] == "error" and body["error"]["type"] == "authentication_error"
+        assert "has ended" in body["error"]["message"]
+    finally:
+        proxy.stop()
+    assert keys.live() == 0
