@@ -23,8 +23,8 @@ from gyre.config.load import ConfigKeyError, check_overrides, compose
 from gyre.config.schema import RunConfig
 from gyre.sched.launch import POLICY_FILE
 from gyre.sched.policy import SCHEDULERS as CELL_SCHEDULERS
-from launch.slurm.plan import LayoutError, cells, job_command, plan_step
-from launch.slurm.preflight import SlurmPreflightError, check_request, read_inventory
+from launch.slurm.plan import LayoutError, cells, cluster_python, job_command, plan_step
+from launch.slurm.preflight import SlurmPreflightError, check_addresses, check_request, read_inventory
 from launch.slurm.sbatch import ScriptLayout, render_sbatch
 
 
@@ -66,11 +66,14 @@ def submit(cfg: RunConfig, out_dir: Path, via: str, dry_run: bool) -> str:
             f"scheduler={'|'.join(CELL_SCHEDULERS)} (for the colocate loop on one node, sbatch the script of "
             "launch.slurm.sbatch.render_main_job_sbatch)"
         )
+    cfg.cluster.python = cluster_python(cfg)  # the resolved config names the interpreter the nodes run
     config_path, log_dir, script_path = write_job_files(cfg, out_dir)
     print(f"gyre: wrote {script_path} and {config_path}")
     if dry_run:
         return ""
-    check_request(cells(cfg), read_inventory(os.environ))
+    inventory = read_inventory(os.environ)
+    check_request(cells(cfg), inventory)
+    check_addresses(cfg.comm.hostname, cfg.engine.host, cells(cfg), inventory)
     if via == "sbatch":
         proc = subprocess.run(["sbatch", "--parsable", str(script_path)], capture_output=True, text=True, timeout=60)
         if proc.returncode != 0:

@@ -126,3 +126,6 @@ def test_preflight_resolves_once_and_finds_an_output_dir_that_is_not_shared(tmp_
     assert all(isinstance(r, PreflightError) for r in results)
     assert "output_dir" in str(results[0]) and "does not see the files of" in str(results[0])
     assert "the controller on" in str(results[2]) and "['cell 1 on" in str(results[2])  # names who misses whom
+    cfg.comm.transfer_backend = "gloo"
+    results = preflight_on([shared, shared], cfg)
+    assert all(isinstance(r, PreflightError) and "use comm.transfer_backend=mooncake" in str(r) for r in results)

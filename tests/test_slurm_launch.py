@@ -15,6 +15,7 @@ from gyre.config.schema import CellResources, RunConfig
 from launch.slurm.plan import LayoutError, cells, job_command, plan_step
 from launch.slurm.preflight import (
     SlurmPreflightError,
+    check_addresses,
     check_request,
     parse_inventory,
     parse_mem_mb,
@@ -44,7 +45,9 @@ def _golden(name: str, text: str) -> None:
 
 @pytest.mark.parametrize("preset", ["slurm_cpu", "slurm_gpu"])
 def test_generated_sbatch_matches_golden(preset):
-    cfg = compose([f"cluster={preset}", "cluster.workdir=/shared/gyre"])
+    # slurm_cpu runs the submitting interpreter by absolute path: fixed here, as if submitted from /shared/gyre
+    python = ["cluster.python=/shared/gyre/.venv/bin/python"] if preset == "slurm_cpu" else []
+    cfg = compose([f"cluster={preset}", "cluster.workdir=/shared/gyre", *python])
     _golden(f"{preset}.sbatch", plain_script(cfg, "/shared/runs/r1/config.yaml", "/shared/runs/r1/slurm"))
 
 
@@ -131,6 +134,17 @@ def test_het_job_on_a_single_node_cluster_is_refused_before_submitting(gpu_cfg):
     changes = {f"{cell}__{k}": v for cell in ("core", "sat1", "sat2") for k, v in small.items()}
     with pytest.raises(SlurmPreflightError, match=r"3 cells needs 3 distinct nodes.*single node \(c1\).*cluster=local"):
         check_request(_cells(gpu_cfg, **changes), inv)
+
+
+def test_loopback_addresses_are_refused_before_submitting_to_separate_hosts(gpu_cfg):
+    inv = parse_inventory(PARTITIONS, NODES)  # no NodeAddr: each node at its own name
+    check_addresses("auto", "0.0.0.0", _cells(gpu_cfg)[:2], inv)
+    with pytest.raises(SlurmPreflightError, match=r"separate hosts.*comm.hostname='127.0.0.1': set comm.hostname=auto"):
+        check_addresses("127.0.0.1", "0.0.0.0", _cells(gpu_cfg)[:2], inv)
+    with pytest.raises(SlurmPreflightError, match=r"engine.host='127.0.0.1': set engine.host=0.0.0.0"):
+        check_addresses("auto", "127.0.0.1", _cells(gpu_cfg)[:2], inv)
+    one_host = parse_inventory(PARTITIONS, "".join(f"{line} NodeAddr=127.0.0.1\n" for line in NODES.splitlines()))
+    check_addresses("127.0.0.1", "127.0.0.1", _cells(gpu_cfg)[:2], one_host)  # the loopback test cluster
 
 
 def test_no_slurm_on_path():

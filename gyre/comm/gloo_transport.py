@@ -37,6 +37,13 @@ def init_gloo_from_mpi(comm: Any, address: str = "127.0.0.1", timeout_s: float =
     if store is None:
         store = dist.TCPStore(master, port, size, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
+    global _transfer_group
+    # new_group is collective over every rank: made here, where all of them are, not in GlooTransport, which
+    # only the cells build (the controller, rank 0, never would, and the cells would wait for it forever)
+    _transfer_group = dist.new_group(backend="gloo")
+
+
+_transfer_group: dist.ProcessGroup | None = None
 
 
 class GlooTransport:
@@ -48,7 +55,7 @@ class GlooTransport:
                 "the gloo transport needs torch.distributed initialised on every rank first "
                 "(gyre.comm.gloo_transport.init_gloo_from_mpi under mpirun)"
             )
-        self.group = group if group is not None else dist.new_group(backend="gloo")
+        self.group = group or _transfer_group or dist.new_group(backend="gloo")
         self.rank = dist.get_rank()
         self._published: dict[str, tuple[torch.Tensor, FlatLayout, str]] = {}
         self._received: dict[str, torch.Tensor] = {}

@@ -227,7 +227,12 @@ class ClusterConfig:
     account: str = ""
     qos: str = ""
     mpi: str = ""  # srun --mpi for the cell job's step (pmix, pmi2); empty: the cluster's MpiDefault
-    python: str = "python"  # interpreter on the compute nodes
+    # interpreter on the compute nodes; empty: the submitting interpreter by absolute path (a filesystem shared by
+    # the nodes). A bare name ("python") needs a setup line that puts the run's environment first on the PATH
+    python: str = ""
+    # sbatch --export: ALL passes the submitting shell's environment on (SLURM_CONF, HOME, a venv's PATH); NONE
+    # starts the job without it (then cluster.setup must provide HOME/GYRE_CACHE and the environment)
+    export: str = "ALL"
     workdir: str = ""  # where steps run; empty: the directory the job is submitted from
     setup: list[str] = field(default_factory=list)  # shell lines before the steps (module load, venv)
     log_dir: str = ""  # empty: <output_dir>/slurm

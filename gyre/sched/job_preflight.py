@@ -19,6 +19,14 @@ from gyre.config.schema import RunConfig
 SHARED_FS_WAIT_S = 10.0  # NFS may show another node's new file only after its attribute cache expires
 
 
+GLOO_UNSUPPORTED = (
+    "comm.transfer_backend=gloo: the cell job cannot run on it, on one host or several: gloo needs one "
+    "torch.distributed world over every rank, where each cell's Megatron replica then builds its parallel groups "
+    "(collectives the controller never joins) and the cells hang; use comm.transfer_backend=mooncake (TCP on CPU, "
+    "RDMA on clusters)"
+)
+
+
 class PreflightError(RuntimeError):
     """The job cannot work as configured on these nodes; the message says what to change."""
 
@@ -58,6 +66,8 @@ def run_preflight(world: Any, cfg: RunConfig, out: Path, start_id: str) -> str:
     missing = [] if write_error else _markers_seen(folder, size, time.monotonic() + SHARED_FS_WAIT_S)
     found = world.allgather((me, write_error, missing))
     problems = [m for m, _, _ in found if isinstance(m, str)]
+    if cfg.comm.transfer_backend == "gloo":
+        problems.append(GLOO_UNSUPPORTED)
     try:
         check_reachable([m for m, _, _ in found if not isinstance(m, str)], cfg.comm.hostname, cfg.engine.host)
     except AddressError as e:

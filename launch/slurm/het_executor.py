@@ -25,7 +25,7 @@ from submitit.core import core, utils
 from submitit.slurm.slurm import SlurmInfoWatcher, SlurmJob
 
 from gyre.config.schema import RunConfig
-from launch.slurm.plan import Step, cells, plan_step
+from launch.slurm.plan import Step, cells, cluster_python, plan_step
 from launch.slurm.preflight import parse_records, parse_time_s
 from launch.slurm.sbatch import ScriptLayout, render_sbatch
 
@@ -88,7 +88,7 @@ class HetSlurmExecutor(submitit.SlurmExecutor):
                 f"folder {folder!r} has a % pattern: in a het job each component would expand %j to its own id; "
                 "use a plain folder (one per run)"
             )
-        super().__init__(folder, python=shlex.quote(cfg.cluster.python))
+        super().__init__(folder, python=shlex.quote(cluster_python(cfg)))
         self.cfg = cfg
         self.config_path = config_path
         self.start_guard = start_guard  # fn is the cell job (gyre.sched.job.submitit_main): guard its MPI start

@@ -13,6 +13,8 @@ The cell runtime runs one rank per cell: a cell is one node, and its replica tra
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 
 from gyre.config.schema import CellResources, RunConfig
@@ -56,12 +58,29 @@ def cell_key(cell: int) -> str:
     return "cluster.core" if cell == 0 else f"cluster.satellites.{cell - 1}"
 
 
+def cluster_python(cfg: RunConfig) -> str:
+    """The interpreter the nodes run: cluster.python, or this one by absolute path; a bare name only after a
+    setup line (which would put the run's environment on the PATH)."""
+    python = cfg.cluster.python or sys.executable
+    if not os.path.isabs(python) and not cfg.cluster.setup:
+        raise LayoutError(
+            f"cluster.python={python!r} runs whatever {python!r} each node's PATH finds first; leave it empty (this "
+            f"interpreter, {sys.executable}), give an absolute path on a filesystem the nodes share, or add a "
+            "cluster.setup line that activates the run's environment (e.g. 'source /shared/gyre/.venv/bin/activate')"
+        )
+    return python
+
+
 def job_command(cfg: RunConfig, run_dir: str) -> list[str]:
     """argv of every task of the cell job: `-m mpi4py` turns an exception on any rank into MPI_Abort."""
-    return [cfg.cluster.python, "-m", "mpi4py", "-m", JOB_MODULE, run_dir]
+    return [cluster_python(cfg), "-m", "mpi4py", "-m", JOB_MODULE, run_dir]
 
 
 def check_layout(cfg: RunConfig) -> None:
+    if cfg.comm.transfer_backend == "gloo":
+        from gyre.sched.job_preflight import GLOO_UNSUPPORTED
+
+        raise LayoutError(GLOO_UNSUPPORTED)
     model_parallel = cfg.train.tensor_parallel * cfg.train.pipeline_parallel
     if model_parallel > 1:
         raise LayoutError(

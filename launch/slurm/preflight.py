@@ -13,6 +13,7 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from gyre.comm.address import is_loopback
 from gyre.config.schema import CellResources
 from launch.slurm.plan import cell_key
 
@@ -32,6 +33,7 @@ class Node:
     gpus: int
     partitions: tuple[str, ...]
     state: str
+    address: str = ""  # NodeAddr: where the other nodes reach it
 
     @property
     def usable(self) -> bool:
@@ -110,6 +112,7 @@ def parse_inventory(partition_text: str, node_text: str) -> Inventory:
             gpus=_gpus(rec.get("Gres", "(null)")),
             partitions=tuple(p for p in rec.get("Partitions", "").split(",") if p),
             state=rec.get("State", "UNKNOWN"),
+            address=rec.get("NodeAddr", rec["NodeName"]),
         )
         for rec in parse_records(node_text)
     )
@@ -198,4 +201,23 @@ def check_request(cells: list[CellResources], inv: Inventory) -> None:
             f"its own nodes, and on too few nodes the job pends forever), but {single}. On one machine use "
             "cluster=local; for a local multi-node test cluster run `bash slurm/cluster.sh start --nodes 3`; "
             "or use fewer satellites/nodes (cluster.satellites)."
+        )
+
+
+def check_addresses(comm_hostname: str, engine_host: str, cells: list[CellResources], inv: Inventory) -> None:
+    """Refuse loopback addresses before submitting when the cells' nodes are separate hosts (their NodeAddr
+    differ): a rank advertising 127.0.0.1, or an engine bound there, cannot be reached from another node.
+    The job's own preflight checks what each node resolves (gyre/sched/job_preflight.py)."""
+    addresses = {n.address for res in cells for n in inv.nodes_of(res.partition)}
+    if len(addresses) < 2 or all(is_loopback(a) for a in addresses):
+        return  # one host (the loopback test cluster), or nothing to tell
+    problems = []
+    if is_loopback(comm_hostname):
+        problems.append(f"comm.hostname={comm_hostname!r}: set comm.hostname=auto (each node advertises its address)")
+    if is_loopback(engine_host):
+        problems.append(f"engine.host={engine_host!r}: set engine.host=0.0.0.0 (engines advertised at comm.hostname)")
+    if problems:
+        raise SlurmPreflightError(
+            f"the cells run on separate hosts (NodeAddr {', '.join(sorted(addresses))}), where a loopback "
+            "address cannot be reached from another node: " + "; ".join(problems)
         )

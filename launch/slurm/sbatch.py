@@ -141,7 +141,7 @@ def render_sbatch(cfg: RunConfig, step: Step, layout: ScriptLayout) -> str:
     ]
     if layout.batch_error:
         lines.append(f"#SBATCH --error={shlex.quote(layout.log_dir + '/' + layout.batch_error)}")
-    lines.append("#SBATCH --open-mode=append")
+    lines += ["#SBATCH --open-mode=append", f"#SBATCH --export={shlex.quote(cluster.export)}"]
     lines += _requeue_header(cluster)
     for cell, res in enumerate(all_cells):
         if cell:
@@ -212,6 +212,7 @@ def render_main_job_sbatch(cfg: RunConfig, argv: list[str], log_dir: str) -> str
         f"#SBATCH --job-name={shlex.quote(cluster.job_name)}",
         f"#SBATCH --output={shlex.quote(log_dir + '/%j_main.out')}",
         "#SBATCH --open-mode=append",
+        f"#SBATCH --export={shlex.quote(cluster.export)}",
         *_requeue_header(cluster),
         *_component_header(cfg, cluster.core),
         "",
