@@ -129,3 +129,18 @@ def test_preflight_resolves_once_and_finds_an_output_dir_that_is_not_shared(tmp_
     cfg.comm.transfer_backend = "gloo"
     results = preflight_on([shared, shared], cfg)
     assert all(isinstance(r, PreflightError) and "use comm.transfer_backend=mooncake" in str(r) for r in results)
+
+
+def test_an_engine_is_reachable_once_it_answers_http_at_all() -> None:
+    import http.server
+
+    from gyre.comm.address import engine_reachable
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # 501s
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert engine_reachable(f"http://127.0.0.1:{server.server_address[1]}", 2.0) == ""
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "ConnectionRefusedError" in engine_reachable("http://127.0.0.1:1", 0.5)

@@ -10,10 +10,13 @@ span several: Debian's `127.0.1.1 <hostname>` line in /etc/hosts is the usual wa
 from __future__ import annotations
 
 import fcntl
+import http.client
 import ipaddress
 import os
 import socket
 import struct
+import time
+import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -163,3 +166,22 @@ def check_reachable(ranks: Sequence[RankAddress], hostname_key: str, engine_host
         raise AddressError(
             f"the job's ranks span {span} and some cannot be reached by the others:\n  " + "\n  ".join(problems)
         )
+
+
+def engine_reachable(url: str, timeout_s: float) -> str:
+    """Empty once `url` answers HTTP at all (any status: the port is the engine's), else the last error."""
+    parts = urllib.parse.urlsplit(url)
+    deadline, error = time.monotonic() + timeout_s, "not tried"
+    while True:
+        conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=min(3.0, timeout_s))
+        try:
+            conn.request("GET", "/health")
+            conn.getresponse().read()
+            return ""
+        except (OSError, http.client.HTTPException) as e:
+            error = f"{type(e).__name__}: {e}"
+        finally:
+            conn.close()
+        if time.monotonic() > deadline:
+            return error
+        time.sleep(0.5)

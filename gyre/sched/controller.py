@@ -7,15 +7,14 @@ looks (no spinning) and ends once the last step's weights are published.
 
 from __future__ import annotations
 
-import http.client
 import json
 import signal
 import statistics
 import time
-import urllib.parse
 from pathlib import Path
 from typing import Any
 
+from gyre.comm.address import engine_reachable
 from gyre.comm.control import ControlError, ControlPlane
 from gyre.comm.messages import Hello, RoleSwitch, SaveCheckpoint, Shutdown
 from gyre.config.schema import LogprobDistribution, RunConfig
@@ -43,25 +42,6 @@ from gyre.tracking import open_trackers
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
 ENGINE_PROBE_S = 15.0  # how long the controller tries to reach each engine before the first rollout
 MAX_ENGINE_FAILURES = 5  # calls in a row an engine fails (the proxy routing around it) before its cell is dead
-
-
-def engine_reachable(url: str, timeout_s: float) -> str:
-    """ "" once `url` answers HTTP at all (any status: the port is the engine's), else the last error."""
-    parts = urllib.parse.urlsplit(url)
-    deadline, error = time.monotonic() + timeout_s, "not tried"
-    while True:
-        conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=min(3.0, timeout_s))
-        try:
-            conn.request("GET", "/health")
-            conn.getresponse().read()
-            return ""
-        except (OSError, http.client.HTTPException) as e:
-            error = f"{type(e).__name__}: {e}"
-        finally:
-            conn.close()
-        if time.monotonic() > deadline:
-            return error
-        time.sleep(0.5)
 
 
 def policy_config(cfg: RunConfig) -> PolicyConfig:
