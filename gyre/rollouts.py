@@ -73,7 +73,10 @@ class RolloutService:
 
     def __enter__(self) -> RolloutService:
         self.engine = start_engine_from_config(
-            self.policy.checkpoint_dir, self.cfg.engine, log_path=self.out / "engine.log"
+            self.policy.checkpoint_dir,
+            self.cfg.engine,
+            log_path=self.out / "engine.log",
+            weights_dirs=[self.weights_dir],  # where sync_weights writes; a weight path elsewhere is refused
         )
         self.proxy = ProxyServer(self.tokenizer, [self.engine.url], self.cfg.proxy, self.call_log)
         self.proxy_url = self.proxy.start()

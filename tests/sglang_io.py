@@ -218,3 +218,14 @@ def light_common() -> types.ModuleType:
 def load_sampling_params() -> type:
     load_io_struct()
     return importlib.import_module("sglang.srt.sampling.sampling_params").SamplingParams
+
+
+def load_auth() -> types.ModuleType:
+    """sglang/srt/utils/auth.py (SGLang's per-route auth decision; it imports nothing heavy), from its own file."""
+    path = sglang_root() / "srt" / "utils" / "auth.py"
+    spec = importlib.util.spec_from_file_location("gyre_sglang_auth", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod

@@ -11,6 +11,8 @@ from typing import Any
 
 import aiohttp
 
+from gyre.engine.admin_key import admin_headers
+
 
 class EngineError(RuntimeError):
     """The engine answered with an error or could not be reached."""
@@ -72,16 +74,19 @@ class GenerateResult:
 
 
 class EngineClient:
-    """Async client; create inside a running event loop, close with `await client.close()`."""
+    """Async client; create inside a running event loop, close with `await client.close()`.
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
+    Sends the run's engine admin key (gyre.engine.admin_key), or `admin_key`, with every request."""
+
+    def __init__(self, base_url: str, timeout_s: float = 600.0, admin_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._headers = admin_headers(admin_key)
         self._session: aiohttp.ClientSession | None = None
 
     async def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
+            self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
         return self._session
 
     async def close(self) -> None:

@@ -79,6 +79,7 @@ class CellEngine:
             log_path=self.log_dir / f"engine{self.starts}.log",
             weight_version=self.version,
             env=self.env,
+            weights_dirs=[self.scratch],  # where `load` writes; a weight path elsewhere is refused
         )
         engine_post(self.url, "/gyre/kv/release")  # starts its Mooncake transfer engine now, not mid-switch
 

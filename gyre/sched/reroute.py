@@ -23,6 +23,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from gyre.engine.admin_key import admin_headers
+
 if TYPE_CHECKING:
     from gyre.proxy.server import ProxyServer
 
@@ -33,7 +35,8 @@ class EngineCallError(RuntimeError):
 
 def engine_post(url: str, path: str, payload: dict[str, Any] | None = None, timeout: float = 60.0) -> Any:
     data = json.dumps(payload or {}).encode()
-    req = urllib.request.Request(f"{url}{path}", data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **admin_headers()}
+    req = urllib.request.Request(f"{url}{path}", data=data, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             body = resp.read()
