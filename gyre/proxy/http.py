@@ -22,7 +22,8 @@ async def read_json(request: web.Request, timeout_s: float) -> Any:
     """The request's JSON body. jiter (pydantic's parser) refuses lone UTF-16 surrogates, nesting
     deeper than 200 and trailing data, so what comes back can be rendered, dumped and streamed."""
     try:
-        raw = await asyncio.wait_for(request.read(), timeout_s)
+        async with asyncio.timeout(timeout_s):  # no extra task per request, unlike wait_for
+            raw = await request.read()
     except TimeoutError as e:
         raise ProxyError(408, f"the request body did not arrive within {timeout_s:g} s", code="request_timeout") from e
     except RequestPayloadError as e:  # e.g. marked gzip but not gzip: the connection cannot be reused
