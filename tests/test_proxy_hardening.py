@@ -18,8 +18,11 @@ import pytest
 import torch
 
 from gyre.config.schema import ProxyConfig
+from gyre.config.validate import ConfigValueError
+from gyre.engine.admin_key import ADMIN_KEY_ENV, set_run_admin_key, take_run_admin_key
 from gyre.engine.client import EngineClient
 from gyre.engine.launcher import EngineProcess, start_engine
+from gyre.harness.runner import _harness_env
 from gyre.model.random_model import SHAPES, create_random_model
 from gyre.model.tokenizer import Tokenizer
 from gyre.proxy.call_log import CallLog
@@ -87,6 +90,24 @@ def chat_request(url: str, body: dict, path: str = "/v1/chat/completions") -> by
         f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
     )
     return head.encode() + b"\r\n" + payload
+
+
+def test_engines_started_for_the_run_refuse_admin_calls_without_its_key(engine):
+    host = engine.url.removeprefix("http://")
+    for path in ("/pause_generation", "/release_memory_occupation", "/update_weights_from_disk", "/gyre/kv/export"):
+        status, body = http(
+            engine.url, f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Length: 2\r\n\r\n{{}}".encode()
+        )
+        assert status == 401 and body == {"error": "Unauthorized"}
+    assert asyncio.run(engine_call(engine.url, "server_info"))["paused"] is False  # type: ignore[index]
+
+
+@pytest.mark.unit
+def test_the_run_admin_key_stays_out_of_harness_environments(monkeypatch):
+    key = take_run_admin_key()
+    monkeypatch.setenv(ADMIN_KEY_ENV, "from-the-launcher")
+    set_run_admin_key(key)  # what every rank does at start (gyre.sched.job)
+    assert ADMIN_KEY_ENV not in _harness_env() and take_run_admin_key() == key
 
 
 def test_a_client_that_disconnects_frees_its_engine_slot_and_leaves_no_record(model_dir, engine, caplog):
@@ -188,3 +209,10 @@ def test_http_layer_errors_limits_and_timeouts_answer_in_api_shape(model_dir, en
         assert http(server.url, f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())[0] == 200
         status, body = http(server.url, f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
         assert "127.0.0.1" not in json.dumps(body) and body["engines"] == 1  # no internal URLs
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("key", ["max_body_mb", "body_timeout_s", "idle_timeout_s", "max_connections"])
+def test_proxy_limits_must_be_positive(key):
+    with pytest.raises(ConfigValueError, match=f"proxy.{key}=0"):
+        ProxyConfig(**{key: 0})

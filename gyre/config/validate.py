@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gyre.config.schema import EngineConfig, ModelConfig, RunConfig, TrainConfig
+    from gyre.config.schema import EngineConfig, ModelConfig, ProxyConfig, RunConfig, TrainConfig
 
 ENGINE_BACKENDS = ("embedded", "sglang")
 ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -94,6 +94,12 @@ def check_train(t: TrainConfig, m: ModelConfig) -> None:
         _fail("train.pipeline_parallel", t.pipeline_parallel, f"must divide model.num_layers={m.num_layers}")
     if t.transformer_engine not in TRANSFORMER_ENGINE:
         _fail("train.transformer_engine", t.transformer_engine, f"choose one of {', '.join(TRANSFORMER_ENGINE)}")
+
+
+def check_proxy(p: ProxyConfig) -> None:
+    for key in ("max_body_mb", "body_timeout_s", "idle_timeout_s", "max_connections", "max_context_tokens"):
+        if getattr(p, key) <= 0:
+            _fail(f"proxy.{key}", getattr(p, key), "must be positive")
 
 
 def check_run(cfg: RunConfig) -> None:
