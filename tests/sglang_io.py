@@ -280,3 +280,14 @@ def load_sampler_function(name: str) -> Any:
     namespace: dict[str, Any] = {"torch": torch, "Optional": Optional}
     exec(compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec"), namespace)  # noqa: S102
     return namespace[name]
+
+
+def load_auth() -> types.ModuleType:
+    """sglang/srt/utils/auth.py (SGLang's per-route auth decision; it imports nothing heavy), from its own file."""
+    path = sglang_root() / "srt" / "utils" / "auth.py"
+    spec = importlib.util.spec_from_file_location("gyre_sglang_auth", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod

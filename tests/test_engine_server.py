@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import math
+import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -65,10 +66,14 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory, tokenizer: Tokenizer) -> tup
 
 
 @contextlib.asynccontextmanager
-async def engine(model_dir: Path, **config: int) -> AsyncIterator[tuple[EngineServer, EngineClient]]:
-    server = EngineServer(str(model_dir), BatcherConfig(**{"max_context_tokens": 512, **config}))
+async def engine(
+    model_dir: Path, admin_key: str | None = None, **config: int
+) -> AsyncIterator[tuple[EngineServer, EngineClient]]:
+    """An engine serving `model_dir` that loads weights from the checkpoints beside it; its client holds the key."""
+    cfg = BatcherConfig(**{"max_context_tokens": 512, **config})
+    server = EngineServer(str(model_dir), cfg, admin_key=admin_key, weights_dirs=[model_dir.parent])
     async with running(server) as url:
-        client = EngineClient(url, timeout_s=60)
+        client = EngineClient(url, timeout_s=60, admin_key=admin_key)
         try:
             yield server, client
         finally:
@@ -418,6 +423,40 @@ def test_update_weights_from_disk_changes_outputs_and_version(ckpts, tokenizer) 
             assert (await client.server_info())["weight_version"] == "v1"
             status, _ = await post(client, "/update_weight_version", {"new_version": "v1-relabelled"})
             assert status == 200 and (await client.generate(p, GREEDY)).weight_version == "v1-relabelled"
+
+    run(main())
+
+
+@pytest.mark.integration
+def test_admin_routes_need_the_admin_key_and_weights_load_only_from_the_weights_dirs(
+    ckpts, tokenizer, tmp_path
+) -> None:
+    admin = ["/abort_request", "/pause_generation", "/continue_generation", "/update_weights_from_disk",
+             "/update_weight_version", "/release_memory_occupation", "/resume_memory_occupation", "/flush_cache",
+             "/gyre/kv/export", "/gyre/kv/import", "/gyre/kv/release"]  # fmt: skip
+    outside = tmp_path / "forged"
+    shutil.copytree(ckpts[1], outside)  # a valid checkpoint, but not where the run writes weights
+
+    async def main() -> None:
+        async with engine(ckpts[0], admin_key="k-123") as (server, client):
+            session = await client._http()
+            for path in admin:
+                for headers in ({"Authorization": ""}, {"Authorization": "Bearer k-12"}, {"Authorization": "k-123"}):
+                    async with session.post(client.base_url + path, json={}, headers=headers) as resp:
+                        assert resp.status == 401 and await resp.json() == {"error": "Unauthorized"}, path
+            async with session.get(client.base_url + "/flush_cache", headers={"Authorization": ""}) as resp:
+                assert resp.status == 401
+            assert not server.batcher.paused and server.batcher.weight_version == "default"
+            p = prompts(tokenizer)[0]
+            async with session.post(client.base_url + "/generate", headers={"Authorization": ""},
+                                    json={"input_ids": p, "sampling_params": GREEDY.to_payload()}) as resp:  # fmt: skip
+                assert resp.status == 200  # generation, health and info stay open (as SGLang's do)
+            for bad in (outside, ckpts[0].parent.parent):
+                with pytest.raises(EngineError) as err:
+                    await client.update_weights_from_disk(str(bad), "forged")
+                assert err.value.status == 400 and "outside the run's weights directories" in str(err.value)
+            assert (await client.server_info())["weight_version"] == "default"
+            assert (await client.update_weights_from_disk(str(ckpts[1]), "v1"))["success"] is True
 
     run(main())
 

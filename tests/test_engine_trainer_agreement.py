@@ -39,7 +39,7 @@ def test_engine_logprobs_equal_trainer_logprobs_after_training_and_weight_sync(t
             assert len(res.output_logprobs) == len(res.output_ids) > 0
             assert torch.allclose(torch.tensor(res.output_logprobs), ref, atol=1e-4), (res.output_logprobs, ref)
 
-    engine = start_engine(ckpt, num_threads=1)
+    engine = start_engine(ckpt, num_threads=1, weights_dirs=[tmp_path])
     try:
 
         async def scenario():

@@ -171,6 +171,12 @@ def test_all_documented_fields_are_accepted():
             "not JSON",
         ),
         (base_body(tools=[{"type": "function"}]), "tools", "tools[0]"),
+        (base_body(top_p=0), "top_p", "greater than 0"),  # engines refuse it: a 400 here, never an engine 502
+        (base_body(seed=2**64), "seed", "seed"),
+        (base_body(stream="yes"), "stream", "stream"),
+        (base_body(max_tokens=2.0), "max_tokens", "integer"),
+        (base_body(tools=[{"type": "function", "function": {"name": "f", "parameters": {"required": [[]]}}}]), "tools",
+         "tools[0].function.parameters.required[0]"),
     ],
 )
 def test_bad_requests_are_rejected_with_400(body, param, needle):

@@ -21,6 +21,7 @@ from aiohttp import web
 from sglang_io import (
     ENDPOINT_CLASS,
     light_common,
+    load_auth,
     load_io_struct,
     load_sampling_params,
     parse_like_sglang,
@@ -30,6 +31,7 @@ from sglang_io import (
 
 from gyre.config.schema import EngineConfig, ModelConfig
 from gyre.config.validate import ConfigValueError
+from gyre.engine.admin_key import admin_headers, take_run_admin_key
 from gyre.engine.client import EngineClient, SamplingParams, SyncEngineClient
 from gyre.engine.sglang_backend import sglang_launch_command, sglang_server_args
 from gyre.engine.sglang_weights import (
@@ -293,6 +295,27 @@ def test_server_args_parse_with_sglangs_own_parser():
     assert ns.enable_hierarchical_cache and ns.hicache_storage_backend == "mooncake"
     assert (ns.context_length, ns.max_running_requests, ns.chunked_prefill_size) == (4096, 64, 4096)
     assert ns.served_model_name == "policy" and ns.schedule_policy == "lpm" and ns.random_seed == 0
+    assert ns.admin_api_key == ns.api_key == take_run_admin_key()  # what every EngineClient sends
+
+
+def test_the_run_admin_key_unlocks_exactly_sglangs_protected_routes():
+    """SGLang's own auth decision (sglang/srt/utils/auth.py) with the keys our command line gives it."""
+    auth = load_auth()
+    key = take_run_admin_key()
+
+    def allowed(path: str, level, header: str | None) -> bool:
+        decision = auth.decide_request_auth(
+            method="POST", path=path, authorization_header=header, api_key=key, admin_api_key=key, auth_level=level
+        )
+        return decision.allowed
+
+    ours = admin_headers()["Authorization"]
+    for path, level in [
+        ("/update_weights_from_disk", auth.AuthLevel.ADMIN_OPTIONAL),
+        ("/generate", auth.AuthLevel.NORMAL),
+    ]:
+        assert allowed(path, level, ours) and not allowed(path, level, None) and not allowed(path, level, "Bearer x")
+    assert allowed("/health", auth.AuthLevel.NORMAL, None)  # probes need no key
 
 
 def test_every_config_switch_maps_to_a_declared_flag():

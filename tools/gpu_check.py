@@ -204,7 +204,7 @@ def start_engine_process(plan: Plan, model_dir: Path, workdir: Path) -> Any:
     extra = ["--device", plan.device, "--dtype", plan.engine_dtype]
     return start_engine(model_dir, num_threads=1 if plan.tiny else 4, max_running_requests=max(plan.requests, 8),
                         max_context_tokens=4096, startup_timeout_s=600, log_path=workdir / "engine.log",
-                        extra_args=extra)  # fmt: skip
+                        extra_args=extra, weights_dirs=[workdir, model_dir])  # fmt: skip
 
 
 def generation_throughput(plan: Plan, model_dir: Path, engine_url: str) -> dict[str, Any]:

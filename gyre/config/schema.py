@@ -91,6 +91,11 @@ class ProxyConfig:
     idle_timeout_s: float = 75.0
     max_connections: int = 1024
 
+    def __post_init__(self) -> None:
+        from gyre.config.validate import check_proxy
+
+        check_proxy(self)
+
 
 @dataclass
 class TaskConfig:

@@ -11,7 +11,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gyre.config.schema import EngineConfig, ModelConfig, RLConfig, RunConfig, SandboxConfig, TrainConfig
+    from gyre.config.schema import (
+        EngineConfig,
+        ModelConfig,
+        ProxyConfig,
+        RLConfig,
+        RunConfig,
+        SandboxConfig,
+        TrainConfig,
+    )
 
 ENGINE_BACKENDS = ("embedded", "sglang")
 ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -138,6 +146,12 @@ def check_engine_in_cells(cfg: RunConfig) -> None:
             _fail("engine.tp_size", cfg.engine.tp_size,
                   f"cell {i} has {cell.nodes} node(s) of {cell.gpus_per_node} GPUs: one SGLang server per cell "
                   f"must span them all (engine.tp_size={gpus}); the controller routes to one engine per cell")  # fmt: skip
+
+
+def check_proxy(p: ProxyConfig) -> None:
+    for key in ("max_body_mb", "body_timeout_s", "idle_timeout_s", "max_connections", "max_context_tokens"):
+        if getattr(p, key) <= 0:
+            _fail(f"proxy.{key}", getattr(p, key), "must be positive")
 
 
 def check_run(cfg: RunConfig) -> None:

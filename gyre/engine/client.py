@@ -17,6 +17,8 @@ from typing import Any
 
 import aiohttp
 
+from gyre.engine.admin_key import admin_headers
+
 
 class EngineError(RuntimeError):
     """The engine answered with an error or could not be reached."""
@@ -226,16 +228,19 @@ class _EngineAPI:
 
 
 class EngineClient(_EngineAPI):
-    """Async face; create inside a running event loop, close with `await client.close()`."""
+    """Async face; create inside a running event loop, close with `await client.close()`.
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
+    Sends the run's engine admin key (gyre.engine.admin_key), or `admin_key`, with every request."""
+
+    def __init__(self, base_url: str, timeout_s: float = 600.0, admin_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._headers = admin_headers(admin_key)
         self._session: aiohttp.ClientSession | None = None
 
     async def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
+            self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
         return self._session
 
     async def close(self) -> None:
@@ -271,15 +276,17 @@ class EngineClient(_EngineAPI):
 
 
 class SyncEngineClient(_EngineAPI):
-    """Blocking face (urllib): no session to close, usable from any thread."""
+    """Blocking face (urllib): no session to close, usable from any thread; sends the admin key as the async
+    face does."""
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, base_url: str, timeout_s: float = 600.0, admin_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self._headers = admin_headers(admin_key)
 
     def _request(self, method: str, path: str, payload: dict[str, Any] | None = None) -> Any:
         data = None if payload is None else json.dumps(payload).encode()
-        req = urllib.request.Request(f"{self.base_url}{path}", data=data, method=method)
+        req = urllib.request.Request(f"{self.base_url}{path}", data=data, method=method, headers=self._headers)
         if data is not None:
             req.add_header("Content-Type", "application/json")
         try:

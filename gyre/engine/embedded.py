@@ -41,7 +41,12 @@ class EmbeddedEngine:
         self.starts += 1
         name = "engine.log" if self.starts == 1 else f"engine{self.starts}.log"
         self.process = start_engine_from_config(
-            weights, self.cfg, log_path=self.setup.log_dir / name, weight_version=self.version, env=self.setup.env
+            weights,
+            self.cfg,
+            log_path=self.setup.log_dir / name,
+            weight_version=self.version,
+            env=self.setup.env,
+            weights_dirs=[self.setup.scratch],  # where write_weights puts new weights; a path elsewhere is refused
         )
         self.servers = EngineServers([self.process.url])
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gyre.config.schema import EngineConfig
+from gyre.engine.admin_key import admin_env
 
 READY_PREFIX = "GYRE_ENGINE_READY"  # the server prints "GYRE_ENGINE_READY <url>" once it serves
 
@@ -111,10 +112,12 @@ def start_engine(
     log_path: str | Path | None = None,
     extra_args: list[str] | None = None,
     env: dict[str, str] | None = None,
+    weights_dirs: list[str | Path] | None = None,
 ) -> EngineProcess:
     """Launch `python -m gyre.engine.server` and wait until /health answers.
 
-    Output (stdout and stderr) goes to log_path (a temp file by default); on failure the error
+    The engine gets this run's admin key (gyre.engine.admin_key) and loads new weights only from
+    `weights_dirs` (default: `model_path`). Output (stdout and stderr) goes to log_path (a temp file by default); on failure the error
     carries its tail.
     """
     if log_path is None:
@@ -137,8 +140,9 @@ def start_engine(
     ]
     if prefix_cache_tokens is not None:
         cmd.append(f"--prefix-cache-tokens={prefix_cache_tokens}")
+    cmd += [f"--weights-dir={d}" for d in weights_dirs or []]
     cmd += list(extra_args or [])
-    child_env = {**os.environ, **(env or {})}
+    child_env = {**os.environ, **admin_env(), **(env or {})}
     child_env.setdefault("OMP_NUM_THREADS", str(num_threads))
     log_file = open(log_path, "w")  # noqa: SIM115 - owned by the EngineProcess
     proc = subprocess.Popen(

@@ -8,6 +8,11 @@ serves `/generate`, `/abort_request`, `/pause_generation`, `/continue_generation
 `/flush_cache`, `/health`, `/health_generate`, `/get_server_info`, `/get_model_info`, and prints
 `GYRE_ENGINE_READY <url>` once it accepts requests. The batching loop runs in its own thread
 (gyre.engine.batcher); handlers only validate, hand over and wait.
+
+Admin routes (everything but generation, health and info) need `Authorization: Bearer <key>` with the
+run's admin key, read from GYRE_ENGINE_ADMIN_KEY at start (gyre.engine.admin_key; without one they are
+open, as SGLang's are without `--admin-api-key`), and weights load only from the `--weights-dir`
+directories (default: the directory of `--model-path`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -28,6 +34,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from gyre.engine.admin_key import ADMIN_KEY_ENV, bearer_matches
 from gyre.engine.batcher import Batcher, BatcherConfig, Delta, Sequence
 from gyre.engine.kv_routes import KVRoutes
 from gyre.engine.launcher import READY_PREFIX
@@ -38,6 +45,9 @@ from gyre.model.tokenizer import Tokenizer
 
 log = logging.getLogger("gyre.engine.server")
 HEALTH_TIMEOUT_S = 20.0
+OPEN_ROUTES = frozenset(
+    {"/generate", "/health", "/health_generate", "/get_server_info", "/server_info", "/get_model_info", "/model_info"}
+)  # everything else is an admin route
 
 
 def error_response(message: str, status: int = 400) -> web.Response:
@@ -77,8 +87,12 @@ class EngineServer:
         served_model_name: str | None = None,
         device: str = "cpu",
         dtype: str = "float32",
+        admin_key: str | None = None,
+        weights_dirs: list[str | Path] | None = None,
     ) -> None:
         self.model_path = str(model_path)
+        self.admin_key = admin_key
+        self.weights_dirs = [Path(d).resolve() for d in weights_dirs or [model_path]]
         self.config = config
         self.served_model_name = served_model_name or Path(model_path).name
         model = load_llama(model_path).to(device=device, dtype=getattr(torch, dtype))
@@ -99,7 +113,7 @@ class EngineServer:
 
     # ----- app -----
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[self._errors])
+        app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[self._errors, self._admin_only])
         post, get = web.post, web.get
         both = lambda path, handler: [get(path, handler), post(path, handler)]  # noqa: E731
         app.add_routes(
@@ -132,6 +146,20 @@ class EngineServer:
             return await handler(request)
         except ProtocolError as e:
             return error_response(str(e), e.status)
+
+    @web.middleware
+    async def _admin_only(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """SGLang's answer to a missing or wrong admin key (sglang/srt/utils/auth.py)."""
+        if self.admin_key and request.path not in OPEN_ROUTES:
+            if not bearer_matches(request.headers.get("Authorization"), self.admin_key):
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    def _check_weights_path(self, path: str) -> None:
+        resolved = Path(path).resolve()
+        if not any(resolved.is_relative_to(d) for d in self.weights_dirs):
+            allowed = ", ".join(str(d) for d in self.weights_dirs)
+            raise ValueError(f"model_path {path} is outside the run's weights directories ({allowed}); refused")
 
     async def _on_shutdown(self, app: web.Application) -> None:
         if self.batcher.alive:  # answer every open request before the handlers are torn down
@@ -255,6 +283,7 @@ class EngineServer:
         abort_all = _field(body, "abort_all_requests", bool, False) or False
         flush = _field(body, "flush_cache", bool, True)
         try:
+            self._check_weights_path(path)
             _, state = await asyncio.to_thread(load_hf_state, path)
             self._check_state(state, path)
             num = await self._call(self.batcher.update_weights, state, version, flush is not False, abort_all)
@@ -399,6 +428,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--device", default="cpu", help="torch device of the model and KV cache (cpu, cuda, cuda:1)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--weights-dir",
+        action="append",
+        default=None,
+        help="weights load only from under these (repeat; default --model-path)",
+    )
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     for name in (
@@ -425,8 +460,18 @@ def main(argv: list[str] | None = None) -> None:
         prefix_cache_tokens=args.prefix_cache_tokens,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
     )
+    admin_key = os.environ.pop(ADMIN_KEY_ENV, None)  # not inherited by anything this process starts
+    if not admin_key:
+        log.warning("no %s in the environment: admin routes are open to anyone who reaches the port", ADMIN_KEY_ENV)
     server = EngineServer(
-        args.model_path, config, args.weight_version, args.served_model_name, device=args.device, dtype=args.dtype
+        args.model_path,
+        config,
+        args.weight_version,
+        args.served_model_name,
+        device=args.device,
+        dtype=args.dtype,
+        admin_key=admin_key,
+        weights_dirs=args.weights_dir,
     )
     log.info("serving %s (%s threads)", args.model_path, args.num_threads)
     asyncio.run(serve(server, args.host, args.port))

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from gyre.config.schema import EngineConfig, ModelConfig
 from gyre.config.validate import check_engine, check_engine_for_model
+from gyre.engine.admin_key import take_run_admin_key
 from gyre.engine.client import SyncEngineClient
 from gyre.engine.engine import EngineServers, EngineSetup, EngineUnsupported, resolved_weight_sync, stop_processes
 from gyre.engine.launcher import EngineProcess, EngineStartError, _tail
@@ -108,6 +109,10 @@ def sglang_server_args(
         "--base-gpu-id", str(cfg.base_gpu_id if base_gpu_id is None else base_gpu_id),
         "--log-level", cfg.log_level,
     ]  # fmt: skip
+    # The run's key for every route but /health*: admin routes for the controller and cells only, and
+    # /server_info, which lists the server args (the admin key among them), closed as well.
+    key = take_run_admin_key()
+    argv += ["--api-key", key, "--admin-api-key", key]
     flags = {
         "--enable-memory-saver": cfg.enable_memory_saver,
         "--enable-weights-cpu-backup": cfg.enable_weights_cpu_backup,

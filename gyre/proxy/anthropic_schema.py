@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gyre.proxy.schema_util import NonEmpty, refusal, str_or_list, tagged
+from gyre.proxy.schema_util import NonEmpty, ObjectSchema, refusal, str_or_list, tagged
 
 
 class _Obj(BaseModel):
@@ -85,7 +85,7 @@ Message = tagged(
 class Tool(_Obj):
     name: Annotated[str, Field(min_length=1, max_length=256)]
     description: str | None = None
-    input_schema: dict[str, Any] | None = None
+    input_schema: ObjectSchema | None = None
 
 
 class MessagesBody(_Obj):

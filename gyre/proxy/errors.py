@@ -43,6 +43,7 @@ class ProxyError(Exception):
         self.param = param
         self.code = code
         self.details = details  # numbers behind the message, for other API dialects to word it their way
+        self.close_connection = False  # the request left the connection unusable: answer, then close it
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -137,12 +138,17 @@ def is_anthropic(request: web.BaseRequest) -> bool:
 def error_response(err: ProxyError, request: web.BaseRequest | None = None) -> web.Response:
     if request is not None and is_anthropic(request):
         status, body = anthropic_status_and_body(err)
-        return web.json_response(body, status=status)
-    return web.json_response(err.body(), status=err.status)
+        resp = web.json_response(body, status=status)
+    else:
+        resp = web.json_response(err.body(), status=err.status)
+    if err.close_connection:
+        resp.force_close()
+    return resp
 
 
 def both_shapes_body(status: int, message: str) -> dict[str, Any]:
-    """For errors raised before the request is known (a malformed request line): read by both SDKs."""
+    """For errors raised before the request is known (a malformed request line, an encoding aiohttp cannot
+    decode): Anthropic's shape whose `error` also carries OpenAI's fields, so both SDKs read it."""
     kind = ANTHROPIC_ERROR_TYPES.get(status, "invalid_request_error")
     return {"type": "error", "error": {"type": kind, "message": message, "param": None, "code": None}}
 
@@ -167,6 +173,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if e.status < 400:
             raise
         return error_response(_http_error(e, request), request)
+    except ConnectionError:
+        raise  # the client went away: nobody to answer (aiohttp drops the connection quietly)
     except Exception as e:  # noqa: BLE001 - the proxy must answer, whatever went wrong
         log.exception("unhandled error in %s %s", request.method, request.path)
         err = ProxyError(500, f"internal proxy error: {type(e).__name__}: {e}", "server_error")

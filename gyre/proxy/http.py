@@ -22,11 +22,15 @@ async def read_json(request: web.Request, timeout_s: float) -> Any:
     """The request's JSON body. jiter (pydantic's parser) refuses lone UTF-16 surrogates, nesting
     deeper than 200 and trailing data, so what comes back can be rendered, dumped and streamed."""
     try:
-        raw = await asyncio.wait_for(request.read(), timeout_s)
+        async with asyncio.timeout(timeout_s):  # no extra task per request, unlike wait_for
+            raw = await request.read()
     except TimeoutError as e:
         raise ProxyError(408, f"the request body did not arrive within {timeout_s:g} s", code="request_timeout") from e
-    except RequestPayloadError as e:  # e.g. marked gzip but not gzip
-        raise invalid_request(f"the request body cannot be read: {e.__cause__ or e}".replace("\n", " ")) from e
+    except RequestPayloadError as e:  # e.g. marked gzip but not gzip: the connection cannot be reused
+        request.content.feed_eof()  # nothing more to read (aiohttp would read again, and fail loudly)
+        err = invalid_request(f"the request body cannot be read: {e.__cause__ or e}".replace("\n", " "))
+        err.close_connection = True
+        raise err from e
     except web.HTTPRequestEntityTooLarge as e:
         message = f"request body over the proxy's limit of {request.client_max_size} bytes (proxy.max_body_mb)"
         raise ProxyError(413, message, "invalid_request_error", code="request_too_large") from e
@@ -39,7 +43,8 @@ async def read_json(request: web.Request, timeout_s: float) -> Any:
 
 
 class _JsonErrorRequestHandler(RequestHandler):
-    """aiohttp's connection handler, answering its own errors (bad framing) as JSON in both APIs' shape,
+    """aiohttp's connection handler, answering its own errors (bad framing, an encoding it cannot decode) as
+    JSON readable as both APIs' shape (aiohttp raises them before the request, and so its API, is known),
     logged at debug level only (any client can cause them), and refusing connections over the cap."""
 
     max_connections = 0  # set per server by JsonErrorServer

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from gyre.proxy.schema_util import NonEmpty, refusal, str_or_list, tagged
+from gyre.proxy.schema_util import NonEmpty, ObjectSchema, refusal, str_or_list, tagged
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
@@ -100,7 +100,7 @@ Message = tagged(
 class FunctionDef(_Part):
     name: Annotated[str, Field(min_length=1, max_length=256)]
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: ObjectSchema | None = None
     strict: bool | None = None
 
 

@@ -9,9 +9,20 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, Discriminator, Field, Tag, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 NonEmpty = Annotated[str, Field(min_length=1)]
+
+
+class ObjectSchema(BaseModel):
+    """A tool's parameters: a JSON Schema object, checked where the chat template reads it (the names of
+    `properties` and the `required` list); the rest is passed on as sent."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    type: str | list[str] | None = None
+    properties: dict[str, dict[str, Any] | bool] | None = None
+    required: list[str] | None = None
 
 
 def tagged(members: dict[str, Any], key: str, other: Any = None) -> Any:

@@ -27,6 +27,7 @@ from gyre.comm.control import ControlPlane, world_control_plane
 from gyre.config.load import to_run_config
 from gyre.config.schema import CellResources, ModelConfig, RunConfig
 from gyre.config.validate import check_engine_in_cells
+from gyre.engine.admin_key import set_run_admin_key, take_run_admin_key
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted
 from gyre.sched.affinity import available_cpus, cpu_plan, pin
 from gyre.sched.faults import stalls_start
@@ -55,6 +56,7 @@ def run(out: Path) -> tuple[bool, dict[str, Any], int]:
     if rank > 0 and WORLD_UP_VAR in os.environ and stalls_start(cfg.sched.faults, rank - 1, start_attempt(os.environ)):
         threading.Event().wait()  # an injected stall: the start-up guard of the Slurm script ends this start
     start_id = world.bcast(uuid.uuid4().hex if rank == 0 else None, root=0)  # names this start's policy.json
+    set_run_admin_key(world.bcast(take_run_admin_key() if rank == 0 else None, root=0))  # engines' admin routes
     cp = world_control_plane([1] * n_cells, cfg.comm.idle_poll_max_s)  # collective: every rank has joined
     if rank == 0:
         mark_world_up(os.environ)
