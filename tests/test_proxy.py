@@ -175,8 +175,11 @@ def test_all_documented_fields_are_accepted():
         (base_body(seed=2**64), "seed", "seed"),
         (base_body(stream="yes"), "stream", "stream"),
         (base_body(max_tokens=2.0), "max_tokens", "integer"),
-        (base_body(tools=[{"type": "function", "function": {"name": "f", "parameters": {"required": [[]]}}}]), "tools",
-         "tools[0].function.parameters.required[0]"),
+        (
+            base_body(tools=[{"type": "function", "function": {"name": "f", "parameters": {"required": [[]]}}}]),
+            "tools",
+            "tools[0].function.parameters.required[0]",
+        ),
     ],
 )
 def test_bad_requests_are_rejected_with_400(body, param, needle):
