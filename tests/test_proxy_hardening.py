@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -17,16 +18,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from gyre.config.schema import ProxyConfig
+from gyre.config.schema import ProxyConfig, SandboxConfig
 from gyre.config.validate import ConfigValueError
 from gyre.engine.admin_key import ADMIN_KEY_ENV, set_run_admin_key, take_run_admin_key
 from gyre.engine.client import EngineClient
 from gyre.engine.launcher import EngineProcess, start_engine
-from gyre.harness.runner import _harness_env
+from gyre.harness.runner import harness_env
 from gyre.model.random_model import SHAPES, create_random_model
 from gyre.model.tokenizer import Tokenizer
 from gyre.proxy.call_log import CallLog
 from gyre.proxy.server import ProxyServer
+from gyre.sandbox.base import allowlisted_env
 
 pytestmark = pytest.mark.integration
 USER = [{"role": "user", "content": "Write the value 42 to answer.txt."}]
@@ -107,7 +109,10 @@ def test_the_run_admin_key_stays_out_of_harness_environments(monkeypatch):
     key = take_run_admin_key()
     monkeypatch.setenv(ADMIN_KEY_ENV, "from-the-launcher")
     set_run_admin_key(key)  # what every rank does at start (gyre.sched.job)
-    assert ADMIN_KEY_ENV not in _harness_env() and take_run_admin_key() == key
+    assert ADMIN_KEY_ENV not in os.environ and take_run_admin_key() == key
+    # not even a sandbox told to pass the variable through, nor a harness kind's own additions, can get it
+    assert ADMIN_KEY_ENV not in allowlisted_env(SandboxConfig(env=[ADMIN_KEY_ENV]))
+    assert ADMIN_KEY_ENV not in harness_env("claude_code", "rollout-key", "/run/gyre/harness")
 
 
 def test_a_client_that_disconnects_frees_its_engine_slot_and_leaves_no_record(model_dir, engine, caplog):

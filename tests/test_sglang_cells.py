@@ -15,7 +15,7 @@ import torch
 from sglang_io import parse_like_sglang, server_args_parser
 
 from gyre.config.schema import EngineConfig, ModelConfig
-from gyre.engine import sglang_backend
+from gyre.engine import admin_key, sglang_backend
 from gyre.engine.client import SyncEngineClient
 from gyre.engine.engine import EngineServers, EngineSetup, make_engine
 from gyre.engine.sglang_backend import SGLangEngine, SGLangUnavailable, launch_command, plan_servers
@@ -61,7 +61,8 @@ def test_tp_over_two_nodes_spans_them_with_a_rendezvous_on_the_first():
 
 
 @pytest.mark.unit
-def test_server_command_lines_golden():
+def test_server_command_lines_golden(monkeypatch):
+    monkeypatch.setattr(admin_key, "_key", "run-admin-key")  # the run's key, made per run (gyre.engine.admin_key)
     cfg = dataclasses.replace(GPU, tp_size=16)
     plan = plan_servers("/models/p", cfg, MODEL, nodes=["n0", "n1"], gpus_per_node=8, weight_version="7")
     assert launch_command(cfg, plan[0], "n0") == [
@@ -69,8 +70,8 @@ def test_server_command_lines_golden():
         "--model-path", "/models/p", "--host", "0.0.0.0", "--port", "30000", "--tp-size", "16",
         "--mem-fraction-static", "0.7", "--max-running-requests", "64", "--context-length", "4096",
         "--dtype", "bfloat16", "--load-format", "auto", "--weight-version", "7", "--random-seed", "0",
-        "--base-gpu-id", "0", "--log-level", "info", "--enable-memory-saver",
-        "--nnodes", "2", "--node-rank", "0", "--dist-init-addr", "n0:30050",
+        "--base-gpu-id", "0", "--log-level", "info", "--api-key", "run-admin-key", "--admin-api-key", "run-admin-key",
+        "--enable-memory-saver", "--nnodes", "2", "--node-rank", "0", "--dist-init-addr", "n0:30050",
     ]  # fmt: skip
     remote = launch_command(cfg, plan[1], "n0")
     assert remote[:6] == ["srun", "--overlap", "--nodes=1", "--ntasks=1", "--nodelist=n1", "--kill-on-bad-exit=1"]
