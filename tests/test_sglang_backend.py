@@ -50,7 +50,7 @@ def test_role_switch_keeps_requests_in_flight_and_loads_new_weights(tmp_path):
         finally:
             await client.close()
 
-    with start_engine(model, num_threads=1) as engine:
+    with start_engine(model, num_threads=1, weights_dirs=[tmp_path]) as engine:  # v1 is a sibling of v0
         assert wait_until_serving(engine, timeout_s=60) is engine  # /health_generate answers
         asyncio.run(scenario(engine.url))
 
