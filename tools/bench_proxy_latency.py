@@ -1,6 +1,7 @@
 """The proxy's added latency per call, two proxy versions side by side in front of one engine.
 
-    python -m tools.bench_proxy_latency --old-root /work/main --calls 300
+    git worktree add /tmp/gyre-base <base commit>
+    python -m tools.bench_proxy_latency --old-root /tmp/gyre-base --calls 300
 
 starts one embedded engine (a tiny random model), then a proxy from this checkout and one from
 `--old-root` (another checkout, e.g. the base commit), each its own process. Each round sends the same
@@ -125,7 +126,9 @@ def percentile(xs: list[float], q: float) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--old-root", default="/work/main", help="checkout whose proxy is the baseline")
+    p.add_argument(
+        "--old-root", required=True, help="checkout whose proxy is the baseline (e.g. a worktree of the base commit)"
+    )
     p.add_argument("--calls", type=int, default=300, help="rounds per API")
     p.add_argument("--turns", type=int, default=6, help="conversation turns in each call")
     p.add_argument("--seed", type=int, default=0)
