@@ -112,3 +112,25 @@ def test_pack_trees_splits_a_tree_over_the_budget_and_packs_the_rest_whole():
     whole = pack_forest([big])
     for name in ("tokens", "parent", "positions", "loss_weight", "source_index"):
         assert torch.equal(getattr(split, name), getattr(whole, name)), name
+
+
+def test_a_loss_not_proportional_to_the_weights_and_earlier_gradients_are_exact(trainer):
+    """A non-linear token loss takes the second, exact-g pass; a split tree adds to what earlier micro-batches left."""
+    rng = np.random.default_rng(11)
+    small, big = random_tree(rng, 4, name="small"), random_tree(rng, 25, name="big")
+
+    def loss_fn(logp, mb):
+        w = mb.loss_weight
+        loss = (w * logp * logp).sum() + 0.3 * (w * logp).sum()
+        return loss, {"loss": float(loss.detach())}
+
+    def grads(batches):
+        trainer.zero_grad()
+        trainer.forward_backward(batches, loss_fn)
+        g = torch.cat([p.grad.reshape(-1) for p in trainer.model.parameters()])
+        trainer.zero_grad()
+        return g
+
+    whole = grads([pack_forest([small]), pack_forest([big])])
+    split = grads([pack_forest([small]), split_tree(big, max(1, big.n_tokens // 10))])
+    assert float((split - whole).norm() / whole.norm()) < 1e-5

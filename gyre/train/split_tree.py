@@ -6,15 +6,18 @@ a contiguous range in depth-first order), so one path of cached keys/values per 
 serves every segment (PathKV): the segment's queries attend to that path plus the segment, each token at
 the position of its depth.
 
-1. Forward, no gradient, segments in order: every token's logprob. After a segment, its tokens on the
-   root path of the next segment's first token are written to the path.
-2. The loss function runs once on the whole tree's logprobs, so GSPO's sequence-level ratio is exact;
-   g = dloss/dlogp then fixes each token's weight.
-3. Backward, segments in reverse order: the segment is recomputed with gradient against the cached path,
-   and sum(g * logp) over its targets is backpropagated together with the gradient that later segments
-   left on its own keys/values. The attention kernel adds the gradient of the cached keys/values in
-   place to the path's gradient slots. When the previous segment starts on another branch, the part of
-   its root path not shared with this one is recomputed without gradient (once per token at most).
+Segments are trained in reverse order: each is recomputed with gradient against the cached path, and
+sum(g * logp) over its targets is backpropagated together with the gradient that later segments left
+on its own keys/values; the attention kernel adds the gradient of the cached keys/values in place to
+the path's gradient slots. When the previous segment starts on another branch, the part of its root
+path not shared with this one is recomputed without gradient (once per token at most; the last
+segment's whole root path at the start).
+
+The loss couples all segments (GSPO's ratio is over the whole rollout), so g = dloss/dlogp is only
+known once every logprob is. A loss whose gradient is c * loss_weight (GSPO on one rollout, a weighted
+token loss) is handled in one pass: run with g = loss_weight into an empty gradient, read every
+logprob on the way, evaluate the loss once on all of them (exact ratio), scale the gradient by c.
+Any other loss gets a second pass with its exact g.
 
 The sum over segments of each segment's direct gradient plus the gradient through the keys/values later
 segments read is the whole tree's gradient: logprobs and gradients equal whole-tree training up to
@@ -41,8 +44,8 @@ LossFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor, dict[str, float]]]
 class PathKV:
     """Keys/values (and, backward, their gradients) of one root path per layer, [Hkv, depth, D] by depth."""
 
-    def __init__(self, n_slots: int) -> None:
-        self.n_slots = n_slots
+    def __init__(self, n_slots: int, gradients: bool = False) -> None:
+        self.n_slots, self.gradients = n_slots, gradients
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         self.gk: dict[int, torch.Tensor] = {}
@@ -52,10 +55,8 @@ class PathKV:
         if layer not in self.k:
             shape = (like.shape[0], self.n_slots, like.shape[2])
             self.k[layer], self.v[layer] = like.new_zeros(shape), like.new_zeros(shape)
-
-    def start_gradients(self) -> None:
-        self.gk = {i: torch.zeros_like(t) for i, t in self.k.items()}
-        self.gv = {i: torch.zeros_like(t) for i, t in self.v.items()}
+            if self.gradients:
+                self.gk[layer], self.gv[layer] = like.new_zeros(shape), like.new_zeros(shape)
 
 
 class SegmentKV:
@@ -140,10 +141,8 @@ def _rope_table(model: torch.nn.Module, batch: SplitTreeBatch) -> torch.Tensor:
     return model.rotary_pos_emb(int(batch.positions.max()) + 1)
 
 
-def _logprobs_pass(
-    model: torch.nn.Module, batch: SplitTreeBatch, lay: _Layout, device: torch.device
-) -> tuple[torch.Tensor, PathKV]:
-    """Step 1: every token's logprob [N] (0 at roots), no gradient; the path left for the last segment."""
+def _logprobs_pass(model: torch.nn.Module, batch: SplitTreeBatch, lay: _Layout, device: torch.device) -> torch.Tensor:
+    """Every token's logprob [N] (0 at roots), no gradient."""
     tokens, parent = batch.tokens[0].to(device), batch.parent.to(device)
     rope = _rope_table(model, batch)
     logp = torch.zeros(batch.n_tokens, dtype=torch.float32, device=device)
@@ -158,56 +157,87 @@ def _logprobs_pass(
                 nxt = lay.root_path(b)
                 on = np.flatnonzero(nxt >= a)  # the next segment's ancestors in this one, by depth
                 ctx.write(on, nxt[on] - a)
-    return logp, path
+    return logp
 
 
 def split_logprobs(model: torch.nn.Module, batch: SplitTreeBatch, device: torch.device) -> torch.Tensor:
     """log p(token i | its root path) for every packed token as [N] fp32 (0 at roots), no gradient."""
-    return _logprobs_pass(model, batch, _Layout(batch), device)[0]
+    return _logprobs_pass(model, batch, _Layout(batch), device)
 
 
 def split_forward_backward(
     model: torch.nn.Module, batch: SplitTreeBatch, mb: Any, loss_fn: LossFn, device: torch.device
 ) -> dict[str, float]:
-    """Accumulate the gradient of loss_fn(logp of the whole tree, mb) into the model's .grad, segment by segment."""
+    """Accumulate the gradient of loss_fn(logp of the whole tree, mb) into the model's .grad, segment by segment.
+
+    A loss whose gradient is c * loss_weight (GSPO on one rollout: c = dloss/d log ratio / sum of weights;
+    a weighted token loss: c = -1) needs no logprob pass first: the backward pass runs with the loss
+    weights into an empty gradient, gives every logprob on the way, the loss then gives c, and the
+    gradient is scaled by it. Any other loss gets a second backward pass with its exact gradient.
+    """
     lay = _Layout(batch)
-    logp, path = _logprobs_pass(model, batch, lay, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    saved = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    weight = batch.loss_weight.to(device)
+    logp = _backward_pass(model, batch, lay, weight, device)
     leaf = logp.clone().requires_grad_()
     loss, metrics = loss_fn(leaf, mb)
     (g,) = torch.autograd.grad(loss, leaf, allow_unused=True)
     g = torch.zeros_like(logp) if g is None else g
+    c = float((g * weight).sum() / (weight * weight).sum().clamp(min=1e-30))
+    if not torch.allclose(g, c * weight, rtol=1e-5, atol=1e-7 * float(g.abs().max())):
+        for p in params:
+            p.grad = None
+        _backward_pass(model, batch, lay, g, device)
+        c = 1.0
+    for p, before in zip(params, saved, strict=True):
+        if p.grad is not None:
+            p.grad.mul_(c)
+            if before is not None:
+                p.grad.add_(before)
+        else:
+            p.grad = before
+    return {name: float(value) for name, value in metrics.items()}
+
+
+def _backward_pass(
+    model: torch.nn.Module, batch: SplitTreeBatch, lay: _Layout, g: torch.Tensor, device: torch.device
+) -> torch.Tensor:
+    """Backpropagate sum(g * logp) over the whole tree, segments in reverse order; returns logp [N] (0 at roots)."""
     tokens, parent = batch.tokens[0].to(device), batch.parent.to(device)
     rope = _rope_table(model, batch)
     size = batch.segment_tokens
-    path.start_gradients()
-    later: np.ndarray | None = None  # root path of the segment processed before (the next one in tree order)
+    logp = torch.zeros(batch.n_tokens, dtype=torch.float32, device=device)
+    path = PathKV(int(batch.positions.max()) + 1, gradients=True)
+    later = np.zeros(0, dtype=np.int64)  # root path of the segment processed before (the next one in tree order)
     for j in range(len(lay.segments) - 1, -1, -1):
         a, b = lay.segments[j]
         here = lay.root_path(a)
-        own_grad: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        q_local = np.zeros(0, dtype=np.int64)
-        if later is not None:
-            q_depth = np.flatnonzero(later >= a)  # this segment's tokens that later segments attended to
-            q_local = later[q_depth] - a
-            qd = torch.from_numpy(q_depth).to(device)
-            own_grad = {i: (path.gk[i][:, qd].clone(), path.gv[i][:, qd].clone()) for i in path.gk}
-            m = min(len(here), len(later))
-            shared = int(np.argmin(here[:m] == later[:m])) if m and not np.array_equal(here[:m], later[:m]) else m
-            for i in path.gk:
-                path.gk[i][:, shared:].zero_()
-                path.gv[i][:, shared:].zero_()
-            _recompute_path(model, tokens, here, shared, size, path, rope)
+        q_depth = np.flatnonzero(later >= a)  # this segment's tokens that later segments attended to
+        q_local = later[q_depth] - a
+        qd = torch.from_numpy(q_depth).to(device)
+        own_grad = {i: (path.gk[i][:, qd].clone(), path.gv[i][:, qd].clone()) for i in path.gk}
+        m = min(len(here), len(later))
+        shared = int(np.argmin(here[:m] == later[:m])) if not np.array_equal(here[:m], later[:m]) else m
+        for i in path.gk:  # slots from `shared` on get tokens no later segment attended to
+            path.gk[i][:, shared:].zero_()
+            path.gv[i][:, shared:].zero_()
+        _recompute_path(model, tokens, here, shared, size, path, rope)
         d = int(lay.depth[a])
         logits, ctx = _forward(model, tokens[a:b], lay.segment_parents(a, b, d), path, d, True, rope)
         t = torch.from_numpy(lay.targets[j]).to(device)
-        objective = (g[t] * target_logprobs(logits[parent[t] - a], tokens[t])).sum()
+        logp_t = target_logprobs(logits[parent[t] - a], tokens[t])
+        logp[t] = logp_t.detach()
+        objective = (g[t] * logp_t).sum()
         ql = torch.from_numpy(q_local).to(device)
         for i, (gk, gv) in own_grad.items():
             k, v = ctx.own[i]
             objective = objective + (k[:, ql] * gk).sum() + (v[:, ql] * gv).sum()
         objective.backward()
         later = here
-    return {name: float(value) for name, value in metrics.items()}
+    return logp
 
 
 def _recompute_path(
