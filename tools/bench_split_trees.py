@@ -11,11 +11,14 @@ high-water mark minus the RSS just before the first timed pass.
 `pairs` is exact attention's (query, key) pairs, sum of (depth + 1), what time should follow.
 
     python -m tools.bench_split_trees [--scales 100 10 1] [--budget 4096] [--repeats 3] [--whole-max 120000]
+        [--context N]  # override the (scaled) context limit, e.g. 1M tokens with shallower paths
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import json
 import statistics
 import subprocess
@@ -40,13 +43,22 @@ def model_cfg() -> ModelConfig:
     )  # fmt: skip
 
 
+def reset_peak_rss() -> None:
+    """Reset this process's VmHWM to its current RSS (Linux: 5 > /proc/self/clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def child(args: argparse.Namespace) -> None:
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     trainer = MegatronTrainer(model_cfg(), TrainConfig(num_threads=1))
     vocab = trainer.model_cfg.vocab_size
-    tree = rollout_tree(scaled_shape(args.scale, args.calls, 0.02, vocab), args.seed)
+    shape = scaled_shape(args.scale, args.calls, 0.02, vocab)
+    if args.context:
+        shape = dataclasses.replace(shape, context_limit=args.context)
+    tree = rollout_tree(shape, args.seed)
     weight = tree.policy.astype(np.float32) / max(int(tree.policy.sum()), 1)
     warm = rollout_tree(scaled_shape(100, 20, 0.0, vocab), 1)
     warm_w = warm.policy.astype(np.float32) / max(int(warm.policy.sum()), 1)
@@ -57,6 +69,8 @@ def child(args: argparse.Namespace) -> None:
         batch, warm_batch = pack_forest([tree], [weight]), pack_forest([warm], [warm_w])
     trainer.forward_backward([warm_batch], weighted_token_loss)  # lazy initialisation is not the tree's memory
     trainer.zero_grad()
+    gc.collect()
+    reset_peak_rss()  # building the call log peaks higher than training may: measure from here
     before = current_rss_mb()
     seconds = []
     for _ in range(args.repeats):
@@ -79,7 +93,7 @@ def child(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace, scale: int, mode: str) -> dict:
     cmd = [sys.executable, "-m", "tools.bench_split_trees", "--child", "--mode", mode, "--scale", str(scale)]
     cmd += ["--budget", str(args.budget), "--repeats", str(args.repeats), "--calls", str(args.calls)]
-    cmd += ["--seed", str(args.seed)]
+    cmd += ["--seed", str(args.seed), "--context", str(args.context)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -91,6 +105,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--context", type=int, default=0, help="override the scaled context limit (tokens)")
     parser.add_argument("--whole-max", type=int, default=120_000, help="run the whole tree only up to this size")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="split", help=argparse.SUPPRESS)
