@@ -11,7 +11,8 @@ high-water mark minus the RSS just before the first timed pass.
 `pairs` is exact attention's (query, key) pairs, sum of (depth + 1), what time should follow.
 
     python -m tools.bench_split_trees [--scales 100 10 1] [--budget 4096] [--repeats 3] [--whole-max 120000]
-        [--context N]  # override the (scaled) context limit, e.g. 1M tokens with shallower paths
+        [--context N]     # override the (scaled) context limit, e.g. 1M tokens with shallower paths
+        [--fixed-malloc]  # glibc mmap/trim thresholds fixed at 64 KiB: freed temporaries leave the RSS
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -94,7 +96,10 @@ def run(args: argparse.Namespace, scale: int, mode: str) -> dict:
     cmd = [sys.executable, "-m", "tools.bench_split_trees", "--child", "--mode", mode, "--scale", str(scale)]
     cmd += ["--budget", str(args.budget), "--repeats", str(args.repeats), "--calls", str(args.calls)]
     cmd += ["--seed", str(args.seed), "--context", str(args.context)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    env = dict(os.environ)
+    if args.fixed_malloc:  # glibc otherwise keeps freed per-block temporaries of varying size resident
+        env |= {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -106,6 +111,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--context", type=int, default=0, help="override the scaled context limit (tokens)")
+    parser.add_argument(
+        "--fixed-malloc", action="store_true", help="fixed glibc mmap/trim thresholds: RSS closer to what is held"
+    )
     parser.add_argument("--whole-max", type=int, default=120_000, help="run the whole tree only up to this size")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="split", help=argparse.SUPPRESS)
