@@ -143,3 +143,24 @@ def test_gradients_reduce_to_the_core_over_mpi(tmp_path: Path) -> None:
     res = json.loads(out.read_text())
     assert res["max_abs_diff"] == 0.0 and res["mask"] == [1, 1, 0, 1]
     assert res["idle_cpu_fraction"] < 0.2  # the core waited for a slow sender without spinning
+
+
+@pytest.mark.integration
+def test_cells_train_trees_over_the_budget_in_segments_exactly(shards: tuple[RunConfig, list[Path]]) -> None:
+    cfg, paths = shards
+    tiny = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_tokens=8))  # every tree splits
+    torch.manual_seed(0)
+    state = MegatronTrainer(cfg.model, cfg.train).hf_state_dict()
+    loss_fn = tree_gspo_loss_fn(0.2, 0.2)
+    grads = []
+    for c in (cfg, tiny):
+        refs = [r for p in paths for r in plan_group(p, c)[0]]
+        source = MicroBatchSource(c)
+        batches = [source.get(r) for r in refs]
+        if c is tiny:
+            assert all(type(b.batch).__name__ == "SplitTreeBatch" for b in batches)
+        trainer = replica(c, state)
+        trainer.zero_grad()
+        trainer.forward_backward(batches, loss_fn)
+        grads.append(flat_grads(trainer.model)[0])
+    assert float((grads[1] - grads[0]).norm() / grads[0].norm()) < 1e-5

@@ -251,8 +251,8 @@ def test_pack_trees_respects_the_budget_and_maps_tokens_back():
 
 def test_pack_trees_refuses_bad_input_with_a_clear_error():
     tree = make_tree([1, 2, 3], [-1, 0, 1])
-    with pytest.raises(ValueError, match="over the micro-batch budget"):
-        pack_trees([tree], token_budget=2)
+    with pytest.raises(ValueError, match="token_budget must be positive"):
+        pack_trees([tree], token_budget=0)
     with pytest.raises(ValueError, match="over the maximum"):
         pack_trees([tree], token_budget=10, max_len=2)
     with pytest.raises(ValueError, match="root"):

@@ -3,8 +3,9 @@
 A micro-batch is a plain list of rollouts (each with `.tree` and `.loss_weight`, the shape of a
 sampled tree) whose tree tokens add up to at most the budget; the tree packer turns it into
 tensors. Greedy in arrival order, so a micro-batch is ready as soon as its rollouts have arrived.
-A tree larger than the budget is never split (its tokens attend across the whole tree): it travels
-alone in a micro-batch flagged `oversize`.
+A tree larger than the budget travels alone in a micro-batch flagged `oversize`: its tokens attend
+across the whole tree, so one trainer takes it whole and trains it in segments of the budget
+(gyre.train.tree_pack.pack_trees -> SplitTreeBatch, gyre/train/split_tree.py).
 """
 
 from __future__ import annotations

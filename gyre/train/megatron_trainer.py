@@ -21,6 +21,7 @@ from gyre.config.schema import ModelConfig, TrainConfig
 from gyre.config.validate import check_train
 from gyre.model.megatron_gpt import build_gpt_model
 from gyre.model.weights import hf_to_megatron, megatron_to_hf
+from gyre.train.logprobs import target_logprobs
 from gyre.train.megatron_cuda import (
     MegatronOptimizerStep,
     init_model_parallel,
@@ -28,8 +29,9 @@ from gyre.train.megatron_cuda import (
     transformer_engine_enabled,
 )
 from gyre.train.sampling_logprobs import sampled_token_logprobs
+from gyre.train.split_tree import split_forward_backward, split_logprobs
 from gyre.train.tree_attention_megatron import accepts_tree_plans
-from gyre.train.tree_pack import TreeMicroBatch
+from gyre.train.tree_pack import SplitTreeBatch, TreeMicroBatch
 
 LossFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor, dict[str, float]]]
 
@@ -91,18 +93,13 @@ class MegatronTrainer:
         the real tokens' logprobs unchanged (causal attention); callers ignore the pad positions.
         """
         tokens = tokens.to(self.device)
-        logits = self.logits(tokens, attention_mask)[:, :-1]
-        return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+        return target_logprobs(self.logits(tokens, attention_mask)[:, :-1], tokens[:, 1:])
 
     def tree_token_logprobs(self, batch: TreeMicroBatch) -> torch.Tensor:
         """log p(token i | its root path) for every packed token as [N] fp32 (0 at roots), read from the logits
         at parent[i], under the distribution token i's call sampled from (batch.sampling: temperature, ...).
         Differentiable; equals running each root-to-leaf path as a plain sequence."""
-        if not accepts_tree_plans(self.model):
-            raise ValueError(
-                "tree micro-batches need the tree-aware local layer spec; this model was built with another "
-                "(Transformer Engine's): set train.transformer_engine=off to train on trees"
-            )
+        self._check_tree_spec()
         tokens = batch.tokens.to(self.device)
         logits = self.model(tokens, None, batch.attention.to(self.device)).float()[0]  # [N, V]
         parent = batch.parent.to(self.device)
@@ -110,9 +107,25 @@ class MegatronTrainer:
         logp = sampled_token_logprobs(rows, tokens[0], batch.sampling.to(self.device))
         return torch.where(parent >= 0, logp, torch.zeros_like(logp))
 
+    def _check_tree_spec(self) -> None:
+        if self.train_cfg.context_parallel > 1:  # each rank would run the whole tree: no split of its tokens yet
+            raise ValueError(
+                "tree micro-batches are not split over context-parallel ranks yet; set train.context_parallel=1 "
+                "(trees over train.micro_batch_tokens are trained in segments instead)"
+            )
+        if not accepts_tree_plans(self.model):
+            raise ValueError(
+                "tree micro-batches need the tree-aware local layer spec; this model was built with another "
+                "(Transformer Engine's): set train.transformer_engine=off to train on trees"
+            )
+
     def micro_batch_logprobs(self, mb: Any) -> torch.Tensor:
-        """[N] per-token logprobs of a TreeMicroBatch, or [B, T-1] of a padded batch (`.tokens`, `.attention_mask`)."""
+        """[N] per-token logprobs of a TreeMicroBatch or SplitTreeBatch (no gradient for the latter), or [B, T-1]
+        of a padded batch (`.tokens`, `.attention_mask`)."""
         tree = getattr(mb, "batch", mb)  # RL micro-batches wrap a TreeMicroBatch with per-tree advantages
+        if isinstance(tree, SplitTreeBatch):
+            self._check_tree_spec()
+            return split_logprobs(self.model, tree, self.device)
         if isinstance(tree, TreeMicroBatch):
             return self.tree_token_logprobs(tree)
         return self.token_logprobs(mb.tokens, getattr(mb, "attention_mask", None))
@@ -133,9 +146,14 @@ class MegatronTrainer:
         self.model.train()
         sums: dict[str, float] = defaultdict(float)
         for mb in micro_batches:
-            logp = self.micro_batch_logprobs(mb)
-            loss, metrics = loss_fn(logp, mb)
-            loss.backward()
+            tree = getattr(mb, "batch", mb)
+            if isinstance(tree, SplitTreeBatch):  # over the budget: exact, in segments
+                self._check_tree_spec()
+                metrics = split_forward_backward(self.model, tree, mb, loss_fn, self.device)
+            else:
+                logp = self.micro_batch_logprobs(mb)
+                loss, metrics = loss_fn(logp, mb)
+                loss.backward()
             for name, value in metrics.items():
                 sums[name] += float(value)
         return {name: total / len(micro_batches) for name, total in sums.items()}

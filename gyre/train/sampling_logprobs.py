@@ -43,6 +43,12 @@ class TokenSampling:
         t = torch.from_numpy(np.ascontiguousarray(table, dtype=np.float64))
         return cls(t[:, 0].float(), t[:, 1].float(), t[:, 2].long(), t[:, 3].float(), truncated)
 
+    def take(self, index: torch.Tensor) -> TokenSampling:
+        """The rows `index` (a segment's targets in split-tree training)."""
+        return TokenSampling(
+            self.temperature[index], self.top_p[index], self.top_k[index], self.min_p[index], self.truncated
+        )
+
     def to(self, device: torch.device | str) -> TokenSampling:
         return TokenSampling(
             self.temperature.to(device), self.top_p.to(device), self.top_k.to(device), self.min_p.to(device),

@@ -19,13 +19,18 @@ sum over tokens of (depth + 1), i.e. O(N * path length) for long paths, with no 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 Ranges = tuple[tuple[int, int], ...]  # half-open [start, end) index ranges, sorted, disjoint
+# Given keys/values of the tokens before query_start, [Hkv, query_start, D] each, and where their
+# gradients are added (same shapes; None when no gradient is wanted).
+Prefix = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None
 
 DEFAULT_MASK_BUDGET = 1 << 21  # elements of one block's [queries, keys] mask
 MIN_BLOCK, MAX_BLOCK = 16, 512
@@ -33,18 +38,26 @@ MIN_BLOCK, MAX_BLOCK = 16, 512
 
 @dataclass
 class TreeAttentionPlan:
-    """Everything the attention kernel needs about one packed forest (batch size 1)."""
+    """Everything the attention kernel needs about one packed forest (batch size 1).
 
-    positions: torch.Tensor  # [N] long: depth along the path, the RoPE position
+    Tokens [0, query_start) are keys only: their keys and values are given, not computed (the cached
+    ancestors of one segment of a split tree, gyre/train/split_tree.py); queries are the rest.
+    """
+
+    positions: torch.Tensor  # [N - query_start] long: each query token's depth along its path, its RoPE position
     subtree_end: torch.Tensor  # [N] long: token i's subtree is [i, subtree_end[i])
-    blocks: list[tuple[int, int, Ranges]]  # (qa, qb, key ranges) covering [0, N) in order
+    blocks: list[tuple[int, int, Ranges]]  # (qa, qb, key ranges) covering [query_start, N) in order
+    query_start: int = 0
+    prefix: Any = None  # the key-only tokens' per-layer keys/values (split_tree.SegmentKV); None when query_start=0
+    rope_table: torch.Tensor | None = None  # RoPE rows by position when positions can exceed the query count
 
     @property
     def n_tokens(self) -> int:
+        """Query tokens."""
         return int(self.positions.shape[0])
 
     def to(self, device: torch.device | str) -> TreeAttentionPlan:
-        return TreeAttentionPlan(self.positions.to(device), self.subtree_end.to(device), self.blocks)
+        return dataclasses.replace(self, positions=self.positions.to(device), subtree_end=self.subtree_end.to(device))
 
     def max_keys(self) -> int:
         return max(sum(b - a for a, b in ranges) for _, _, ranges in self.blocks)
@@ -63,12 +76,14 @@ def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def plan_from_parents(
-    parent: np.ndarray, block_size: int | None = None, mask_budget: int = DEFAULT_MASK_BUDGET
+    parent: np.ndarray, block_size: int | None = None, mask_budget: int = DEFAULT_MASK_BUDGET, query_start: int = 0
 ) -> TreeAttentionPlan:
-    """parent [N] (index of each token's parent, -1 at a root), tokens in depth-first preorder."""
+    """parent [N] (index of each token's parent, -1 at a root), tokens in depth-first preorder.
+
+    With query_start > 0, tokens before it are keys only (see TreeAttentionPlan)."""
     parent = np.asarray(parent, dtype=np.int64)
     n = int(parent.shape[0])
-    if n == 0:
+    if n <= query_start:
         raise ValueError("cannot plan attention for an empty tree batch")
     idx = np.arange(n)
     if np.any(parent >= idx) or np.any(parent < -1):
@@ -131,22 +146,44 @@ def plan_from_parents(
     # of the deep root path the block is charged for.
     jumps = seg_start[1:][depth[seg_start[1:]] * 2 < depth[seg_start[1:] - 1] + 1]
     blocks = []
-    qa = 0
+    qa = query_start
     while qa < n:
         next_jump = jumps[np.searchsorted(jumps, qa, side="right")] if len(jumps) and jumps[-1] > qa else n
         qb = min(qa + block_size, int(next_jump))
         s = int(seg_of[qa])
         blocks.append((qa, qb, tuple(_merge([*anc[s], (int(seg_start[s]), qb)]))))
         qa = qb
-    return TreeAttentionPlan(torch.from_numpy(depth), torch.from_numpy(sub_end[seg_of]), blocks)
+    return TreeAttentionPlan(
+        torch.from_numpy(depth[query_start:]), torch.from_numpy(sub_end[seg_of]), blocks, query_start=query_start
+    )
+
+
+def _pieces(ranges: Ranges, split: int) -> list[tuple[int, int]]:
+    """The ranges cut at `split` (the first computed token: keys before it are given, see TreeAttentionPlan)."""
+    out = []
+    for a, b in ranges:
+        if a < split < b:
+            out += [(a, split), (split, b)]
+        else:
+            out.append((a, b))
+    return out
 
 
 def _block_inputs(
-    k: torch.Tensor, v: torch.Tensor, plan: TreeAttentionPlan, qa: int, qb: int, ranges: Ranges
+    k: torch.Tensor, v: torch.Tensor, plan: TreeAttentionPlan, qa: int, qb: int, ranges: Ranges, prefix: Prefix
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gathered keys/values [1, Hkv, K, D] and the [qb - qa, K] mask (True = attend) of one block."""
-    kb = torch.cat([k[:, a:b] for a, b in ranges], dim=1)[None]
-    vb = torch.cat([v[:, a:b] for a, b in ranges], dim=1)[None]
+    """Gathered keys/values [1, Hkv, K, D] and the [qb - qa, K] mask (True = attend) of one block.
+
+    k, v [Hkv, N - query_start, D] hold the computed tokens; keys before query_start come from `prefix`."""
+    d = plan.query_start
+    parts = _pieces(ranges, d)
+    if prefix is None:
+        kb = torch.cat([k[:, a:b] for a, b in parts], dim=1)[None]
+        vb = torch.cat([v[:, a:b] for a, b in parts], dim=1)[None]
+    else:
+        kp, vp = prefix[0], prefix[1]
+        kb = torch.cat([kp[:, a:b] if b <= d else k[:, a - d : b - d] for a, b in parts], dim=1)[None]
+        vb = torch.cat([vp[:, a:b] if b <= d else v[:, a - d : b - d] for a, b in parts], dim=1)[None]
     key_idx = torch.cat([torch.arange(a, b, device=k.device) for a, b in ranges])
     q_idx = torch.arange(qa, qb, device=k.device)[:, None]
     mask = (key_idx[None] <= q_idx) & (q_idx < plan.subtree_end[key_idx][None])
@@ -182,24 +219,27 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
 
 
 class _TreeAttention(torch.autograd.Function):
-    """q [1, H, N, D], k/v [1, Hkv, N, D]; block by block, saving only q, k, v, out (and the logsumexp)."""
+    """q [1, H, Nq, D], k/v [1, Hkv, N, D] (queries are tokens [N - Nq, N)); block by block, saving only
+    q, k, v, out (and the logsumexp). k/v hold the query tokens' own keys/values; those of the tokens before
+    query_start are in `prefix`, whose gradients the backward pass adds to its sinks in place."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan, scale):  # noqa: ANN001, ANN205 - autograd.Function protocol
+    def forward(ctx, q, k, v, plan, scale, prefix):  # noqa: ANN001, ANN205 - autograd.Function protocol
         fused = _CPU_FLASH is not None and q.device.type == "cpu"
         out = torch.empty_like(q)
         lse = q.new_empty(q.shape[:3]) if fused else None
+        off = plan.query_start
         for qa, qb, ranges in plan.blocks:
-            kb, vb, mask = _block_inputs(k[0], v[0], plan, qa, qb, ranges)
+            kb, vb, mask = _block_inputs(k[0], v[0], plan, qa, qb, ranges, prefix)
             if fused:
                 o, lse_b = _CPU_FLASH[0](
-                    q[:, :, qa:qb], kb, vb, 0.0, False, attn_mask=_additive(mask, q.dtype), scale=scale
+                    q[:, :, qa - off : qb - off], kb, vb, 0.0, False, attn_mask=_additive(mask, q.dtype), scale=scale
                 )
-                out[:, :, qa:qb], lse[:, :, qa:qb] = o, lse_b
+                out[:, :, qa - off : qb - off], lse[:, :, qa - off : qb - off] = o, lse_b
             else:
-                out[:, :, qa:qb] = _sdpa(q[:, :, qa:qb], kb, vb, mask, scale)
+                out[:, :, qa - off : qb - off] = _sdpa(q[:, :, qa - off : qb - off], kb, vb, mask, scale)
         ctx.save_for_backward(q, k, v, out, *([lse] if fused else []))
-        ctx.plan, ctx.scale, ctx.fused = plan, scale, fused
+        ctx.plan, ctx.scale, ctx.fused, ctx.prefix = plan, scale, fused, prefix
         return out
 
     @staticmethod
@@ -208,37 +248,53 @@ class _TreeAttention(torch.autograd.Function):
         plan, scale = ctx.plan, ctx.scale
         grad_out = grad_out.contiguous()
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        off, prefix = plan.query_start, ctx.prefix
+        sink_k, sink_v = (prefix[2], prefix[3]) if prefix is not None else (None, None)
         for qa, qb, ranges in plan.blocks:
-            kb, vb, mask = _block_inputs(k[0], v[0], plan, qa, qb, ranges)
+            kb, vb, mask = _block_inputs(k[0], v[0], plan, qa, qb, ranges, prefix)
+            qs = slice(qa - off, qb - off)
             if ctx.fused:
                 gq, gk, gv = _CPU_FLASH[1](
-                    grad_out[:, :, qa:qb], q[:, :, qa:qb], kb, vb, out[:, :, qa:qb], lse[0][:, :, qa:qb],
+                    grad_out[:, :, qs], q[:, :, qs], kb, vb, out[:, :, qs], lse[0][:, :, qs],
                     0.0, False, attn_mask=_additive(mask, q.dtype), scale=scale,
                 )  # fmt: skip
             else:
                 with torch.enable_grad():
-                    qs, kb, vb = (t.detach().requires_grad_() for t in (q[:, :, qa:qb], kb, vb))
-                    o = _sdpa(qs, kb, vb, mask, scale)
-                    gq, gk, gv = torch.autograd.grad(o, (qs, kb, vb), grad_out[:, :, qa:qb])
-            dq[:, :, qa:qb] = gq
+                    qb_, kb, vb = (t.detach().requires_grad_() for t in (q[:, :, qs], kb, vb))
+                    o = _sdpa(qb_, kb, vb, mask, scale)
+                    gq, gk, gv = torch.autograd.grad(o, (qb_, kb, vb), grad_out[:, :, qs])
+            dq[:, :, qs] = gq
             offset = 0
-            for a, b in ranges:
-                dk[:, :, a:b] += gk[:, :, offset : offset + b - a]
-                dv[:, :, a:b] += gv[:, :, offset : offset + b - a]
+            for a, b in _pieces(ranges, off):
+                if b <= off:  # a given key: its gradient goes to the prefix's sink, if it wants one
+                    if sink_k is not None:
+                        sink_k[:, a:b] += gk[0, :, offset : offset + b - a]
+                        sink_v[:, a:b] += gv[0, :, offset : offset + b - a]
+                else:
+                    dk[:, :, a - off : b - off] += gk[:, :, offset : offset + b - a]
+                    dv[:, :, a - off : b - off] += gv[:, :, offset : offset + b - a]
                 offset += b - a
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 def tree_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: TreeAttentionPlan, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: TreeAttentionPlan, scale: float, prefix: Prefix = None
 ) -> torch.Tensor:
     """q [H, N, D], k and v [Hkv, N, D] (H a multiple of Hkv; query head h uses kv head h // (H/Hkv))
-    -> [H, N, D]: softmax(q k^T * scale) v with each query restricted to its ancestors and itself."""
+    -> [H, N, D]: softmax(q k^T * scale) v with each query restricted to its ancestors and itself.
+    With plan.query_start > 0, q, k and v hold only the query tokens [query_start, N), and `prefix` the
+    keys/values of the tokens before them (see Prefix)."""
     if q.shape[1] != plan.n_tokens or k.shape[1] != plan.n_tokens:
-        raise ValueError(f"plan covers {plan.n_tokens} tokens, q/k have {q.shape[1]}/{k.shape[1]}")
+        raise ValueError(f"plan covers {plan.n_tokens} query tokens, q/k have {q.shape[1]}/{k.shape[1]}")
+    if (prefix is None) != (plan.query_start == 0) or (prefix is not None and prefix[0].shape[1] != plan.query_start):
+        raise ValueError(
+            f"plan has {plan.query_start} given tokens before its queries; pass their keys/values as prefix"
+        )
     if q.shape[0] % k.shape[0]:
         raise ValueError(f"{q.shape[0]} query heads are not a multiple of {k.shape[0]} key/value heads")
-    return _TreeAttention.apply(q[None].contiguous(), k[None].contiguous(), v[None].contiguous(), plan, scale)[0]
+    return _TreeAttention.apply(q[None].contiguous(), k[None].contiguous(), v[None].contiguous(), plan, scale, prefix)[
+        0
+    ]
 
 
 def dense_tree_mask(parent: np.ndarray) -> torch.Tensor:

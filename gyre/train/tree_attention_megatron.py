@@ -5,7 +5,9 @@ TreeAttentionPlan instead of a tensor. Two subclasses act only on that case and 
 for every tensor mask, so dense/causal forwards keep megatron's numerics:
 - TreeSelfAttention picks each token's RoPE row by its depth (megatron's "rope" path rotates by
   sequence index and ignores position_ids); the rotation itself stays megatron's.
-- TreeDotProductAttention runs gyre.train.tree_attention on the rotated q, k, v.
+- TreeDotProductAttention runs gyre.train.tree_attention on the rotated q, k, v. For a segment of a
+  split tree (plan.prefix set) it puts the cached ancestors' keys/values of its layer in front of the
+  segment's own, and hands the segment's own to the plan's prefix (gyre/train/split_tree.py).
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ class TreeSelfAttention(SelfAttention):
                 raise ValueError(f"a tree micro-batch is one packed row, got batch size {hidden_states.shape[1]}")
             if args:
                 raise TypeError("pass SelfAttention's optional arguments by keyword with a tree plan")
-            kwargs["rotary_pos_emb"] = _rows_at(kwargs.get("rotary_pos_emb"), attention_mask.positions)
+            table = attention_mask.rope_table  # megatron's table covers the input length only, a segment goes deeper
+            table = kwargs.get("rotary_pos_emb") if table is None else table
+            kwargs["rotary_pos_emb"] = _rows_at(table, attention_mask.positions)
         return super().forward(hidden_states, attention_mask, *args, **kwargs)
 
 
@@ -61,7 +65,10 @@ class TreeDotProductAttention(DotProductAttention):
             raise ValueError("tree attention does not implement attention dropout; set attention_dropout=0")
         # [S, 1, heads, D] -> [heads, S, D]
         q, k, v = (t[:, 0].transpose(0, 1) for t in (query, key, value))
-        out = tree_attention(q, k, v, attention_mask, self.softmax_scale)
+        prefix = None
+        if attention_mask.prefix is not None:
+            prefix = attention_mask.prefix.layer(self.layer_number, k, v)
+        out = tree_attention(q, k, v, attention_mask, self.softmax_scale, prefix)
         return out.transpose(0, 1).reshape(out.shape[1], 1, -1)  # [S, 1, heads * D]
 
 

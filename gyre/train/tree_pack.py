@@ -100,15 +100,54 @@ def _check_tree(tree: TrajectoryTree, weight: np.ndarray) -> None:
         )
 
 
-def pack_forest(
-    trees: Sequence[TrajectoryTree],
-    weights: Sequence[np.ndarray | None] | None = None,
-    block_size: int | None = None,
-) -> TreeMicroBatch:
-    """All trees in one micro-batch. weights[k] [N_k]: per-token target weights (default: 1 on policy tokens)."""
-    if not trees:
-        raise ValueError("pack_forest needs at least one tree")
-    weights = list(weights) if weights is not None else [None] * len(trees)
+@dataclass
+class SplitTreeBatch:
+    """One tree over the micro-batch budget: packed as pack_forest packs it (same fields, same order), trained
+    in segments of at most `segment_tokens` consecutive packed tokens (gyre/train/split_tree.py)."""
+
+    tokens: torch.Tensor  # [1, N] long
+    parent: torch.Tensor  # [N] long
+    positions: torch.Tensor  # [N] long: depth
+    loss_weight: torch.Tensor  # [N] float32
+    policy_mask: torch.Tensor  # [N] bool
+    old_logprobs: torch.Tensor  # [N] float32
+    tree_index: torch.Tensor  # [N] long (all 0)
+    source_index: torch.Tensor  # [N] long
+    rollout_ids: list[str]
+    segment_tokens: int
+    sampling: TokenSampling  # [N] sampling parameters of each token's call: what its logprobs describe
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.tokens.shape[1])
+
+    @property
+    def segments(self) -> list[tuple[int, int]]:
+        n, s = self.n_tokens, self.segment_tokens
+        return [(a, min(a + s, n)) for a in range(0, n, s)]
+
+
+def split_tree(tree: TrajectoryTree, segment_tokens: int, weight: np.ndarray | None = None) -> SplitTreeBatch:
+    """One tree, packed depth-first, to be trained in segments of at most segment_tokens tokens."""
+    if segment_tokens < 1:
+        raise ValueError(f"segment_tokens must be positive, got {segment_tokens}")
+    c = _packed_columns([tree], [weight])
+    return SplitTreeBatch(
+        tokens=torch.from_numpy(c["tok"])[None],
+        parent=torch.from_numpy(c["par"]),
+        positions=torch.from_numpy(np.asarray(tree.depth, dtype=np.int64)[c["src"]]),
+        loss_weight=torch.from_numpy(c["w"]),
+        policy_mask=torch.from_numpy(c["pol"]),
+        old_logprobs=torch.from_numpy(c["old"]),
+        tree_index=torch.from_numpy(c["tree"]),
+        source_index=torch.from_numpy(c["src"]),
+        rollout_ids=[tree.rollout_id],
+        segment_tokens=segment_tokens,
+        sampling=TokenSampling.from_table(c["samp"]),
+    )
+
+
+def _packed_columns(trees: Sequence[TrajectoryTree], weights: Sequence[np.ndarray | None]) -> dict[str, np.ndarray]:
     cols: dict[str, list[np.ndarray]] = {k: [] for k in ("tok", "par", "w", "pol", "old", "tree", "src", "samp")}
     offset = 0
     for k, (tree, w) in enumerate(zip(trees, weights, strict=True)):
@@ -127,7 +166,19 @@ def pack_forest(
         cols["src"].append(perm)
         cols["samp"].append(tree_sampling_table(tree)[perm])
         offset += len(perm)
-    c = {k: np.concatenate(v) for k, v in cols.items()}
+    return {k: np.concatenate(v) for k, v in cols.items()}
+
+
+def pack_forest(
+    trees: Sequence[TrajectoryTree],
+    weights: Sequence[np.ndarray | None] | None = None,
+    block_size: int | None = None,
+) -> TreeMicroBatch:
+    """All trees in one micro-batch. weights[k] [N_k]: per-token target weights (default: 1 on policy tokens)."""
+    if not trees:
+        raise ValueError("pack_forest needs at least one tree")
+    weights = list(weights) if weights is not None else [None] * len(trees)
+    c = _packed_columns(trees, weights)
     plan = plan_from_parents(c["par"], block_size=block_size)
     return TreeMicroBatch(
         tokens=torch.from_numpy(c["tok"])[None],
@@ -150,27 +201,27 @@ def pack_trees(
     weights: Sequence[np.ndarray | None] | None = None,
     max_len: int | None = None,
     block_size: int | None = None,
-) -> list[TreeMicroBatch]:
-    """Trees packed whole, largest first, into micro-batches of at most token_budget tokens each.
-
-    A tree is never split (its tokens attend across it); max_len bounds a path's length (the model's
-    maximum position).
+) -> list[TreeMicroBatch | SplitTreeBatch]:
+    """Trees packed whole, largest first, into micro-batches of at most token_budget tokens each; a tree over
+    the budget becomes a micro-batch of its own, trained exactly in segments of token_budget tokens
+    (SplitTreeBatch). max_len bounds a path's length (the model's maximum position).
     """
     weights = list(weights) if weights is not None else [None] * len(trees)
     if len(weights) != len(trees):
         raise ValueError(f"{len(trees)} trees but {len(weights)} weight arrays")
+    if token_budget < 1:
+        raise ValueError(f"token_budget must be positive, got {token_budget}")
     bins: list[list[int]] = []
     loads: list[int] = []
+    split: list[SplitTreeBatch] = []
     for k in sorted(range(len(trees)), key=lambda k: -trees[k].n_tokens):
         n = trees[k].n_tokens
-        if n > token_budget:
-            raise ValueError(
-                f"tree {trees[k].rollout_id} has {n} tokens, over the micro-batch budget of {token_budget}; "
-                "raise the token budget (a tree is packed whole)"
-            )
         longest = int(np.max(trees[k].depth)) + 1 if n else 0
         if max_len is not None and longest > max_len:
             raise ValueError(f"tree {trees[k].rollout_id} has a path of {longest} tokens, over the maximum {max_len}")
+        if n > token_budget:
+            split.append(split_tree(trees[k], token_budget, weights[k]))
+            continue
         slot = next((b for b, load in enumerate(loads) if load + n <= token_budget), None)
         if slot is None:
             bins.append([])
@@ -178,7 +229,7 @@ def pack_trees(
             slot = len(bins) - 1
         bins[slot].append(k)
         loads[slot] += n
-    return [pack_forest([trees[k] for k in b], [weights[k] for k in b], block_size) for b in bins]
+    return [*split, *(pack_forest([trees[k] for k in b], [weights[k] for k in b], block_size) for b in bins)]
 
 
 def weighted_token_loss(logp: torch.Tensor, mb: TreeMicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
