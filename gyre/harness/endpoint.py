@@ -5,18 +5,43 @@ sandbox's 127.0.0.1); backend none gets a loopback port. It forwards requests un
 answers back, and remembers every failure on the proxy's side (a 5xx answer, or the proxy not
 answering): that record, not the harness's own report, is what lets a failed rollout be excluded as
 an infrastructure failure rather than scored 0 (gyre/harness/attribution.py).
+
+Every endpoint is served from one event loop in its own thread, never the caller's: a stop signal
+(gyre.resume.preemption) raises `Preempted` in the main thread wherever it runs, and aiohttp turns an
+exception raised inside its request handling into a payload error it only logs, so an endpoint on the
+main thread's loop would swallow the stop and let the step finish.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
 
 MAX_BODY_BYTES = 256 << 20
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade"}
+T = TypeVar("T")
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def _endpoint_loop() -> asyncio.AbstractEventLoop:
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, name="gyre-endpoints", daemon=True).start()
+        return _loop
+
+
+async def _on_endpoint_loop(coro: Coroutine[Any, Any, T]) -> T:
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, _endpoint_loop()))
 
 
 class ProxyEndpoint:
@@ -31,6 +56,14 @@ class ProxyEndpoint:
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
+        await _on_endpoint_loop(self._start())
+
+    async def close(self) -> None:
+        """Stop serving; calls still in flight (the harness has ended) are dropped, not counted as failures."""
+        self._closing = True
+        await _on_endpoint_loop(self._close())
+
+    async def _start(self) -> None:
         self._session = aiohttp.ClientSession(
             auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0)
         )
@@ -44,9 +77,7 @@ class ProxyEndpoint:
             await web.TCPSite(self._runner, "127.0.0.1", 0).start()
             self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
 
-    async def close(self) -> None:
-        """Stop serving; calls still in flight (the harness has ended) are dropped, not counted as failures."""
-        self._closing = True
+    async def _close(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
         if self._session is not None:
