@@ -94,6 +94,13 @@ def _check_success(body: Any) -> Any:
     return body
 
 
+def _answer(body: Any, then: Callable[[Any], Any] | None, probe: bool) -> Any:
+    """What a call returns once the engine answered: True for a probe, else the body read by `then`."""
+    if probe:
+        return True
+    return then(body) if then is not None else body
+
+
 class _EngineAPI:
     """Every engine call, once: method, path, payload and how to read the answer. A face supplies `_send`,
     which returns the answer (sync face) or a coroutine of it (async face)."""
@@ -270,9 +277,7 @@ class EngineClient(_EngineAPI):
             if probe:
                 return False
             raise
-        if probe:
-            return True
-        return then(body) if then is not None else body
+        return _answer(body, then, probe)
 
 
 class SyncEngineClient(_EngineAPI):
@@ -309,6 +314,4 @@ class SyncEngineClient(_EngineAPI):
             if probe:
                 return False
             raise
-        if probe:
-            return True
-        return then(body) if then is not None else body
+        return _answer(body, then, probe)
