@@ -98,10 +98,12 @@ class ProxyEndpoint:
                 resp = web.StreamResponse(status=up.status, reason=up.reason, headers=out)
                 if up.content_length is not None:
                     resp.content_length = up.content_length
-                await resp.prepare(request)
+                if not await _to_harness(resp.prepare(request)):
+                    return resp
                 async for chunk in up.content.iter_any():
-                    await resp.write(chunk)
-                await resp.write_eof()
+                    if not await _to_harness(resp.write(chunk)):
+                        return resp
+                await _to_harness(resp.write_eof())
                 return resp
         except aiohttp.ClientError as e:
             if self._closing:
@@ -109,3 +111,19 @@ class ProxyEndpoint:
             self.failures.append(f"proxy unreachable: {type(e).__name__}: {e}")
             error = {"message": f"proxy unreachable: {e}", "type": "server_error", "param": None, "code": None}
             return web.json_response({"error": error}, status=502, dumps=json.dumps)
+
+
+async def _to_harness(write: Coroutine[Any, Any, None]) -> bool:
+    """Send to the harness; False when it has gone away.
+
+    The harness (and whatever the agent runs beside it) owns its end of the connection: dropping it
+    is the rollout's doing, never a failure of the proxy, or an agent could have a losing rollout
+    excluded instead of scored by resetting its own socket. aiohttp reports that reset as
+    `ClientConnectionResetError`, a `ClientError`, so it must be told apart here, before the
+    `ClientError` handler that records the proxy's failures sees it.
+    """
+    try:
+        await write
+    except ConnectionError:
+        return False
+    return True

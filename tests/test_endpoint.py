@@ -1,0 +1,111 @@
+"""Who a broken call is blamed on: a harness that drops its own connection is not a proxy failure.
+
+The endpoint's failure record decides whether a failed rollout is excluded (infrastructure) or
+scored (the agent's doing). An agent can reset its harness's socket; if that counted as the proxy
+failing, a losing rollout could have itself excluded instead of scored 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+
+import pytest
+from aiohttp import web
+
+from gyre.harness.endpoint import ProxyEndpoint
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+CHUNK = b"x" * (64 << 10)
+
+
+async def _upstream(done: asyncio.Event) -> tuple[web.AppRunner, str]:
+    """A server in the proxy's place: /v1/stream streams for a long while, /v1/die drops mid-answer."""
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        try:
+            await resp.prepare(request)
+            for _ in range(400):
+                await resp.write(CHUNK)
+                await asyncio.sleep(0.005)
+            await resp.write_eof()
+        finally:
+            done.set()
+        return resp
+
+    async def die(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        resp.content_length = 10 * len(CHUNK)
+        await resp.prepare(request)
+        await resp.write(CHUNK)
+        assert request.transport is not None
+        request.transport.abort()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/stream", stream)
+    app.router.add_post("/v1/die", die)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+
+
+async def _harness_reads_then_resets(url: str, path: str) -> int:
+    """A harness that reads the start of an answer, then resets its connection (SO_LINGER 0)."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{{}}".encode())
+    await writer.drain()
+    got = len(await asyncio.wait_for(reader.read(4096), 10))
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.close()
+    return got
+
+
+async def _reset_by_harness() -> list[str]:
+    done = asyncio.Event()
+    runner, root = await _upstream(done)
+    endpoint = ProxyEndpoint(root)
+    await endpoint.start()
+    try:
+        assert await _harness_reads_then_resets(endpoint.url, "/v1/stream") > 0
+        # The endpoint gives up the upstream call only after its write to the harness failed, and
+        # any failure it records is recorded before that: once the upstream stream ends, it is final.
+        await asyncio.wait_for(done.wait(), 20)
+        return list(endpoint.failures)
+    finally:
+        await endpoint.close()
+        await runner.cleanup()
+
+
+async def _proxy_dies_mid_answer() -> list[str]:
+    runner, root = await _upstream(asyncio.Event())
+    endpoint = ProxyEndpoint(root)
+    await endpoint.start()
+    try:
+        host, port = endpoint.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/die HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+        await writer.drain()
+        for _ in range(200):
+            if endpoint.failures:
+                break
+            await asyncio.sleep(0.05)
+        writer.close()
+        return list(endpoint.failures)
+    finally:
+        await endpoint.close()
+        await runner.cleanup()
+
+
+def test_a_harness_resetting_its_own_connection_is_not_a_proxy_failure() -> None:
+    assert asyncio.run(_reset_by_harness()) == []
+
+
+def test_the_proxy_dropping_an_answer_is_recorded_as_its_failure() -> None:
+    failures = asyncio.run(_proxy_dies_mid_answer())
+    assert len(failures) == 1 and failures[0].startswith("proxy unreachable"), failures
