@@ -139,6 +139,34 @@ def test_hanging_workspace_code_fails_its_check_not_the_evaluation(tmp_path):
     assert "timed out" in grade.checks[0]["detail"]
 
 
+@pytest.mark.parametrize("backend", ["none", "bwrap"])
+def test_workspace_programs_cannot_make_the_checker_time_out(backend, tmp_path):
+    """Four checked programs that hang or leave a child holding the checker's pipes: if together they
+    could outlast the checker's limit, the grade would be a failed evaluation, and a losing rollout
+    would be excluded instead of scored 0. They fail their checks within the checker's limit."""
+    from gyre.config.schema import SandboxConfig
+    from gyre.sandbox import make_sandbox
+
+    forks = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(15)\nX = 1\n"
+    programs = {"forks.py": forks, **{f"hang{i}.py": "X = 1\nwhile True:\n    pass\n" for i in range(3)}}
+    for name, text in programs.items():
+        (tmp_path / name).write_text(text)
+    checks = [{"name": n, "kind": "python_value", "path": n, "var": "X", "value": 1} for n in programs]
+    sandbox = make_sandbox(SandboxConfig(backend=backend))
+    grade = grade_workspace(Task("t", "custom", "p", checks=checks), tmp_path, check_timeout_s=6.0, sandbox=sandbox)
+    assert (grade.status, grade.score, grade.passed, grade.total) == ("ok", 0.0, 0, 4), grade
+    assert "timed out" in grade.checks[0]["detail"]
+    assert "used up the checker's time" in grade.checks[-1]["detail"]
+
+
+def test_a_huge_checked_file_is_not_read_whole(tmp_path):
+    task = echo_files_task({"a.txt": "red", "b.txt": "cat"})
+    (tmp_path / "a.txt").write_text("red" + " " * (2 << 20))  # equal after strip(), but past MAX_READ_BYTES
+    (tmp_path / "b.txt").write_text("cat")
+    grade = grade_workspace(task, tmp_path)
+    assert (grade.status, grade.passed, grade.total) == ("ok", 1, 2), grade
+
+
 def test_timed_out_rollout_is_still_graded(tmp_path):
     task = echo_files_task({"a.txt": "red", "b.txt": "cat"})
     (tmp_path / "a.txt").write_text("red")

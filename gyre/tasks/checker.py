@@ -1,7 +1,7 @@
 """The built-in checker: evaluates check specs against a workspace. Standard library only.
 
 Run as a script by grading (`python -I checker.py spec.json`, spec = {"workspace", "checks",
-"python_timeout_s"}); it prints {"results": [...]} as its last stdout line. The built-in harness
+"python_timeout_s", "python_budget_s"}); it prints {"results": [...]} as its last stdout line. The built-in harness
 imports `run_checks` for its visible self-check. Python files written by the agent run in their
 own subprocess, so a file that hangs or crashes fails its check instead of breaking the checker.
 """
@@ -12,8 +12,11 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
+
+MAX_READ_BYTES = 1 << 20  # a checked file is read at most this far, so a huge one cannot stall grading
 
 _DUMP_GLOBALS = (
     "import json, runpy, sys\n"
@@ -24,7 +27,11 @@ _DUMP_GLOBALS = (
 
 
 def run_python_file(path: Path, timeout_s: float) -> tuple[dict[str, Any] | None, str]:
-    """Run a Python file in an isolated interpreter; (its simple globals, "") or (None, why it failed)."""
+    """Run a Python file in an isolated interpreter; (its simple globals, "") or (None, why it failed).
+
+    Bounded by `timeout_s` however the file behaves: a child it leaves behind holding our pipes
+    (forked, even into a session of its own) costs at most a second more, never a hung checker.
+    """
     proc = subprocess.Popen(
         [sys.executable, "-I", "-S", "-c", _DUMP_GLOBALS, str(path)],
         cwd=path.parent,
@@ -37,7 +44,10 @@ def run_python_file(path: Path, timeout_s: float) -> tuple[dict[str, Any] | None
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.communicate()
+        try:
+            proc.communicate(timeout=1.0)
+        except subprocess.TimeoutExpired:  # a descendant still holds the pipes: leave it to the group's sweep
+            pass
         return None, f"timed out after {timeout_s:g}s"
     if proc.returncode != 0:
         lines = err.strip().splitlines()
@@ -49,8 +59,13 @@ def run_python_file(path: Path, timeout_s: float) -> tuple[dict[str, Any] | None
 
 
 def _read(workspace: Path, rel: str) -> str | None:
+    """The file's text; None when missing or larger than any file a check compares (MAX_READ_BYTES)."""
     path = workspace / rel
-    return path.read_text(errors="replace") if path.is_file() else None
+    if not path.is_file():
+        return None
+    with path.open("rb") as f:
+        data = f.read(MAX_READ_BYTES + 1)
+    return None if len(data) > MAX_READ_BYTES else data.decode(errors="replace")
 
 
 def _assigns(var: str) -> re.Pattern[str]:
@@ -60,18 +75,24 @@ def _assigns(var: str) -> re.Pattern[str]:
 class _Checks:
     """Check kinds; `python` caches one run per file so several checks on it cost one subprocess."""
 
-    def __init__(self, workspace: Path, python_timeout_s: float) -> None:
+    def __init__(self, workspace: Path, python_timeout_s: float, python_budget_s: float | None) -> None:
         self.workspace = workspace
         self.python_timeout_s = python_timeout_s
+        self._deadline = None if python_budget_s is None else time.monotonic() + python_budget_s
         self._python: dict[str, tuple[dict[str, Any] | None, str]] = {}
 
     def python(self, rel: str) -> tuple[dict[str, Any] | None, str]:
         if rel not in self._python:
             path = self.workspace / rel
+            timeout_s = self.python_timeout_s
+            if self._deadline is not None:
+                timeout_s = min(timeout_s, self._deadline - time.monotonic())
             if not path.is_file():
                 self._python[rel] = (None, "missing")
+            elif timeout_s <= 0:
+                self._python[rel] = (None, "not run: the workspace's programs used up the checker's time")
             else:
-                self._python[rel] = run_python_file(path, self.python_timeout_s)
+                self._python[rel] = run_python_file(path, timeout_s)
         return self._python[rel]
 
     def file_exists(self, path: str) -> tuple[bool, str]:
@@ -109,14 +130,21 @@ CHECK_KINDS = ("file_exists", "file_equals", "python_runs", "python_value", "lin
 
 
 def run_checks(
-    checks: list[dict[str, Any]], workspace: str | Path, python_timeout_s: float = 5.0
+    checks: list[dict[str, Any]],
+    workspace: str | Path,
+    python_timeout_s: float = 5.0,
+    python_budget_s: float | None = None,
 ) -> list[dict[str, Any]]:
     """Evaluate each check spec; an unknown kind or bad params raises (a broken evaluation, not a fail).
+
+    The workspace's programs run for `python_timeout_s` each and `python_budget_s` in all, so the
+    checker ends within its own time limit whatever they do: a checker that times out is then a
+    broken evaluation, never something an agent can cause to have its rollout excluded.
 
     A spec may name an earlier check in "requires": it then passes only if that one passed too, so
     collateral checks ("other lines unchanged") give no credit to an agent that did nothing.
     """
-    impl = _Checks(Path(workspace), python_timeout_s)
+    impl = _Checks(Path(workspace), python_timeout_s, python_budget_s)
     results: list[dict[str, Any]] = []
     passed_by_name: dict[str, bool] = {}
     for spec in checks:
@@ -139,7 +167,9 @@ def main(argv: list[str]) -> None:
     if len(argv) != 1:
         raise SystemExit("usage: python -I checker.py SPEC.json")
     spec = json.loads(Path(argv[0]).read_text())
-    results = run_checks(spec["checks"], spec["workspace"], spec.get("python_timeout_s", 5.0))
+    results = run_checks(
+        spec["checks"], spec["workspace"], spec.get("python_timeout_s", 5.0), spec.get("python_budget_s")
+    )
     print(json.dumps({"results": results}))
 
 

@@ -43,6 +43,7 @@ AGENT_FAILURES = {
     "checker_killed": "the checker died of a signal while running the agent's code",
     "workspace_limits": "the workspace cannot be graded within the limits (too many files or bytes)",
 }
+PYTHON_BUDGET_FRACTION = 0.6  # of the checker's time limit, for all the workspace's programs together
 SANDBOX_START_S = 2.0  # added to the checker's time limit in an isolated sandbox: starting it is not the checker's
 MAX_WORKSPACE_FILES = 100_000
 MAX_WORKSPACE_BYTES = 2 << 30
@@ -188,7 +189,11 @@ def grade_workspace(
         copy = scratch / "workspace"
         copy_workspace(workspace, copy)
         source = task.checker_source if task.checker_source is not None else BUILTIN_CHECKER.read_text()
-        spec = {"checks": task.checks, "python_timeout_s": min(5.0, check_timeout_s / 3)}
+        spec = {
+            "checks": task.checks,
+            "python_timeout_s": min(5.0, check_timeout_s / 3),
+            "python_budget_s": check_timeout_s * PYTHON_BUDGET_FRACTION,
+        }
         code, out, err = _run_checker(sandbox, source, spec, copy, check_timeout_s)
     except WorkspaceTooLarge as e:
         return Grade.agent_failed("workspace_limits", str(e))
