@@ -121,6 +121,12 @@ def check_train(t: TrainConfig, m: ModelConfig) -> None:
         _fail("train.tensor_parallel", t.tensor_parallel,
               f"must divide model.num_attention_heads={m.num_attention_heads} and "
               f"model.num_query_groups={m.num_query_groups}")  # fmt: skip
+    if m.vocab_size % t.tensor_parallel:
+        _fail("train.tensor_parallel", t.tensor_parallel,
+              f"must divide model.vocab_size={m.vocab_size} (the vocabulary is split over tensor-parallel ranks)")  # fmt: skip
+    if m.tie_embeddings and t.pipeline_parallel > 1:
+        _fail("train.pipeline_parallel", t.pipeline_parallel,
+              "tied embeddings (model.tie_embeddings) across pipeline stages are not supported; set it to 1")  # fmt: skip
     if m.num_layers % t.pipeline_parallel:
         _fail("train.pipeline_parallel", t.pipeline_parallel, f"must divide model.num_layers={m.num_layers}")
     if t.transformer_engine not in TRANSFORMER_ENGINE:
