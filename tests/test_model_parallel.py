@@ -90,3 +90,48 @@ def test_shards_of_each_rank_make_up_the_whole_model() -> None:
     assert "output_layer.weight" in shards[0, 1] and "embedding.word_embeddings.weight" not in shards[0, 1]
     assert shards[0, 1]["output_layer.weight"].shape == (16, 16)  # half the vocabulary
     assert {k.split(".")[2] for k in shards[0, 1] if k.startswith("decoder.layers.")} == {"0", "1"}
+
+
+def transformers_logits(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+@pytest.mark.integration
+def test_a_transformers_qwen3_directory_trains_with_tp2_and_is_written_back(tmp_path) -> None:
+    """save_pretrained's directory (tied embeddings without lm_head, transformers 5's rope_parameters) loads
+    into the tensor-parallel shards with transformers' logits; after a step the weights go back out in HF
+    names, and transformers reads them with the trainer's new logits."""
+    import hf_dir_job
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                         rope_theta=500000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():  # norms off one, so that a dropped or swapped norm shows in the logits
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.2 * torch.randn_like(p))
+    hf_dir, out = tmp_path / "qwen3", tmp_path / "out"
+    model.save_pretrained(hf_dir)
+    out.mkdir()
+    mpirun = Path(sys.executable).parent / "mpirun"
+    proc = subprocess.run(
+        [str(mpirun), "-n", "2", sys.executable, "-m", "mpi4py", str(JOB.with_name("hf_dir_job.py")), str(hf_dir),
+         str(out)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = torch.load(out / "logits.pt")
+    torch.testing.assert_close(got["before"], transformers_logits(hf_dir, hf_dir_job.TOKENS))
+    assert float((got["after"] - got["before"]).abs().max()) > 1e-3  # the step changed the model
+    from safetensors.torch import load_file
+
+    written = load_file(str(out / "checkpoint" / "model.safetensors"))
+    assert set(load_file(str(hf_dir / "model.safetensors"))) <= set(written)  # HF names, every tensor
+    torch.testing.assert_close(transformers_logits(out / "checkpoint", hf_dir_job.TOKENS), got["after"])
