@@ -138,6 +138,17 @@ def check_loggers(loggers: list[str]) -> None:
         _fail("logger", list(loggers), f"unknown {bad}; choose from {', '.join(LOGGERS)} (several: logger=[a,b])")
 
 
+def check_cells(cfg: RunConfig) -> None:
+    """What the cell runtime can honour: one rank per cell (so one trainer process), and its engines."""
+    model_parallel = cfg.train.tensor_parallel * cfg.train.pipeline_parallel * cfg.train.context_parallel
+    if model_parallel > 1:
+        _fail("train.tensor_parallel", cfg.train.tensor_parallel,
+              f"with pipeline_parallel={cfg.train.pipeline_parallel} and context_parallel="
+              f"{cfg.train.context_parallel}: the cell runtime trains each cell in one process (a cell of several "
+              "ranks is not implemented yet); set all three to 1 for a cell scheduler")  # fmt: skip
+    check_engine_in_cells(cfg)
+
+
 def check_engine_in_cells(cfg: RunConfig) -> None:
     """What a cell job can honour with SGLang engines: the controller routes to one engine URL per cell, so
     a cell holds one SGLang server (engine.tp_size covers its GPUs, over several nodes if need be), and
@@ -169,4 +180,4 @@ def check_run(cfg: RunConfig) -> None:
     check_engine_for_model(cfg.engine, cfg.model)
     check_train(cfg.train, cfg.model)
     if cfg.scheduler != "colocate":
-        check_engine_in_cells(cfg)
+        check_cells(cfg)

@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 from gyre.comm.control import ControlPlane, world_control_plane
 from gyre.config.load import to_run_config
 from gyre.config.schema import CellResources, ModelConfig, RunConfig
-from gyre.config.validate import check_engine_in_cells
+from gyre.config.validate import check_cells
 from gyre.engine.admin_key import set_run_admin_key, take_run_admin_key
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted
 from gyre.sched.affinity import available_cpus, cpu_plan, pin
@@ -43,7 +43,7 @@ def run(out: Path) -> tuple[bool, dict[str, Any], int]:
     # mpiexec's -disable-auto-cleanup tells the survivors of a dead rank with SIGUSR1, whose default kills
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     cfg = to_run_config(OmegaConf.load(out / "config.yaml"))
-    check_engine_in_cells(cfg)
+    check_cells(cfg)
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
     n_cells = 1 + len(cfg.cluster.satellites)

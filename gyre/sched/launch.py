@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 import gyre
 from gyre.config.schema import RunConfig
-from gyre.config.validate import check_engine_in_cells
+from gyre.config.validate import check_cells
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted
 from gyre.sched.policy import SCHEDULERS
 
@@ -64,7 +64,7 @@ def run_forwarding_stops(argv: list[str], env: dict[str, str], controller_pid: P
 def run_cells(cfg: RunConfig) -> Path:
     if cfg.scheduler not in SCHEDULERS:
         raise ValueError(f"scheduler={cfg.scheduler!r} is not a cell scheduler ({', '.join(SCHEDULERS)})")
-    check_engine_in_cells(cfg)
+    check_cells(cfg)
     out = Path(cfg.output_dir or f"outputs/{time.strftime('%Y-%m-%d_%H-%M-%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     cfg.output_dir = str(out)
