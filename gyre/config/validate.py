@@ -138,14 +138,30 @@ def check_loggers(loggers: list[str]) -> None:
         _fail("logger", list(loggers), f"unknown {bad}; choose from {', '.join(LOGGERS)} (several: logger=[a,b])")
 
 
+def cell_ranks(cfg: RunConfig) -> list[int]:
+    """Ranks of each cell (core first): its nodes x tasks_per_node."""
+    return [c.nodes * c.tasks_per_node for c in (cfg.cluster.core, *cfg.cluster.satellites)]
+
+
 def check_cells(cfg: RunConfig) -> None:
-    """What the cell runtime can honour: one rank per cell (so one trainer process), and its engines."""
-    model_parallel = cfg.train.tensor_parallel * cfg.train.pipeline_parallel * cfg.train.context_parallel
-    if model_parallel > 1:
-        _fail("train.tensor_parallel", cfg.train.tensor_parallel,
-              f"with pipeline_parallel={cfg.train.pipeline_parallel} and context_parallel="
-              f"{cfg.train.context_parallel}: the cell runtime trains each cell in one process (a cell of several "
-              "ranks is not implemented yet); set all three to 1 for a cell scheduler")  # fmt: skip
+    """What the cell runtime can honour: each cell one Megatron world of exactly its model-parallel layout
+    (data parallel runs across cells, shard to shard), and its engines."""
+    t = cfg.train
+    model_parallel = t.tensor_parallel * t.pipeline_parallel * t.context_parallel
+    for i, ranks in enumerate(cell_ranks(cfg)):
+        key = "cluster.core" if i == 0 else f"cluster.satellites[{i - 1}]"
+        res = cfg.cluster.core if i == 0 else cfg.cluster.satellites[i - 1]
+        if res.tasks_per_node < 1:
+            _fail(f"{key}.tasks_per_node", res.tasks_per_node, "must be at least 1")
+        if ranks != model_parallel:
+            _fail(f"{key}.tasks_per_node", res.tasks_per_node,
+                  f"cell {i} has {res.nodes} node(s) x {res.tasks_per_node} task(s) = {ranks} rank(s), but its trainer "
+                  f"is train.tensor_parallel x pipeline_parallel x context_parallel = {model_parallel} rank(s): make "
+                  "them equal (data parallelism runs across cells, not inside one)")  # fmt: skip
+    if model_parallel > 1 and cfg.comm.transfer_backend == "gloo":
+        _fail("comm.transfer_backend", "gloo",
+              "cells of several ranks each run their own torch.distributed world, which the gloo transport (one "
+              "world over the job) cannot share; use mooncake")  # fmt: skip
     check_engine_in_cells(cfg)
 
 

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 import gyre
 from gyre.config.schema import RunConfig
-from gyre.config.validate import check_cells
+from gyre.config.validate import cell_ranks, check_cells
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted
 from gyre.sched.policy import SCHEDULERS
 
@@ -38,7 +38,7 @@ def mpirun_command(cfg: RunConfig, out: Path) -> list[str]:
     mpirun = cfg.sched.mpirun or str(Path(sys.executable).parent / "mpirun")
     if not Path(mpirun).exists():
         raise FileNotFoundError(f"{mpirun} not found: `pip install mpi4py mpich` into this venv or set sched.mpirun")
-    ranks = 2 + len(cfg.cluster.satellites)
+    ranks = 1 + sum(cell_ranks(cfg))  # the controller, then each cell's ranks
     return [mpirun, "-disable-auto-cleanup", "-n", str(ranks), "sh", "-c", RANK_SHELL, sys.executable, str(out)]
 
 

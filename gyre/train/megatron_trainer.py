@@ -286,8 +286,14 @@ class MegatronTrainer:
             parallel_state.get_pipeline_model_parallel_world_size(),
         )
 
+    def _shard_path(self, path: Path) -> Path:
+        """Rank 0 of the trainer's world writes `path`, rank r `path`.rank{r}: each its own shard."""
+        rank = torch.distributed.get_rank() if self.parallel else 0
+        return path if rank == 0 else path.with_name(f"{path.name}.rank{rank}")
+
     def save(self, path: str | os.PathLike) -> None:
-        """Model, optimizer and step counter in one torch.save file, written atomically."""
+        """Model, optimizer and step counter in one torch.save file, written atomically. With model
+        parallelism every rank of the trainer's world calls it and writes its shard beside it."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         weights = {k: v for k, v in self.model.state_dict().items() if not k.endswith("._extra_state")}
@@ -296,14 +302,24 @@ class MegatronTrainer:
             "optimizer": self.optimizer.state_dict(),
             "step": self.step,
             "model_config": asdict(self.model_cfg),
+            "layout": list(self.layout),
         }
-        tmp = path.with_name(path.name + ".tmp")
+        target = self._shard_path(path)
+        tmp = target.with_name(target.name + ".tmp")
         torch.save(payload, tmp)
-        os.replace(tmp, path)
+        os.replace(tmp, target)
+        if self.parallel:  # every shard is in place before the caller moves the checkpoint into place
+            torch.distributed.barrier()
 
     def load(self, path: str | os.PathLike) -> None:
-        """Restore what save() wrote; the checkpoint must come from the same ModelConfig."""
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        """Restore what save() wrote; the checkpoint must come from the same ModelConfig and layout."""
+        payload = torch.load(self._shard_path(Path(path)), map_location="cpu", weights_only=True)
+        layout = list(payload.get("layout", [0, 1, 0, 1]))
+        if layout != list(self.layout):
+            raise ValueError(
+                f"checkpoint {path} holds the shard (tensor rank, size, pipeline rank, size) = {layout}, this rank "
+                f"is {list(self.layout)}: resume with the train.tensor_parallel and pipeline_parallel it was written with"
+            )
         if _architecture(payload["model_config"]) != _architecture(asdict(self.model_cfg)):
             raise ValueError(
                 f"checkpoint {path} was written for model config {payload['model_config']}, "
