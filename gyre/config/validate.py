@@ -149,7 +149,7 @@ def check_cells(cfg: RunConfig) -> None:
     t = cfg.train
     model_parallel = t.tensor_parallel * t.pipeline_parallel * t.context_parallel
     for i, ranks in enumerate(cell_ranks(cfg)):
-        key = "cluster.core" if i == 0 else f"cluster.satellites[{i - 1}]"
+        key = "cluster.core" if i == 0 else f"cluster.satellites.{i - 1}"
         res = cfg.cluster.core if i == 0 else cfg.cluster.satellites[i - 1]
         if res.tasks_per_node < 1:
             _fail(f"{key}.tasks_per_node", res.tasks_per_node, "must be at least 1")

@@ -78,9 +78,9 @@ class CellWorker:
         self.is_core = self.cell == 0
         self.role: Role = "rollout"
         self.version = str(version)
+        self.group = CellGroup(cp)  # the cell's other ranks, which follow this one (gyre.sched.cell_group)
         if version:  # resumed: the engine started from the warm start serves the checkpoint's weights
             self.engine.load(self.gather(), self.version)
-        self.group = CellGroup(cp)  # the cell's other ranks, which follow this one (gyre.sched.cell_group)
         self.weights = WeightTransport(make_transport(cfg.comm, cfg.cluster.mooncake))
         self.batches = MicroBatchSource(cfg)
         self.loss_fn = tree_gspo_loss_fn(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high)
