@@ -12,6 +12,7 @@ rank i of the core (every cell has the same layout).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from gyre.comm.control import ControlPlane
@@ -22,6 +23,7 @@ from gyre.sched.replica import MicroBatchSource, core_step, flat_grads, grad_num
 from gyre.train.megatron_trainer import MegatronTrainer
 
 FOLLOW_TAG = 4545
+_GONE = object()
 
 
 class CellGroup:
@@ -31,6 +33,7 @@ class CellGroup:
         self.cp = cp
         self.comm = cp.cell_comm
         self.size = self.comm.Get_size()
+        self.comm.bcast(os.getpid(), root=0)  # the followers watch this process (CellFollower.serve)
 
     def tell(self, op: str, *args: Any) -> None:
         requests = [self.comm.isend((op, args), dest=r, tag=FOLLOW_TAG) for r in range(1, self.size)]
@@ -70,16 +73,28 @@ class CellFollower:
     def __init__(self, cfg: RunConfig, cp: ControlPlane, trainer: MegatronTrainer) -> None:
         self.cfg, self.cp, self.trainer = cfg, cp, trainer
         self.batches = MicroBatchSource(cfg)
+        self.leader_pid = cp.cell_comm.bcast(None, root=0)
 
     def serve(self) -> bool:
-        """Returns whether to run MPI_Finalize (the leader's Shutdown says)."""
+        """Returns whether to run MPI_Finalize (the leader's Shutdown says; not after the leader died, which
+        the controller declares the whole cell dead for: the job then ends without MPI_Finalize)."""
         comm = self.cp.cell_comm
         while True:
-            msg = self.cp.wait_for(lambda: comm.improbe(source=0, tag=FOLLOW_TAG), None)
+            msg = self.cp.wait_for(lambda: comm.improbe(source=0, tag=FOLLOW_TAG) or self._leader_gone(), None)
+            if msg is _GONE:
+                return False
             op, args = msg.recv()
             if op == "shutdown":
                 return bool(args[0])
             getattr(self, op)(*args)
+
+    def _leader_gone(self) -> object | None:
+        """_GONE once the leader's process has exited (a cell's ranks share its node)."""
+        try:
+            os.kill(self.leader_pid, 0)
+        except ProcessLookupError:
+            return _GONE
+        return None
 
     def gather(self) -> None:
         self.trainer.hf_state_dict()
