@@ -54,7 +54,8 @@ def test_model_dependent_checks():
     cells = compose(["scheduler=elastic", "train.tensor_parallel=2"])
     with pytest.raises(ConfigValueError, match=r"cluster.core.tasks_per_node=1: cell 0 has 1 node\(s\) x 1 task"):
         check_run(cells)
-    cells.cluster.core.tasks_per_node = 2
+    for cell in (cells.cluster.core, *cells.cluster.satellites):
+        cell.tasks_per_node = 2
     check_run(cells)
     with pytest.raises(ConfigValueError, match="train.transformer_engine='yes'"):
         check_train(TrainConfig(transformer_engine="yes"), ModelConfig())

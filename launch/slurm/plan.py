@@ -91,16 +91,15 @@ def check_layout(cfg: RunConfig) -> None:
                 f"(cells of several nodes are not implemented yet); set {cell_key(cell)}.nodes=1 and add satellites "
                 "for more nodes"
             )
-    try:  # each cell's ranks hold exactly its trainer's model-parallel layout
-        check_cells(cfg)
-    except ConfigValueError as e:
-        raise LayoutError(str(e)) from e
-    for cell, res in enumerate(cells(cfg)):
         if cfg.engine.backend == "sglang" and cfg.engine.tp_size > max(res.gpus_per_node, 0):
             raise LayoutError(
                 f"engine.tp_size={cfg.engine.tp_size} needs that many GPUs on one node, but {cell_key(cell)} has "
                 f"gpus_per_node={res.gpus_per_node}; lower engine.tp_size or give the cell more GPUs"
             )
+    try:  # each cell's ranks hold exactly its trainer's model-parallel layout
+        check_cells(cfg)
+    except ConfigValueError as e:
+        raise LayoutError(str(e)) from e
 
 
 def _cpus(res: CellResources, tasks: int) -> int:
