@@ -47,6 +47,16 @@ def test_model_dependent_checks():
         check_train(TrainConfig(tensor_parallel=4), ModelConfig())
     with pytest.raises(ConfigValueError, match="train.pipeline_parallel=3: must divide model.num_layers=4"):
         check_train(TrainConfig(pipeline_parallel=3), ModelConfig())
+    with pytest.raises(ConfigValueError, match="train.tensor_parallel=2: must divide model.vocab_size=61"):
+        check_train(TrainConfig(tensor_parallel=2), ModelConfig(vocab_size=61))
+    with pytest.raises(ConfigValueError, match="train.pipeline_parallel=2: tied embeddings"):
+        check_train(TrainConfig(pipeline_parallel=2), ModelConfig(tie_embeddings=True))
+    cells = compose(["scheduler=elastic", "train.tensor_parallel=2"])
+    with pytest.raises(ConfigValueError, match=r"cluster.core.tasks_per_node=1: cell 0 has 1 node\(s\) x 1 task"):
+        check_run(cells)
+    for cell in (cells.cluster.core, *cells.cluster.satellites):
+        cell.tasks_per_node = 2
+    check_run(cells)
     with pytest.raises(ConfigValueError, match="train.transformer_engine='yes'"):
         check_train(TrainConfig(transformer_engine="yes"), ModelConfig())
     assert EngineConfig(backend="sglang", tp_size=8).tp_size == 8  # valid alone; the model decides

@@ -144,3 +144,42 @@ def test_stopped_cell_job_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     assert [r["step"] for r in final["ledger"]] == [0, 1, 2] and len(final["starts"]) == 2
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["event"] == "step"] == [0, 1, 2]
+
+
+def test_cells_of_two_ranks_train_tensor_parallel_and_resume(tmp_path: Path) -> None:
+    """A core and a satellite of 2 ranks each, train.tensor_parallel=2: every living cell trains each step
+    (colocate_cells), the satellite's shards reduce to the core's, the engines serve the gathered weights;
+    stopped after a step, each rank's shard is in the checkpoint, and the same command resumes with them."""
+    out = tmp_path / "cells"
+    layout = ["train.tensor_parallel=2", "cluster.core.tasks_per_node=2", "cluster.satellites=[{tasks_per_node:2}]"]
+    # micro-batches of 512 tokens: enough of them in every step for both cells to train some
+    args = ["scheduler=colocate_cells", *WORKLOAD, *layout, "train.micro_batch_tokens=512", "steps=3"]
+    args += ["tasks.tool_time_s=0.5", f"output_dir={out}"]
+    cmd = [sys.executable, "-m", "launch.run", *args, f"hydra.run.dir={tmp_path / 'hydra'}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while '"event": "step"' not in (
+            (out / "metrics.jsonl").read_text() if (out / "metrics.jsonl").exists() else ""
+        ):
+            assert proc.poll() is None and time.monotonic() < deadline, "no step completed"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        first, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 75, first[-3000:]
+    assert {p.name for p in (out / "checkpoint").glob("trainer.pt*")} == {"trainer.pt", "trainer.pt.rank1"}
+    stopped = json.loads((out / "checkpoint" / "state.json").read_text())
+    second = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=800)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert f"resuming {out} from {out / 'checkpoint'} at step {stopped['next_step']} of 3" in second.stdout
+    cells = json.loads((out / "cells.json").read_text())
+    assert [c["cell"] for c in cells] == [0, 1] and len({c["engine_url"] for c in cells}) == 2
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["event"] == "step"]
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    assert all(set(r["contributors"]) == {"0", "1"} for r in steps), [r["contributors"] for r in steps]
+    assert all(sum(r["contributors"].values()) == r["micro_batches"] for r in steps)
+    calls = [json.loads(line) for line in (out / "calls.jsonl").read_text().splitlines()]
+    assert {c["weight_version"] for c in calls} >= {"0", "1", "2"}  # both engines served each new version

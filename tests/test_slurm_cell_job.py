@@ -155,3 +155,22 @@ def completed_steps(out: Path) -> int:
     path = out / "metrics.jsonl"
     text = path.read_text() if path.exists() else ""
     return sum(1 for line in text.splitlines() if '"event": "step"' in line)
+
+
+def test_cells_of_two_ranks_with_tensor_parallel_run_as_a_het_job(tmp_path: Path, capsys) -> None:
+    """cluster=slurm_cpu_tp2: a core and a satellite of 2 tasks each on their nodes (the controller beside the
+    core's), train.tensor_parallel=2; every cell trains each step (colocate_cells), and each rank checkpoints
+    its shard."""
+    out = tmp_path / "run"
+    args = ["--via", "sbatch", "--out", str(out), "cluster=slurm_cpu_tp2", f"cluster.python={sys.executable}"]
+    submit_main([*args, f"cluster.workdir={ROOT}", *CELL_WORKLOAD, "scheduler=colocate_cells"])
+    job_id = capsys.readouterr().out.split("submitted job ")[1].split(";")[0]
+    state = _wait_for_end(job_id, 600)
+    assert state == "COMPLETED", f"{state}\n{job_logs(out)}"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["dead_cells"] == []
+    cells = json.loads((out / "cells.json").read_text())
+    assert [c["cell"] for c in cells] == [0, 1] and len({c["slurm_node"] for c in cells}) == 2
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(set(r["contributors"]) == {"0", "1"} for r in steps if r["event"] == "step")
+    assert {p.name for p in (out / "checkpoint").glob("trainer.pt*")} == {"trainer.pt", "trainer.pt.rank1"}

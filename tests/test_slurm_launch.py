@@ -43,10 +43,10 @@ def _golden(name: str, text: str) -> None:
     assert text == path.read_text(), f"{name} changed; if intended, regenerate with GYRE_UPDATE_GOLDEN=1"
 
 
-@pytest.mark.parametrize("preset", ["slurm_cpu", "slurm_gpu"])
+@pytest.mark.parametrize("preset", ["slurm_cpu", "slurm_cpu_tp2", "slurm_gpu"])
 def test_generated_sbatch_matches_golden(preset):
     # slurm_cpu runs the submitting interpreter by absolute path: fixed here, as if submitted from /shared/gyre
-    python = ["cluster.python=/shared/gyre/.venv/bin/python"] if preset == "slurm_cpu" else []
+    python = ["cluster.python=/shared/gyre/.venv/bin/python"] if preset.startswith("slurm_cpu") else []
     cfg = compose([f"cluster={preset}", "cluster.workdir=/shared/gyre", *python])
     _golden(f"{preset}.sbatch", plain_script(cfg, "/shared/runs/r1/config.yaml", "/shared/runs/r1/slurm"))
 
@@ -64,6 +64,13 @@ def test_the_cell_job_is_one_mpi_world_over_every_component(gpu_cfg):
     )
 
 
+def test_cells_of_several_ranks_lay_out_their_tasks_on_their_node():
+    cfg = compose(["cluster=slurm_cpu_tp2"])
+    step = plan_step(cfg, job_command(cfg, "/runs/r1"))
+    assert [c.tasks for c in step.components] == [3, 2]  # the controller and the core's 2 ranks, the satellite's 2
+    assert step.components[0].srun_args == ("--ntasks=3", "--ntasks-per-node=3", "--cpus-per-task=1")
+
+
 def test_layouts_the_cell_runtime_cannot_hold_fail_with_the_key_to_change(gpu_cfg):
     cfg = copy.deepcopy(gpu_cfg)
     cfg.engine.tp_size = 16
@@ -71,7 +78,11 @@ def test_layouts_the_cell_runtime_cannot_hold_fail_with_the_key_to_change(gpu_cf
         plan_step(cfg, ["x"])
     cfg = copy.deepcopy(gpu_cfg)
     cfg.train.pipeline_parallel = 2
-    with pytest.raises(LayoutError, match="train.tensor_parallel x train.pipeline_parallel = 2.*set both to 1"):
+    with pytest.raises(LayoutError, match=r"cluster.core.tasks_per_node=1: cell 0 has 1 node\(s\) x 1 task.*= 2 rank"):
+        plan_step(cfg, ["x"])
+    cfg = copy.deepcopy(gpu_cfg)
+    cfg.cluster.satellites[0].tasks_per_node = 2
+    with pytest.raises(LayoutError, match="cluster.satellites.0.tasks_per_node=2: cell 1 has"):
         plan_step(cfg, ["x"])
     cfg = copy.deepcopy(gpu_cfg)
     cfg.cluster.satellites[1].nodes = 2

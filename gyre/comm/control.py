@@ -63,6 +63,11 @@ class CellLayout:
         return self.cells[cell]
 
     @property
+    def leaders(self) -> tuple[int, ...]:
+        """Each cell's first rank: the one the cell runtime's controller talks to (gyre.sched.cell_group)."""
+        return tuple(ranks[0] for ranks in self.cells)
+
+    @property
     def workers(self) -> tuple[int, ...]:
         return tuple(r for ranks in self.cells for r in ranks)
 

@@ -207,6 +207,9 @@ class CellResources:
     """One cell's share of a Slurm allocation: one component of the heterogeneous job."""
 
     nodes: int = 1
+    # ranks of the cell on each node; the cell's trainer world is nodes x tasks_per_node ranks, one Megatron
+    # layout of train.tensor_parallel x pipeline_parallel (rank 0 of the cell leads: engine, control plane)
+    tasks_per_node: int = 1
     cpus_per_node: int = 1
     gpus_per_node: int = 0
     mem: str = ""  # per node, Slurm syntax ("64G"); empty: the partition's default

@@ -121,6 +121,12 @@ def check_train(t: TrainConfig, m: ModelConfig) -> None:
         _fail("train.tensor_parallel", t.tensor_parallel,
               f"must divide model.num_attention_heads={m.num_attention_heads} and "
               f"model.num_query_groups={m.num_query_groups}")  # fmt: skip
+    if m.vocab_size % t.tensor_parallel:
+        _fail("train.tensor_parallel", t.tensor_parallel,
+              f"must divide model.vocab_size={m.vocab_size} (the vocabulary is split over tensor-parallel ranks)")  # fmt: skip
+    if m.tie_embeddings and t.pipeline_parallel > 1:
+        _fail("train.pipeline_parallel", t.pipeline_parallel,
+              "tied embeddings (model.tie_embeddings) across pipeline stages are not supported; set it to 1")  # fmt: skip
     if m.num_layers % t.pipeline_parallel:
         _fail("train.pipeline_parallel", t.pipeline_parallel, f"must divide model.num_layers={m.num_layers}")
     if t.transformer_engine not in TRANSFORMER_ENGINE:
@@ -130,6 +136,33 @@ def check_train(t: TrainConfig, m: ModelConfig) -> None:
 def check_loggers(loggers: list[str]) -> None:
     if bad := sorted(set(loggers) - set(LOGGERS)):
         _fail("logger", list(loggers), f"unknown {bad}; choose from {', '.join(LOGGERS)} (several: logger=[a,b])")
+
+
+def cell_ranks(cfg: RunConfig) -> list[int]:
+    """Ranks of each cell (core first): its nodes x tasks_per_node."""
+    return [c.nodes * c.tasks_per_node for c in (cfg.cluster.core, *cfg.cluster.satellites)]
+
+
+def check_cells(cfg: RunConfig) -> None:
+    """What the cell runtime can honour: each cell one Megatron world of exactly its model-parallel layout
+    (data parallel runs across cells, shard to shard), and its engines."""
+    t = cfg.train
+    model_parallel = t.tensor_parallel * t.pipeline_parallel * t.context_parallel
+    for i, ranks in enumerate(cell_ranks(cfg)):
+        key = "cluster.core" if i == 0 else f"cluster.satellites.{i - 1}"
+        res = cfg.cluster.core if i == 0 else cfg.cluster.satellites[i - 1]
+        if res.tasks_per_node < 1:
+            _fail(f"{key}.tasks_per_node", res.tasks_per_node, "must be at least 1")
+        if ranks != model_parallel:
+            _fail(f"{key}.tasks_per_node", res.tasks_per_node,
+                  f"cell {i} has {res.nodes} node(s) x {res.tasks_per_node} task(s) = {ranks} rank(s), but its trainer "
+                  f"is train.tensor_parallel x pipeline_parallel x context_parallel = {model_parallel} rank(s): make "
+                  "them equal (data parallelism runs across cells, not inside one)")  # fmt: skip
+    if model_parallel > 1 and cfg.comm.transfer_backend == "gloo":
+        _fail("comm.transfer_backend", "gloo",
+              "cells of several ranks each run their own torch.distributed world, which the gloo transport (one "
+              "world over the job) cannot share; use mooncake")  # fmt: skip
+    check_engine_in_cells(cfg)
 
 
 def check_engine_in_cells(cfg: RunConfig) -> None:
@@ -163,4 +196,4 @@ def check_run(cfg: RunConfig) -> None:
     check_engine_for_model(cfg.engine, cfg.model)
     check_train(cfg.train, cfg.model)
     if cfg.scheduler != "colocate":
-        check_engine_in_cells(cfg)
+        check_cells(cfg)

@@ -18,6 +18,7 @@ from gyre.config.schema import ModelConfig
 from gyre.model.llama import LlamaForCausalLM, head_dim_of
 
 WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"  # sharded checkpoints (transformers' save_pretrained)
 
 
 def hf_config(cfg: ModelConfig, torch_dtype: str = "float32", eos_token_id: int | None = None) -> dict:
@@ -53,8 +54,9 @@ def model_config_from_hf(config: dict) -> ModelConfig:
     """Qwen2/Qwen3/Llama-style config.json -> ModelConfig; refuses features the models here lack."""
     if config.get("attention_bias") or config.get("qkv_bias"):
         raise ValueError("config.json asks for attention biases (Qwen2.5 style); gyre's models have none")
-    if config.get("use_sliding_window") or config.get("rope_scaling"):
-        raise ValueError("config.json uses sliding-window attention or rope_scaling, which gyre's models lack")
+    rope = config.get("rope_parameters") or {}  # transformers 5 moved rope_theta here
+    if config.get("use_sliding_window") or config.get("rope_scaling") or rope.get("rope_type", "default") != "default":
+        raise ValueError("config.json uses sliding-window attention or scaled RoPE, which gyre's models lack")
     heads = config["num_attention_heads"]
     head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
     return ModelConfig(
@@ -65,7 +67,7 @@ def model_config_from_hf(config: dict) -> ModelConfig:
         num_query_groups=config.get("num_key_value_heads", config["num_attention_heads"]),
         ffn_hidden_size=config["intermediate_size"],
         max_position_embeddings=config.get("max_position_embeddings", 4096),
-        rope_theta=float(config.get("rope_theta", 10000.0)),
+        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         head_dim=0 if head_dim * heads == config["hidden_size"] else head_dim,
@@ -108,11 +110,22 @@ def _tokenizer_eos_id(tokenizer_dir: str | Path | None) -> int | None:
 
 
 def load_hf_state(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """config.json and the weights of an HF directory: one model.safetensors or the shards its index names
+    (transformers' save_pretrained). A tied model saved without lm_head gets it as a copy of the embedding."""
     d = Path(directory)
-    if not (d / "config.json").exists() or not (d / WEIGHTS_FILE).exists():
-        raise FileNotFoundError(f"{d} is not a checkpoint: expected config.json and {WEIGHTS_FILE}")
+    index = d / INDEX_FILE
+    if not (d / "config.json").exists() or not ((d / WEIGHTS_FILE).exists() or index.exists()):
+        raise FileNotFoundError(f"{d} is not a checkpoint: expected config.json and {WEIGHTS_FILE} or {INDEX_FILE}")
     cfg = model_config_from_hf(json.loads((d / "config.json").read_text()))
-    return cfg, load_file(str(d / WEIGHTS_FILE))
+    if (d / WEIGHTS_FILE).exists():
+        state = load_file(str(d / WEIGHTS_FILE))
+    else:
+        state = {}
+        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+            state |= load_file(str(d / shard))
+    if cfg.tie_embeddings and "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    return cfg, state
 
 
 def load_llama(directory: str | Path) -> LlamaForCausalLM:

@@ -143,7 +143,7 @@ def megatron_to_hf(state: dict[str, torch.Tensor | None], cfg: ModelConfig) -> d
         "megatron",
         set(weights),
         expected,
-        "Build the GPTModel from the same ModelConfig (see gyre/model/megatron_gpt.py).",
+        "Build the GPTModel from the same ModelConfig (see gyre/train/megatron_gpt.py).",
     )
 
     out = {hf: weights[mc] for mc, hf in globals_.items()}

@@ -36,8 +36,8 @@ from gyre.pipeline import tree_gspo_loss_fn
 from gyre.resume.checkpoint import load_checkpoint, save_checkpoint
 from gyre.resume.state import RunState
 from gyre.sched.cell_engine import CellEngine
-from gyre.sched.grad_reduce import receive_gradients, send_gradients
-from gyre.sched.replica import MicroBatchSource, core_step, flat_grads, grad_numel
+from gyre.sched.cell_group import CellGroup, GroupCheckpoint, reduce_shard
+from gyre.sched.replica import MicroBatchSource, grad_numel
 from gyre.train.megatron_trainer import MegatronTrainer
 from gyre.train.warm_start import Policy
 
@@ -78,8 +78,9 @@ class CellWorker:
         self.is_core = self.cell == 0
         self.role: Role = "rollout"
         self.version = str(version)
+        self.group = CellGroup(cp)  # the cell's other ranks, which follow this one (gyre.sched.cell_group)
         if version:  # resumed: the engine started from the warm start serves the checkpoint's weights
-            self.engine.load(trainer.hf_state_dict(), self.version)
+            self.engine.load(self.gather(), self.version)
         self.weights = WeightTransport(make_transport(cfg.comm, cfg.cluster.mooncake))
         self.batches = MicroBatchSource(cfg)
         self.loss_fn = tree_gspo_loss_fn(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high)
@@ -101,6 +102,7 @@ class CellWorker:
 
         def on_shutdown(msg: Shutdown) -> None:
             finalize[0] = msg.finalize
+            self.group.tell("shutdown", msg.finalize)
 
         try:
             self.cp.serve({**self.handlers(), Shutdown: on_shutdown})
@@ -129,10 +131,10 @@ class CellWorker:
                 self.engine.leave_rollout()
         elif msg.role == "rollout" and self.role == "train":
             stale = self.engine.version != self.version or not self.engine.alive()
-            state = self.trainer.hf_state_dict() if stale else None
+            state = self.gather() if stale else None
             self.engine.join_rollout(state, self.version)
         elif msg.role == "rollout" and not self.engine.alive():  # its engine died while serving: start another
-            self.engine.join_rollout(self.trainer.hf_state_dict(), self.version)
+            self.engine.join_rollout(self.gather(), self.version)
         self.role = msg.role
         url = advertised_url(self.engine.url, self.cfg.comm.hostname)
         return {"seconds": time.monotonic() - start, "engine_url": url, "engine_pid": self.engine.pid}
@@ -143,41 +145,41 @@ class CellWorker:
         if handle is not None and handle.transport == "gloo" and self.is_core:
             self.weights.serve(handle, msg.peers)
         elif not self.is_core:
-            self.trainer.load_hf_state_dict(self.weights.pull(handle, reuse_buffer=True).state)
+            state = self.weights.pull(handle, reuse_buffer=True).state
+            self.group.tell("load", state)  # the whole model to each follower, which keeps its shard
+            self.trainer.load_hf_state_dict(state)
         pulled = time.monotonic() - start
         self.version = msg.version
         if self.role == "rollout" and self.engine.alive():
-            self.engine.load(self.trainer.hf_state_dict(), msg.version)
+            self.engine.load(self.gather(), msg.version)
         return {"pull_s": pulled, "seconds": time.monotonic() - start}
 
     def save_checkpoint(self, msg: SaveCheckpoint) -> dict[str, Any]:
         if not self.is_core:
             raise RuntimeError(f"cell {self.cell} was asked to checkpoint; only the core holds the optimizer state")
         start = time.monotonic()
-        path = save_checkpoint(Path(self.cfg.output_dir), RunState.from_json(msg.state), self.trainer)
+        trainer = GroupCheckpoint(self.group, self.trainer)  # every rank of the cell writes its shard
+        path = save_checkpoint(Path(self.cfg.output_dir), RunState.from_json(msg.state), trainer)
         return {"path": str(path), "seconds": time.monotonic() - start}
 
     def train(self, msg: MicroBatchAssignment) -> dict[str, Any]:
         start = time.monotonic()
+        self.group.tell("train", list(msg.refs))
         metrics = self.trainer.forward_backward([self.batches.get(r) for r in msg.refs], self.loss_fn)
         return {"micro_batches": list(msg.micro_batches), "metrics": metrics, "seconds": time.monotonic() - start}
 
     def reduce(self, msg: GradientReduce) -> dict[str, Any]:
         start = time.monotonic()
-        world = self.cp.comm
-        flat, has = flat_grads(self.trainer.model)
-        if self.cp.rank != msg.core_rank:
-            send_gradients(world, msg.core_rank, flat, has, self.cp.wait_for, self.timeout)
-            self.trainer.zero_grad()
-            self.batches = MicroBatchSource(self.cfg)  # the step's shards are done with
-            return {"sent_bytes": flat.numel() * 4, "seconds": time.monotonic() - start}
-        others = [r for r in msg.contributors if r != self.cp.rank]
-        numel, n_params = grad_numel(self.trainer.model)
-        total, any_has = receive_gradients(world, others, numel, n_params, self.cp.wait_for, self.timeout)
-        if self.cp.rank in msg.contributors:
-            total, any_has = total + flat, any_has | has
-        metrics = core_step(self.trainer, total, any_has, msg.scale)
-        handle = self.weights.publish(self.trainer.hf_state_dict(), msg.version)
+        self.group.tell("reduce", msg)
+        metrics = reduce_shard(self.cp, self.trainer, msg, self.timeout)
+        self.batches = MicroBatchSource(self.cfg)  # the step's shards are done with
+        if metrics is None:
+            return {"sent_bytes": grad_numel(self.trainer.model)[0] * 4, "seconds": time.monotonic() - start}
+        handle = self.weights.publish(self.trainer.hf_state_dict(), msg.version)  # the core's followers gather too
         self.version = msg.version
-        self.batches = MicroBatchSource(self.cfg)
         return {"handle": handle, "metrics": metrics, "seconds": time.monotonic() - start}
+
+    def gather(self) -> dict[str, torch.Tensor]:
+        """The whole model's HF weights, gathered from the cell's shards (its followers take part)."""
+        self.group.tell("gather")
+        return self.trainer.hf_state_dict()

@@ -89,7 +89,7 @@ class Controller:
         self.abandoned: set[int] = set()  # ranks declared dead whose process may still run (told to stop at the end)
 
     def hello(self) -> CellTable:
-        acks = self.cp.request(self.cp.layout.workers, Hello(), timeout=self.cfg.sched.cell_timeout_s)
+        acks = self.cp.request(self.cp.layout.leaders, Hello(), timeout=self.cfg.sched.cell_timeout_s)
         cells = []
         for ack in acks:
             d = ack.detail

@@ -23,10 +23,10 @@ from typing import Any, NoReturn
 from mpi4py import MPI
 from omegaconf import OmegaConf
 
-from gyre.comm.control import ControlPlane, world_control_plane
+from gyre.comm.control import CellLayout, ControlPlane, world_control_plane
 from gyre.config.load import to_run_config
 from gyre.config.schema import CellResources, ModelConfig, RunConfig
-from gyre.config.validate import check_engine_in_cells
+from gyre.config.validate import cell_ranks, check_cells
 from gyre.engine.admin_key import set_run_admin_key, take_run_admin_key
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted
 from gyre.sched.affinity import available_cpus, cpu_plan, pin
@@ -43,11 +43,11 @@ def run(out: Path) -> tuple[bool, dict[str, Any], int]:
     # mpiexec's -disable-auto-cleanup tells the survivors of a dead rank with SIGUSR1, whose default kills
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     cfg = to_run_config(OmegaConf.load(out / "config.yaml"))
-    check_engine_in_cells(cfg)
+    check_cells(cfg)
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
-    n_cells = 1 + len(cfg.cluster.satellites)
-    check_world(world.Get_size(), rank, n_cells, os.environ)
+    sizes = cell_ranks(cfg)
+    check_world(world.Get_size(), rank, sizes, os.environ)
     threads = cfg.sched.threads_per_cell
     if "SLURM_STEP_ID" in os.environ and not cfg.sched.cpu_sets:
         os.environ["OMP_NUM_THREADS"] = str(threads)  # keep the CPUs Slurm bound this task to
@@ -57,7 +57,7 @@ def run(out: Path) -> tuple[bool, dict[str, Any], int]:
         threading.Event().wait()  # an injected stall: the start-up guard of the Slurm script ends this start
     start_id = world.bcast(uuid.uuid4().hex if rank == 0 else None, root=0)  # names this start's policy.json
     set_run_admin_key(world.bcast(take_run_admin_key() if rank == 0 else None, root=0))  # engines' admin routes
-    cp = world_control_plane([1] * n_cells, cfg.comm.idle_poll_max_s)  # collective: every rank has joined
+    cp = world_control_plane(sizes, cfg.comm.idle_poll_max_s)  # collective: every rank has joined
     if rank == 0:
         mark_world_up(os.environ)
     # resolved once, here on this rank's node; engines, Mooncake and gloo use this address from now on
@@ -114,17 +114,17 @@ def run_controller(cfg: RunConfig, cp: ControlPlane, out: Path, start_id: str) -
     return controller.finalize
 
 
-def check_world(size: int, rank: int, n_cells: int, env: Mapping[str, str]) -> None:
-    """The job has a rank for the controller and one per cell; under a Slurm het job, rank 0 and the core
-    cell (rank 1) run on component 0 and cell i (rank 1 + i) on component i."""
-    if size != 1 + n_cells:
+def check_world(size: int, rank: int, cell_sizes: list[int], env: Mapping[str, str]) -> None:
+    """The job has a rank for the controller, then each cell's ranks (nodes x tasks_per_node) in order; under
+    a Slurm het job, rank 0 and the core cell's ranks run on component 0 and cell i's on component i."""
+    if size != 1 + sum(cell_sizes):
         raise RuntimeError(
-            f"the cell job has {size} ranks but the config names {n_cells} cells: it needs {1 + n_cells} "
-            "(the controller, then one per cell: cluster.core and each of cluster.satellites)"
+            f"the cell job has {size} ranks but the config's cells have {cell_sizes} ranks: it needs "
+            f"{1 + sum(cell_sizes)} (the controller, then each cell's: cluster.core and each of cluster.satellites)"
         )
     if "SLURM_HET_SIZE" in env and "SLURM_PROCID" in env:
         where = cell_rank_from_env(env)
-        expected = max(rank - 1, 0)
+        expected = max(CellLayout.contiguous(size, cell_sizes).cell_of(rank), 0)
         if where.cell != expected:
             raise RuntimeError(
                 f"rank {rank} runs on het component {where.cell} but belongs to cell {expected}: start the job "
@@ -214,6 +214,12 @@ def run_cell(cfg: RunConfig, cp: ControlPlane, out: Path, start_id: str) -> bool
     from gyre.comm.mooncake_transport import resolve_hostname
     from gyre.sched.cell_engine import CellEngine, cell_env, cell_nodes
 
+    if cp.cell_comm.Get_size() > 1:  # the cell's trainer world over its ranks (gloo), for megatron's layout
+        from gyre.comm.gloo_transport import init_gloo_from_mpi
+
+        init_gloo_from_mpi(cp.cell_comm, cfg.comm.hostname)
+    if cp.cell_comm.Get_rank() > 0:
+        return run_follower(cfg, cp, out, start_id)
     got: dict[str, Any] = {}
     have_paths = threading.Event()
 
@@ -246,6 +252,17 @@ def run_cell(cfg: RunConfig, cp: ControlPlane, out: Path, start_id: str) -> bool
     from gyre.sched.cell import CellWorker
 
     return CellWorker(cfg, cp, got["policy"], engine, got["trainer"], got["version"]).serve()
+
+
+def run_follower(cfg: RunConfig, cp: ControlPlane, out: Path, start_id: str) -> bool:
+    """A cell rank after its first: its shard of the replica, run as the cell's leader tells it."""
+    from gyre.sched.cell import build_replica
+    from gyre.sched.cell_group import CellFollower
+    from gyre.train.warm_start import Policy
+
+    paths = policy_paths(out, cp, start_id)
+    policy = Policy(paths["model_cfg"], paths["tok"], paths["ckpt"])
+    return CellFollower(cfg, cp, build_replica(cfg, policy, paths["resume_from"])).serve()
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 import gyre
 from gyre.config.schema import RunConfig
-from gyre.config.validate import check_engine_in_cells
+from gyre.config.validate import cell_ranks, check_cells
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted
 from gyre.sched.policy import SCHEDULERS
 
@@ -38,7 +38,7 @@ def mpirun_command(cfg: RunConfig, out: Path) -> list[str]:
     mpirun = cfg.sched.mpirun or str(Path(sys.executable).parent / "mpirun")
     if not Path(mpirun).exists():
         raise FileNotFoundError(f"{mpirun} not found: `pip install mpi4py mpich` into this venv or set sched.mpirun")
-    ranks = 2 + len(cfg.cluster.satellites)
+    ranks = 1 + sum(cell_ranks(cfg))  # the controller, then each cell's ranks
     return [mpirun, "-disable-auto-cleanup", "-n", str(ranks), "sh", "-c", RANK_SHELL, sys.executable, str(out)]
 
 
@@ -64,7 +64,7 @@ def run_forwarding_stops(argv: list[str], env: dict[str, str], controller_pid: P
 def run_cells(cfg: RunConfig) -> Path:
     if cfg.scheduler not in SCHEDULERS:
         raise ValueError(f"scheduler={cfg.scheduler!r} is not a cell scheduler ({', '.join(SCHEDULERS)})")
-    check_engine_in_cells(cfg)
+    check_cells(cfg)
     out = Path(cfg.output_dir or f"outputs/{time.strftime('%Y-%m-%d_%H-%M-%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     cfg.output_dir = str(out)

@@ -1,19 +1,18 @@
-"""What the Megatron trainer does differently on CUDA: model-parallel layout, Transformer Engine
-layers, megatron's DDP with the distributed optimizer. Nothing here runs on a CPU machine; the CPU
-trainer keeps its torch AdamW (megatron's optimizer and grad clipping hard-code CUDA).
+"""What the Megatron trainer does differently on CUDA: Transformer Engine layers, megatron's DDP with
+the distributed optimizer. Nothing here runs on a CPU machine; the CPU trainer keeps its torch AdamW
+(megatron's optimizer and grad clipping hard-code CUDA) and finishes its gradients itself
+(gyre/train/model_parallel.py).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from gyre.config.schema import ModelConfig, TrainConfig
-from gyre.config.validate import check_train
+from gyre.config.schema import TrainConfig
 
 
 def transformer_engine_enabled(train_cfg: TrainConfig, device: torch.device) -> bool:
@@ -24,38 +23,6 @@ def transformer_engine_enabled(train_cfg: TrainConfig, device: torch.device) -> 
             "train.transformer_engine=on needs CUDA and the transformer_engine package; install it or set it to off"
         )
     return train_cfg.transformer_engine == "on" or (train_cfg.transformer_engine == "auto" and available)
-
-
-def needs_model_parallel(train_cfg: TrainConfig) -> bool:
-    return max(train_cfg.tensor_parallel, train_cfg.pipeline_parallel, train_cfg.context_parallel) > 1
-
-
-def init_model_parallel(train_cfg: TrainConfig, model_cfg: ModelConfig) -> None:
-    """Initialise megatron's TP/PP/CP groups over the launcher's world (torchrun or srun env vars, NCCL)."""
-    from megatron.core import parallel_state
-
-    check_train(train_cfg, model_cfg)
-    if not torch.cuda.is_available():
-        raise RuntimeError(
-            "train.tensor_parallel/pipeline_parallel/context_parallel > 1 need CUDA GPUs; on CPU keep them at 1"
-        )
-    if not torch.distributed.is_initialized():
-        if "WORLD_SIZE" not in os.environ:
-            raise RuntimeError("model parallelism needs a multi-process launch (torchrun, srun): WORLD_SIZE is unset")
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        torch.distributed.init_process_group(backend="nccl")
-    world = torch.distributed.get_world_size()
-    model_parallel = train_cfg.tensor_parallel * train_cfg.pipeline_parallel * train_cfg.context_parallel
-    if world % model_parallel:
-        raise RuntimeError(
-            f"world size {world} is not a multiple of tensor x pipeline x context parallel = {model_parallel}"
-        )
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=train_cfg.tensor_parallel,
-            pipeline_model_parallel_size=train_cfg.pipeline_parallel,
-            context_parallel_size=train_cfg.context_parallel,
-        )
 
 
 @dataclass

@@ -11,7 +11,7 @@ import math
 import os
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,16 +19,14 @@ import torch
 
 from gyre.config.schema import ModelConfig, TrainConfig
 from gyre.config.validate import check_train
-from gyre.model.megatron_gpt import build_gpt_model
 from gyre.model.weights import hf_to_megatron, megatron_to_hf
 from gyre.train.logprobs import target_logprobs
-from gyre.train.megatron_cuda import (
-    MegatronOptimizerStep,
-    init_model_parallel,
-    needs_model_parallel,
-    transformer_engine_enabled,
-)
+from gyre.train.megatron_cuda import MegatronOptimizerStep, transformer_engine_enabled
+from gyre.train.megatron_gpt import build_gpt_model, parallel_state
+from gyre.train.model_parallel import clip_gradients, finish_gradients, init_model_parallel, needs_model_parallel
+from gyre.train.pipeline_schedule import pipeline_step
 from gyre.train.sampling_logprobs import sampled_token_logprobs
+from gyre.train.shard_weights import gather_shards, gather_state, shard_state
 from gyre.train.split_tree import split_forward_backward, split_logprobs
 from gyre.train.tree_attention_megatron import accepts_tree_plans
 from gyre.train.tree_pack import SplitTreeBatch, TreeMicroBatch
@@ -39,6 +37,12 @@ LossFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor, dict[str, float]]]
 def causal_mask(seq_len: int) -> torch.Tensor:
     """[1, 1, T, T] bool, True = masked (megatron's convention, the inverse of llama.py's)."""
     return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)[None, None]
+
+
+@dataclass
+class PaddedBatch:
+    tokens: torch.Tensor  # [B, T]
+    attention_mask: torch.Tensor | None = None  # [B or 1, 1, T, T] bool, True = masked; causal when None
 
 
 def _architecture(model_config: dict[str, Any]) -> dict[str, Any]:
@@ -53,8 +57,9 @@ class MegatronTrainer:
         # The CPU shim only applies without CUDA; with CUDA megatron's layers expect CUDA tensors.
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         check_train(train_cfg, model_cfg)
-        if needs_model_parallel(train_cfg):  # CUDA only; raises with what to do on CPU
-            init_model_parallel(train_cfg, model_cfg)
+        init_model_parallel(train_cfg, model_cfg)  # over the launcher's world, or a one-process one
+        self.parallel = torch.distributed.get_world_size() > 1  # shards, stages or data-parallel replicas
+        self.pipelined = parallel_state.get_pipeline_model_parallel_world_size() > 1
         use_te = transformer_engine_enabled(train_cfg, self.device)
         self.model = build_gpt_model(model_cfg, transformer_engine=use_te).to(self.device)
         # CUDA: megatron's DDP and optimizer (distributed when train.distributed_optimizer); CPU: torch AdamW.
@@ -68,6 +73,7 @@ class MegatronTrainer:
             weight_decay=train_cfg.weight_decay,
         )
         self.step = 0
+        self._grads_finished = False
 
     @property
     def lr(self) -> float:
@@ -79,33 +85,64 @@ class MegatronTrainer:
 
     def logits(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, T] -> fp32 logits [B, T, V]. attention_mask [B or 1, 1, T, T] bool, True = masked;
-        causal when None."""
+        causal when None. With pipeline stages every stage gets the last stage's logits, without gradient."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
-        if attention_mask is None:
-            attention_mask = causal_mask(tokens.shape[1])
-        return self.model(tokens.to(self.device), None, attention_mask.to(self.device)).float()
+        mb = PaddedBatch(tokens, attention_mask)
+        if self.pipelined:
+            return self._pipelined_outputs(mb, lambda out, _: out.float())
+        return self._stage_forward(mb).float()
 
     def token_logprobs(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """log p(tokens[:, t+1] | tokens[:, :t+1]) as [B, T-1] fp32, under the current weights.
 
-        Differentiable; wrap in torch.no_grad() for behaviour/reference logprobs. Right padding leaves
-        the real tokens' logprobs unchanged (causal attention); callers ignore the pad positions.
+        Differentiable (except with pipeline stages); wrap in torch.no_grad() for behaviour/reference
+        logprobs. Right padding leaves the real tokens' logprobs unchanged (causal attention); callers
+        ignore the pad positions.
         """
-        tokens = tokens.to(self.device)
-        return target_logprobs(self.logits(tokens, attention_mask)[:, :-1], tokens[:, 1:])
+        return self.micro_batch_logprobs(PaddedBatch(tokens, attention_mask))
 
     def tree_token_logprobs(self, batch: TreeMicroBatch) -> torch.Tensor:
         """log p(token i | its root path) for every packed token as [N] fp32 (0 at roots), read from the logits
         at parent[i], under the distribution token i's call sampled from (batch.sampling: temperature, ...).
-        Differentiable; equals running each root-to-leaf path as a plain sequence."""
-        self._check_tree_spec()
-        tokens = batch.tokens.to(self.device)
-        logits = self.model(tokens, None, batch.attention.to(self.device)).float()[0]  # [N, V]
-        parent = batch.parent.to(self.device)
-        rows = logits[parent.clamp(min=0)]
-        logp = sampled_token_logprobs(rows, tokens[0], batch.sampling.to(self.device))
+        Differentiable (except with pipeline stages); equals running each root-to-leaf path as a plain sequence."""
+        return self.micro_batch_logprobs(batch)
+
+    def _stage_forward(self, mb: Any) -> torch.Tensor:
+        """This rank's stage of the model on a micro-batch: the logits on the last stage, else its hidden states."""
+        tree = getattr(mb, "batch", mb)
+        if isinstance(tree, TreeMicroBatch):
+            self._check_tree_spec()
+            return self.model(tree.tokens.to(self.device), None, tree.attention.to(self.device))
+        tokens = mb.tokens
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
+        mask = getattr(mb, "attention_mask", None)
+        mask = causal_mask(tokens.shape[1]) if mask is None else mask
+        return self.model(tokens.to(self.device), None, mask.to(self.device))
+
+    def _logprobs_of(self, logits: torch.Tensor, mb: Any) -> torch.Tensor:
+        tree = getattr(mb, "batch", mb)
+        tokens = tree.tokens.to(self.device)
+        if not isinstance(tree, TreeMicroBatch):
+            return target_logprobs(logits.float()[:, :-1], tokens[:, 1:])
+        parent = tree.parent.to(self.device)
+        rows = logits.float()[0][parent.clamp(min=0)]  # [N, V]
+        logp = sampled_token_logprobs(rows, tokens[0], tree.sampling.to(self.device))
         return torch.where(parent >= 0, logp, torch.zeros_like(logp))
+
+    def _pipelined_outputs(self, mb: Any, read: Callable[[torch.Tensor, Any], torch.Tensor]) -> torch.Tensor:
+        if isinstance(getattr(mb, "batch", mb), SplitTreeBatch):
+            raise ValueError(self._NO_SPLIT_PIPELINE)
+        with torch.no_grad():
+            [out] = pipeline_step(self.model, [mb], self._stage_forward, lambda o, m: (None, read(o, m).cpu()),
+                                  self.device, backward=False)  # fmt: skip
+        return out.to(self.device)
+
+    _NO_SPLIT_PIPELINE = (
+        "trees over train.micro_batch_tokens are trained in segments, which do not run over pipeline stages yet: "
+        "set train.pipeline_parallel=1 or raise train.micro_batch_tokens"
+    )
 
     def _check_tree_spec(self) -> None:
         if self.train_cfg.context_parallel > 1:  # each rank would run the whole tree: no split of its tokens yet
@@ -125,12 +162,31 @@ class MegatronTrainer:
         tree = getattr(mb, "batch", mb)  # RL micro-batches wrap a TreeMicroBatch with per-tree advantages
         if isinstance(tree, SplitTreeBatch):
             self._check_tree_spec()
+            if self.pipelined:
+                raise ValueError(self._NO_SPLIT_PIPELINE)
             return split_logprobs(self.model, tree, self.device)
-        if isinstance(tree, TreeMicroBatch):
-            return self.tree_token_logprobs(tree)
-        return self.token_logprobs(mb.tokens, getattr(mb, "attention_mask", None))
+        if self.pipelined:
+            return self._pipelined_outputs(mb, self._logprobs_of)
+        return self._logprobs_of(self._stage_forward(mb), mb)
+
+    def _finish_gradients(self) -> None:
+        """Once per step: the data-parallel sum and the tensor-parallel sums (gyre.train.model_parallel)."""
+        if not self._grads_finished:
+            finish_gradients(self.model)
+            self._grads_finished = True
+
+    def gradients_hf(self) -> dict[str, torch.Tensor]:
+        """The step's accumulated gradients of the whole model, before clipping, in HF names (a check of the
+        model-parallel layout against one process; every rank of the replica takes part)."""
+        if self.parallel:
+            self._finish_gradients()
+        grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self.model.named_parameters()}
+        if self.parallel:
+            grads = gather_shards(grads, self.model_cfg)
+        return {k: v.clone() for k, v in megatron_to_hf(grads, self.model_cfg).items()}
 
     def zero_grad(self) -> None:
+        self._grads_finished = False
         if self._mcore is not None:
             self._mcore.zero_grad()
         else:
@@ -145,6 +201,11 @@ class MegatronTrainer:
             raise ValueError("forward_backward needs at least one micro-batch")
         self.model.train()
         sums: dict[str, float] = defaultdict(float)
+        if self.pipelined:
+            for metrics in self._pipelined_forward_backward(micro_batches, loss_fn):
+                for name, value in metrics.items():
+                    sums[name] += value
+            return {name: total / len(micro_batches) for name, total in sums.items()}
         for mb in micro_batches:
             tree = getattr(mb, "batch", mb)
             if isinstance(tree, SplitTreeBatch):  # over the budget: exact, in segments
@@ -158,6 +219,16 @@ class MegatronTrainer:
                 sums[name] += float(value)
         return {name: total / len(micro_batches) for name, total in sums.items()}
 
+    def _pipelined_forward_backward(self, micro_batches: Sequence[Any], loss_fn: LossFn) -> list[dict[str, float]]:
+        if any(isinstance(getattr(mb, "batch", mb), SplitTreeBatch) for mb in micro_batches):
+            raise ValueError(self._NO_SPLIT_PIPELINE)
+
+        def last_stage(logits: torch.Tensor, mb: Any) -> tuple[torch.Tensor, dict[str, float]]:
+            loss, metrics = loss_fn(self._logprobs_of(logits, mb), mb)
+            return loss, {name: float(value) for name, value in metrics.items()}
+
+        return pipeline_step(self.model, micro_batches, self._stage_forward, last_stage, self.device)
+
     def optimizer_step(self) -> dict[str, float]:
         """Clip the accumulated gradients to train_cfg.grad_clip and step; a non-finite norm skips the step."""
         if self._mcore is not None:
@@ -165,9 +236,13 @@ class MegatronTrainer:
             self.step += int(not skipped)
             self.zero_grad()
             return {"grad_norm": grad_norm, "lr": self.lr, "skipped_step": float(skipped)}
-        params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.train_cfg.grad_clip if self.train_cfg.grad_clip > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        if self.parallel:  # the step's gradients on every rank, then the norm over all the model's shards
+            self._finish_gradients()
+            grad_norm = clip_gradients(self.model, max_norm)
+        else:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         skipped = not math.isfinite(grad_norm)
         if not skipped:
             self.optimizer.step()
@@ -184,25 +259,41 @@ class MegatronTrainer:
         return metrics | self.optimizer_step()
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """A snapshot of the weights in HF names and layout (cloned: training may continue)."""
-        if self.train_cfg.tensor_parallel > 1 or self.train_cfg.pipeline_parallel > 1:
-            raise NotImplementedError(
-                "HF export of tensor/pipeline-sharded weights needs a gather across model-parallel ranks, which "
-                "this trainer does not do yet; sync weights with train.tensor_parallel=pipeline_parallel=1"
-            )
-        return {k: v.clone() for k, v in megatron_to_hf(self.model.state_dict(), self.model_cfg).items()}
+        """A snapshot of the whole model's weights in HF names and layout (cloned: training may continue).
+        With model parallelism every rank of the replica's model-parallel group takes part (a gather)."""
+        state = gather_state(self.model, self.model_cfg) if self.parallel else self.model.state_dict()
+        return {k: v.clone() for k, v in megatron_to_hf(state, self.model_cfg).items()}
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load HF-named weights into the model. The optimizer state is left as it is."""
-        result = self.model.load_state_dict(hf_to_megatron(state, self.model_cfg), strict=False)
+        """Load the whole model's HF-named weights; each rank keeps its shard. The optimizer state is left as it is."""
+        local = hf_to_megatron(state, self.model_cfg)
+        if self.parallel:
+            local = shard_state(local, self.model_cfg, *self.layout)
+        result = self.model.load_state_dict(local, strict=False)
         missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
         if missing or result.unexpected_keys:
             raise KeyError(
                 f"GPTModel rejected converted weights: missing {missing}, unexpected {result.unexpected_keys}"
             )
 
+    @property
+    def layout(self) -> tuple[int, int, int, int]:
+        """(tensor-parallel rank, size, pipeline rank, size) of this rank."""
+        return (
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_rank(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+        )
+
+    def _shard_path(self, path: Path) -> Path:
+        """Rank 0 of the trainer's world writes `path`, rank r `path`.rank{r}: each its own shard."""
+        rank = torch.distributed.get_rank() if self.parallel else 0
+        return path if rank == 0 else path.with_name(f"{path.name}.rank{rank}")
+
     def save(self, path: str | os.PathLike) -> None:
-        """Model, optimizer and step counter in one torch.save file, written atomically."""
+        """Model, optimizer and step counter in one torch.save file, written atomically. With model
+        parallelism every rank of the trainer's world calls it and writes its shard beside it."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         weights = {k: v for k, v in self.model.state_dict().items() if not k.endswith("._extra_state")}
@@ -211,14 +302,24 @@ class MegatronTrainer:
             "optimizer": self.optimizer.state_dict(),
             "step": self.step,
             "model_config": asdict(self.model_cfg),
+            "layout": list(self.layout),
         }
-        tmp = path.with_name(path.name + ".tmp")
+        target = self._shard_path(path)
+        tmp = target.with_name(target.name + ".tmp")
         torch.save(payload, tmp)
-        os.replace(tmp, path)
+        os.replace(tmp, target)
+        if self.parallel:  # every shard is in place before the caller moves the checkpoint into place
+            torch.distributed.barrier()
 
     def load(self, path: str | os.PathLike) -> None:
-        """Restore what save() wrote; the checkpoint must come from the same ModelConfig."""
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        """Restore what save() wrote; the checkpoint must come from the same ModelConfig and layout."""
+        payload = torch.load(self._shard_path(Path(path)), map_location="cpu", weights_only=True)
+        layout = list(payload.get("layout", [0, 1, 0, 1]))
+        if layout != list(self.layout):
+            raise ValueError(
+                f"checkpoint {path} holds the shard (tensor rank, size, pipeline rank, size) = {layout}, this rank "
+                f"is {list(self.layout)}: resume with the train.tensor_parallel and pipeline_parallel it was written with"
+            )
         if _architecture(payload["model_config"]) != _architecture(asdict(self.model_cfg)):
             raise ValueError(
                 f"checkpoint {path} was written for model config {payload['model_config']}, "

@@ -83,7 +83,9 @@ def prepare_policy(cfg: RunConfig, log: Callable[[str], None] = print) -> Policy
     )
     tokenizer.save(tmp / "tokenizer")
     model_cfg = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
-    trainer = MegatronTrainer(model_cfg, dataclasses.replace(cfg.train, lr=cfg.warm_start.lr))
+    # one process (rank 0 of the cell job, before the cells' trainer worlds exist); the cells shard what it writes
+    one_process = {"tensor_parallel": 1, "pipeline_parallel": 1, "context_parallel": 1}
+    trainer = MegatronTrainer(model_cfg, dataclasses.replace(cfg.train, lr=cfg.warm_start.lr, **one_process))
     if cfg.model.init not in ("torch", "megatron"):
         raise ValueError(f"model.init must be 'torch' or 'megatron', got {cfg.model.init!r}")
     if cfg.model.init == "torch":

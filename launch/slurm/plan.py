@@ -7,8 +7,10 @@ cell's node, rank 1 the core cell, rank 1+i satellite cell i. Each cell rank sta
 rollout engine (the embedded engine, or an SGLang server over `engine.tp_size` GPUs) and holds its
 Megatron training replica; engine and trainer settings come from the resolved config the step reads.
 
-The cell runtime runs one rank per cell: a cell is one node, and its replica trains in one process
-(train.tensor_parallel x pipeline_parallel = 1). Layouts beyond that fail here, with the key to change.
+A cell is one node of `tasks_per_node` ranks (rank 0 of the core after the controller, on the same
+node): its Megatron world of train.tensor_parallel x pipeline_parallel ranks, the first of which also
+runs the engine and talks to the controller. Cells of several nodes are not implemented yet; that
+and every other layout the cell runtime cannot hold fail here, with the key to change.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sys
 from dataclasses import dataclass
 
 from gyre.config.schema import CellResources, RunConfig
+from gyre.config.validate import ConfigValueError, check_cells
 
 JOB_MODULE = "gyre.sched.job"
 
@@ -81,23 +84,22 @@ def check_layout(cfg: RunConfig) -> None:
         from gyre.sched.job_preflight import GLOO_UNSUPPORTED
 
         raise LayoutError(GLOO_UNSUPPORTED)
-    model_parallel = cfg.train.tensor_parallel * cfg.train.pipeline_parallel
-    if model_parallel > 1:
-        raise LayoutError(
-            f"train.tensor_parallel x train.pipeline_parallel = {model_parallel}: the cell runtime trains each "
-            "cell's replica in one process; set both to 1 (model parallelism inside a cell is not implemented)"
-        )
     for cell, res in enumerate(cells(cfg)):
         if res.nodes != 1:
             raise LayoutError(
-                f"{cell_key(cell)}.nodes={res.nodes}: the cell runtime runs one rank per cell, so a cell is one "
-                f"node; set {cell_key(cell)}.nodes=1 and add satellites for more nodes"
+                f"{cell_key(cell)}.nodes={res.nodes}: a cell is one node of {cell_key(cell)}.tasks_per_node ranks "
+                f"(cells of several nodes are not implemented yet); set {cell_key(cell)}.nodes=1 and add satellites "
+                "for more nodes"
             )
         if cfg.engine.backend == "sglang" and cfg.engine.tp_size > max(res.gpus_per_node, 0):
             raise LayoutError(
                 f"engine.tp_size={cfg.engine.tp_size} needs that many GPUs on one node, but {cell_key(cell)} has "
                 f"gpus_per_node={res.gpus_per_node}; lower engine.tp_size or give the cell more GPUs"
             )
+    try:  # each cell's ranks hold exactly its trainer's model-parallel layout
+        check_cells(cfg)
+    except ConfigValueError as e:
+        raise LayoutError(str(e)) from e
 
 
 def _cpus(res: CellResources, tasks: int) -> int:
@@ -105,11 +107,12 @@ def _cpus(res: CellResources, tasks: int) -> int:
 
 
 def plan_step(cfg: RunConfig, argv: list[str]) -> Step:
-    """The cell job's step: the controller and the core cell share component 0, one rank per other cell."""
+    """The cell job's step: the controller and the core cell's ranks share component 0, each other cell's
+    ranks its component."""
     check_layout(cfg)
     components = []
     for cell, res in enumerate(cells(cfg)):
-        tasks = 2 if cell == 0 else 1
+        tasks = res.tasks_per_node + (1 if cell == 0 else 0)  # the controller shares the core's node
         args = [f"--ntasks={tasks}", f"--ntasks-per-node={tasks}", f"--cpus-per-task={_cpus(res, tasks)}"]
         if res.gpus_per_node:  # every task of the node sees all its GPUs: the cell's engine and replica share them
             args.append(f"--gpus-per-node={res.gpus_per_node}")

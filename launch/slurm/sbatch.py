@@ -160,7 +160,8 @@ def render_sbatch(cfg: RunConfig, step: Step, layout: ScriptLayout) -> str:
     lines += ["", "job=", *_start_lines("$job", "as SIGUSR2, which srun forwards to the ranks", "USR2"), ""]
     lines += [
         f"# The cell job: {step.num_tasks} ranks, one MPI world over every component. Rank 0 (the controller) and",
-        "# rank 1 (the core cell) on component 0, rank 1+i on satellite i; each cell starts its engine and replica.",
+        "# the core cell's ranks on component 0, satellite i's on component i; each cell's first rank starts its",
+        "# engine, and all its ranks hold its Megatron replica (tensor/pipeline shards when it has several).",
         "set +e",
     ]
     lines += (

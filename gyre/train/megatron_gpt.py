@@ -1,5 +1,9 @@
 """The training-side model: a megatron-core GPTModel with the architecture of gyre/model/llama.py.
 
+Built for this rank's place in megatron's model-parallel layout (gyre/train/model_parallel.py): its
+tensor-parallel shard of each layer, and with pipeline parallelism only its stage's layers (the
+embedding on the first stage, the output layer on the last).
+
 RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases, untied embeddings, fp32, megatron's
 local layer spec (no Transformer Engine) with tree-aware attention modules (see
 gyre/train/tree_attention_megatron.py). On a machine without CUDA the CPU shim is applied first.
@@ -87,16 +91,21 @@ def transformer_config(cfg: ModelConfig) -> TransformerConfig:
         use_cpu_initialization=True,
         pipeline_dtype=torch.float32,
         cuda_graph_scope=[],
+        # megatron splits the layers over the stages by the config's sizes, not by its process groups
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
     )
 
 
 def build_gpt_model(cfg: ModelConfig, transformer_engine: bool = False) -> GPTModel:
-    """A fresh GPTModel on CPU, its weights drawn from cfg.seed.
+    """A fresh GPTModel on CPU for this rank's shard and stage, its weights drawn from cfg.seed. Without
+    megatron's groups set up (gyre.train.model_parallel.init_model_parallel) it makes a one-process world.
 
     transformer_engine=True (CUDA with Transformer Engine installed) takes megatron's TE layer spec:
     fused kernels, no tree-plan attention (dense masks only).
     """
-    init_megatron_single_process()
+    if not parallel_state.model_parallel_is_initialized():
+        init_megatron_single_process()
     torch.manual_seed(cfg.seed)
     model_parallel_cuda_manual_seed(cfg.seed)
     with warnings.catch_warnings():
@@ -115,8 +124,8 @@ def build_gpt_model(cfg: ModelConfig, transformer_engine: bool = False) -> GPTMo
         transformer_layer_spec=layer_spec,
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
-        pre_process=True,
-        post_process=True,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=False,
         share_embeddings_and_output_weights=cfg.tie_embeddings,
         position_embedding_type="rope",

@@ -1,0 +1,135 @@
+"""A cell of several ranks: its leader (the cell's first rank) serves the controller and runs the engine;
+the other ranks hold the rest of the cell's Megatron shards and follow the leader.
+
+Before each trainer operation that is collective over the cell's trainer world (a gather of the HF
+weights, loading weights, training micro-batches, the gradient reduction, a checkpoint) the leader
+tells its followers, over the cell's MPI communicator, which one and with what; each follower runs
+the same call on its own shard. Waits are probes with a sleep (gyre.comm.control's rule), never spins.
+
+Across cells the gradients reduce shard to shard: rank i of a satellite sends its shard's gradients to
+rank i of the core (every cell has the same layout).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from gyre.comm.control import ControlPlane
+from gyre.comm.messages import GradientReduce
+from gyre.config.schema import RunConfig
+from gyre.sched.grad_reduce import receive_gradients, send_gradients
+from gyre.sched.replica import MicroBatchSource, core_step, flat_grads, grad_numel
+from gyre.train.megatron_trainer import MegatronTrainer
+
+FOLLOW_TAG = 4545
+_GONE = object()
+
+
+class CellGroup:
+    """The leader's side: tell every follower what to run next."""
+
+    def __init__(self, cp: ControlPlane) -> None:
+        self.cp = cp
+        self.comm = cp.cell_comm
+        self.size = self.comm.Get_size()
+        self.comm.bcast(os.getpid(), root=0)  # the followers watch this process (CellFollower.serve)
+
+    def tell(self, op: str, *args: Any) -> None:
+        requests = [self.comm.isend((op, args), dest=r, tag=FOLLOW_TAG) for r in range(1, self.size)]
+        for req in requests:
+            self.cp.wait_for(lambda req=req: True if req.Test() else None, None)
+
+
+def shard_ranks(cp: ControlPlane, leaders: tuple[int, ...] | list[int], index: int) -> list[int]:
+    """The world ranks holding shard `index` of the cells whose leaders are given."""
+    return [cp.layout.ranks(cp.layout.cell_of(r))[index] for r in leaders]
+
+
+def reduce_shard(
+    cp: ControlPlane, trainer: MegatronTrainer, msg: GradientReduce, timeout: float
+) -> dict[str, Any] | None:
+    """This rank's part of the step's gradient reduction: send its shard's gradients to the same shard of the
+    core, or (on the core) sum the contributors' and step. Returns the step's metrics on the core, None elsewhere."""
+    index = cp.cell_comm.Get_rank()
+    [core_rank] = shard_ranks(cp, [msg.core_rank], index)
+    contributors = shard_ranks(cp, msg.contributors, index)
+    flat, has = flat_grads(trainer.model)
+    if cp.rank != core_rank:
+        send_gradients(cp.comm, core_rank, flat, has, cp.wait_for, timeout)
+        trainer.zero_grad()
+        return None
+    others = [r for r in contributors if r != cp.rank]
+    numel, n_params = grad_numel(trainer.model)
+    total, any_has = receive_gradients(cp.comm, others, numel, n_params, cp.wait_for, timeout)
+    if cp.rank in contributors:
+        total, any_has = total + flat, any_has | has
+    return core_step(trainer, total, any_has, msg.scale)
+
+
+class CellFollower:
+    """A follower rank: runs what its leader tells it on its shard of the cell's trainer, until shutdown."""
+
+    def __init__(self, cfg: RunConfig, cp: ControlPlane, trainer: MegatronTrainer) -> None:
+        self.cfg, self.cp, self.trainer = cfg, cp, trainer
+        self.batches = MicroBatchSource(cfg)
+        self.leader_pid = cp.cell_comm.bcast(None, root=0)
+
+    def serve(self) -> bool:
+        """Returns whether to run MPI_Finalize (the leader's Shutdown says; not after the leader died, which
+        the controller declares the whole cell dead for: the job then ends without MPI_Finalize)."""
+        comm = self.cp.cell_comm
+        while True:
+            msg = self.cp.wait_for(lambda: comm.improbe(source=0, tag=FOLLOW_TAG) or self._leader_gone(), None)
+            if msg is _GONE:
+                return False
+            op, args = msg.recv()
+            if op == "shutdown":
+                return bool(args[0])
+            getattr(self, op)(*args)
+
+    def _leader_gone(self) -> object | None:
+        """_GONE once the leader's process has exited (a cell's ranks share its node)."""
+        try:
+            os.kill(self.leader_pid, 0)
+        except ProcessLookupError:
+            return _GONE
+        return None
+
+    def gather(self) -> None:
+        self.trainer.hf_state_dict()
+
+    def load(self, state: dict) -> None:
+        self.trainer.load_hf_state_dict(state)
+
+    def train(self, refs: list) -> None:
+        self.trainer.forward_backward([self.batches.get(r) for r in refs], _loss_fn(self.cfg))
+
+    def reduce(self, msg: GradientReduce) -> None:
+        stepped = reduce_shard(self.cp, self.trainer, msg, self.cfg.sched.cell_timeout_s)
+        self.batches = MicroBatchSource(self.cfg)
+        if stepped is not None:  # the core's leader publishes the new version: a gather
+            self.trainer.hf_state_dict()
+
+    def save(self, path: str) -> None:
+        self.trainer.save(path)
+
+
+def _loss_fn(cfg: RunConfig) -> Any:
+    from gyre.pipeline import tree_gspo_loss_fn
+
+    return tree_gspo_loss_fn(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high)
+
+
+class GroupCheckpoint:
+    """The leader's trainer as save_checkpoint sees it: every rank of the cell writes its shard."""
+
+    def __init__(self, group: CellGroup, trainer: MegatronTrainer) -> None:
+        self.group, self.trainer = group, trainer
+
+    def save(self, path: Any) -> None:
+        self.group.tell("save", str(path))
+        self.trainer.save(path)
+
+    def load(self, path: Any) -> None:
+        self.trainer.load(path)
