@@ -56,8 +56,9 @@ def reset_peak_rss() -> None:
         f.write("5")
 
 
-def report_progress(n_segments: int) -> None:
-    """Each segment of the backward sweep (a forward with gradient) prints CPU seconds and peak RSS to stderr."""
+def report_progress(n_segments: int, before_mb: float) -> None:
+    """Each segment of the backward sweep (a forward with gradient) prints CPU seconds and peak RSS (and its
+    growth over `before_mb`) to stderr."""
     forward, done, t0 = split_tree_module._forward, [0], time.process_time()
 
     def counted(*args: object, **kwargs: object) -> object:
@@ -65,7 +66,9 @@ def report_progress(n_segments: int) -> None:
         if args[5]:  # grad: one segment of the sweep
             done[0] += 1
             row = {"segments_done": done[0], "segments": n_segments, "cpu_s": round(time.process_time() - t0, 1)}
-            print(json.dumps(row | {"peak_rss_mb": round(peak_rss_mb())}), file=sys.stderr, flush=True)
+            peak = peak_rss_mb()
+            row |= {"peak_rss_mb": round(peak), "rss_growth_mb": round(peak - before_mb)}
+            print(json.dumps(row), file=sys.stderr, flush=True)
         return out
 
     split_tree_module._forward = counted
@@ -95,7 +98,7 @@ def child(args: argparse.Namespace) -> None:
     reset_peak_rss()  # building the call log peaks higher than training may: measure from here
     before = current_rss_mb()
     if args.progress and args.mode == "split":
-        report_progress(len(batch.segments))
+        report_progress(len(batch.segments), before)
     seconds, wall = [], []
     for _ in range(args.repeats):
         t0, w0 = time.process_time(), time.perf_counter()
