@@ -6,17 +6,22 @@ recorded Claude Code session.
 """
 
 import dataclasses
+import gc
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from gyre.config.schema import ModelConfig, TrainConfig
 from gyre.pipeline import RLMicroBatch, tree_gspo_loss_fn
 from gyre.proxy.call_log import read_call_log
+from gyre.train import tree_attention as tree_attention_module
 from gyre.train.megatron_trainer import MegatronTrainer
-from gyre.train.tree_pack import SplitTreeBatch, pack_forest, pack_trees, split_tree
+from gyre.train.split_tree import _Layout
+from gyre.train.tree_attention import dense_tree_mask, plan_from_parents, tree_attention
+from gyre.train.tree_pack import SplitTreeBatch, pack_forest, pack_trees, split_tree, weighted_token_loss
 from gyre.traj.build import build_tree
 from gyre.traj.sampling import sample_tree
 from gyre.traj.tree import TrajectoryTree
@@ -77,6 +82,44 @@ def assert_split_equals_whole(
         rel = float((g - whole_g).norm() / whole_g.norm().clamp(min=1e-30))
         assert rel < 1e-5, (budget, rel)
         assert m["ratio_mean"] == pytest.approx(whole_m["ratio_mean"], rel=1e-6)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["cpu-flash", "unfused"])
+@pytest.mark.parametrize("seed", range(3))
+def test_segment_attention_over_a_given_root_path_equals_dense_attention(seed, fused, monkeypatch):
+    """A segment's queries attend to the given root path in unmasked tiles merged by logsumexp (several key
+    chunks, several runs where the segment leaves the path's subtrees) and to their own keys in masked blocks:
+    outputs, the segment's gradients and the gradients added to the path's sinks equal dense masked attention."""
+    if not fused:
+        monkeypatch.setattr(tree_attention_module, "_CPU_FLASH", None)
+    monkeypatch.setattr(tree_attention_module, "PREFIX_KEY_CHUNK", 5)
+    monkeypatch.setattr(tree_attention_module, "DEFAULT_MASK_BUDGET", 35)  # unfused: 7-key tiles of 5 queries
+    monkeypatch.setattr(tree_attention_module, "MAX_BLOCK", 5)
+    rng = np.random.default_rng(seed)
+    batch = split_tree(random_tree(rng, 40, max_segment=10), 1)
+    lay = _Layout(batch)
+    a = next(i for i in range(batch.n_tokens // 2, batch.n_tokens) if lay.depth[i] >= 12)
+    b = min(batch.n_tokens, a + 60)
+    path = lay.root_path(a)
+    d = len(path)
+    local = lay.segment_parents(a, b, d)
+    plan = plan_from_parents(local, query_start=d, block_size=int(rng.integers(1, 9)))
+    assert len(plan.prefix_runs) >= 2  # the segment leaves part of the path behind
+    gen = torch.Generator().manual_seed(seed)
+    n = len(local)
+    q, k, v = (torch.randn(h, n, 8, generator=gen, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_tree_mask(local), scale=0.3, enable_gqa=True)[:, d:]
+    kp, vp = k.detach()[:, :d].clone(), v.detach()[:, :d].clone()
+    sinks = torch.zeros_like(kp), torch.zeros_like(vp)
+    qs, ks, vs = (t.detach()[:, d:].clone().requires_grad_() for t in (q, k, v))
+    out = tree_attention(qs, ks, vs, plan, 0.3, (kp, vp, *sinks))
+    assert torch.allclose(out, ref, atol=1e-12)
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    grads = torch.autograd.grad(out, (qs, ks, vs), g)
+    ref_q, ref_k, ref_v = torch.autograd.grad(ref, (q, k, v), g)
+    for got, want in zip(grads, (ref_q[:, d:], ref_k[:, d:], ref_v[:, d:]), strict=True):
+        assert torch.allclose(got, want, atol=1e-10)
+    assert torch.allclose(sinks[0], ref_k[:, :d], atol=1e-10) and torch.allclose(sinks[1], ref_v[:, :d], atol=1e-10)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -152,3 +195,24 @@ def test_a_loss_not_proportional_to_the_weights_and_earlier_gradients_are_exact(
     whole = grads([pack_forest([small]), pack_forest([big])])
     split = grads([pack_forest([small]), split_tree(big, max(1, big.n_tokens // 10))])
     assert float((split - whole).norm() / whole.norm()) < 1e-5
+
+
+def test_a_split_forward_backward_keeps_no_segment_tensor_alive(trainer):
+    """Memory is set by one segment and the path, not by the number of segments: once the sweep is over,
+    no tensor of any segment is alive (a segment's keys/values once were, held by an autograd cycle)."""
+    rng = np.random.default_rng(5)
+    tree = random_tree(rng, 30, max_segment=14)
+    batch = split_tree(tree, max(1, tree.n_tokens // 10))
+
+    def live_tensors() -> dict[int, tuple]:
+        gc.collect()
+        return {id(o): tuple(o.shape) for o in gc.get_objects() if torch.is_tensor(o)}
+
+    trainer.zero_grad()
+    trainer.forward_backward([batch], weighted_token_loss)  # megatron caches RoPE tables by length once
+    trainer.zero_grad()
+    before = live_tensors()
+    trainer.forward_backward([batch], weighted_token_loss)
+    trainer.zero_grad()
+    new = [shape for i, shape in live_tensors().items() if i not in before]
+    assert not new, new

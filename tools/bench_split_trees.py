@@ -13,6 +13,10 @@ high-water mark minus the RSS just before the first timed pass.
     python -m tools.bench_split_trees [--scales 100 10 1] [--budget 4096] [--repeats 3] [--whole-max 120000]
         [--context N]     # override the (scaled) context limit, e.g. 1M tokens with shallower paths
         [--fixed-malloc]  # glibc mmap/trim thresholds fixed at 64 KiB: freed temporaries leave the RSS
+        [--progress]      # each segment of the backward sweep: a JSON line on stderr (CPU s, peak RSS so far)
+
+A row also has `peak_rss_mb`, the process's absolute RSS high-water mark during the timed passes, and
+`wall_s`, the median wall-clock seconds of a pass.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import numpy as np
 import torch
 
 from gyre.config.schema import ModelConfig, TrainConfig
+from gyre.train import split_tree as split_tree_module
 from gyre.train.megatron_trainer import MegatronTrainer
 from gyre.train.tree_pack import pack_forest, split_tree, weighted_token_loss
 from tools.bench_tree_training import current_rss_mb, peak_rss_mb, rollout_tree, scaled_shape
@@ -49,6 +54,24 @@ def reset_peak_rss() -> None:
     """Reset this process's VmHWM to its current RSS (Linux: 5 > /proc/self/clear_refs)."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+def report_progress(n_segments: int, before_mb: float) -> None:
+    """Each segment of the backward sweep (a forward with gradient) prints CPU seconds and peak RSS (and its
+    growth over `before_mb`) to stderr."""
+    forward, done, t0 = split_tree_module._forward, [0], time.process_time()
+
+    def counted(*args: object, **kwargs: object) -> object:
+        out = forward(*args, **kwargs)
+        if args[5]:  # grad: one segment of the sweep
+            done[0] += 1
+            row = {"segments_done": done[0], "segments": n_segments, "cpu_s": round(time.process_time() - t0, 1)}
+            peak = peak_rss_mb()
+            row |= {"peak_rss_mb": round(peak), "rss_growth_mb": round(peak - before_mb)}
+            print(json.dumps(row), file=sys.stderr, flush=True)
+        return out
+
+    split_tree_module._forward = counted
 
 
 def child(args: argparse.Namespace) -> None:
@@ -74,11 +97,14 @@ def child(args: argparse.Namespace) -> None:
     gc.collect()
     reset_peak_rss()  # building the call log peaks higher than training may: measure from here
     before = current_rss_mb()
-    seconds = []
+    if args.progress and args.mode == "split":
+        report_progress(len(batch.segments), before)
+    seconds, wall = [], []
     for _ in range(args.repeats):
-        t0 = time.process_time()
+        t0, w0 = time.process_time(), time.perf_counter()
         trainer.forward_backward([batch], weighted_token_loss)
         seconds.append(time.process_time() - t0)
+        wall.append(time.perf_counter() - w0)
         trainer.zero_grad()
     row = {
         "mode": args.mode,
@@ -87,7 +113,9 @@ def child(args: argparse.Namespace) -> None:
         "pairs": int(tree.depth.astype(np.int64).sum()) + tree.n_tokens,
         "segments": len(batch.segments) if args.mode == "split" else 1,
         "seconds": statistics.median(seconds),
+        "wall_s": statistics.median(wall),
         "rss_growth_mb": peak_rss_mb() - before,
+        "peak_rss_mb": peak_rss_mb(),
     }
     print(json.dumps(row))
 
@@ -115,6 +143,7 @@ def main() -> None:
         "--fixed-malloc", action="store_true", help="fixed glibc mmap/trim thresholds: RSS closer to what is held"
     )
     parser.add_argument("--whole-max", type=int, default=120_000, help="run the whole tree only up to this size")
+    parser.add_argument("--progress", action="store_true", help="per-segment progress of split runs on stderr")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="split", help=argparse.SUPPRESS)
     parser.add_argument("--scale", type=int, default=100, help=argparse.SUPPRESS)

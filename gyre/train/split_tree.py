@@ -22,7 +22,11 @@ Any other loss gets a second pass with its exact g.
 The sum over segments of each segment's direct gradient plus the gradient through the keys/values later
 segments read is the whole tree's gradient: logprobs and gradients equal whole-tree training up to
 floating-point summation order. Peak memory: one segment's activations plus the path, 4 x layers x
-depth x key/value width floats (keys, values and their gradients), whatever the tree's size.
+depth x key/value width floats (keys, values and their gradients), whatever the tree's size; beyond
+that only index arrays of the tree (a few int64 per token) and per-segment index arrays of the path's
+length. A segment's k, v (kept for the path and its gradient) are dropped after its backward pass:
+they are views of its key/value projection, which the attention's autograd context would otherwise keep
+alive for every segment (a cycle through the autograd graph that Python's garbage collector cannot see).
 """
 
 from __future__ import annotations
@@ -88,8 +92,8 @@ class _Layout:
     """Index arithmetic of one split tree: root paths, per-segment targets, local parent arrays."""
 
     def __init__(self, batch: SplitTreeBatch) -> None:
-        self.parent = batch.parent.numpy().astype(np.int64)
-        self.depth = batch.positions.numpy().astype(np.int64)
+        self.parent = np.asarray(batch.parent.numpy(), dtype=np.int64)  # the batch's own arrays, not copies
+        self.depth = np.asarray(batch.positions.numpy(), dtype=np.int64)
         n = self.parent.shape[0]
         idx = np.arange(n)
         n_children = np.bincount(self.parent[self.parent >= 0], minlength=n)
@@ -128,30 +132,26 @@ def _forward(
     path: PathKV,
     depth: int,
     grad: bool,
-    rope: torch.Tensor,
 ) -> tuple[torch.Tensor, SegmentKV]:
     """fp32 logits [n, V] of the tokens after the first `depth` of local_parent, which come from the path."""
     ctx = SegmentKV(path, depth, grad)
     plan = plan_from_parents(local_parent, query_start=depth)
-    plan = dataclasses.replace(plan, prefix=ctx, rope_table=rope).to(tokens.device)
+    lo, hi = int(plan.positions.min()), int(plan.positions.max()) + 1
+    rope = model.rotary_pos_emb.get_emb(hi - lo, lo)  # the rows of this forward's depths (megatron's, uncached)
+    plan = dataclasses.replace(plan, prefix=ctx, rope_table=rope, rope_offset=lo).to(tokens.device)
     return model(tokens[None], None, plan).float()[0], ctx
-
-
-def _rope_table(model: torch.nn.Module, batch: SplitTreeBatch) -> torch.Tensor:
-    return model.rotary_pos_emb(int(batch.positions.max()) + 1)
 
 
 def _logprobs_pass(model: torch.nn.Module, batch: SplitTreeBatch, lay: _Layout, device: torch.device) -> torch.Tensor:
     """Every token's logprob [N] (0 at roots), no gradient."""
     tokens, parent = batch.tokens[0].to(device), batch.parent.to(device)
     sampling = batch.sampling.to(device)
-    rope = _rope_table(model, batch)
     logp = torch.zeros(batch.n_tokens, dtype=torch.float32, device=device)
     path = PathKV(int(batch.positions.max()) + 1)
     with torch.no_grad():
         for j, (a, b) in enumerate(lay.segments):
             d = int(lay.depth[a])
-            logits, ctx = _forward(model, tokens[a:b], lay.segment_parents(a, b, d), path, d, False, rope)
+            logits, ctx = _forward(model, tokens[a:b], lay.segment_parents(a, b, d), path, d, False)
             t = torch.from_numpy(lay.targets[j]).to(device)
             logp[t] = sampled_token_logprobs(logits[parent[t] - a], tokens[t], sampling.take(t))
             if b < batch.n_tokens:
@@ -209,7 +209,6 @@ def _backward_pass(
     """Backpropagate sum(g * logp) over the whole tree, segments in reverse order; returns logp [N] (0 at roots)."""
     tokens, parent = batch.tokens[0].to(device), batch.parent.to(device)
     sampling = batch.sampling.to(device)
-    rope = _rope_table(model, batch)
     size = batch.segment_tokens
     logp = torch.zeros(batch.n_tokens, dtype=torch.float32, device=device)
     path = PathKV(int(batch.positions.max()) + 1, gradients=True)
@@ -226,9 +225,9 @@ def _backward_pass(
         for i in path.gk:  # slots from `shared` on get tokens no later segment attended to
             path.gk[i][:, shared:].zero_()
             path.gv[i][:, shared:].zero_()
-        _recompute_path(model, tokens, here, shared, size, path, rope)
+        _recompute_path(model, tokens, here, shared, size, path)
         d = int(lay.depth[a])
-        logits, ctx = _forward(model, tokens[a:b], lay.segment_parents(a, b, d), path, d, True, rope)
+        logits, ctx = _forward(model, tokens[a:b], lay.segment_parents(a, b, d), path, d, True)
         t = torch.from_numpy(lay.targets[j]).to(device)
         logp_t = sampled_token_logprobs(logits[parent[t] - a], tokens[t], sampling.take(t))
         logp[t] = logp_t.detach()
@@ -238,6 +237,7 @@ def _backward_pass(
             k, v = ctx.own[i]
             objective = objective + (k[:, ql] * gk).sum() + (v[:, ql] * gv).sum()
         objective.backward()
+        ctx.own.clear()  # k, v hold their graph (freed by backward, but its nodes live while they do)
         later = here
     return logp
 
@@ -249,12 +249,11 @@ def _recompute_path(
     start: int,
     size: int,
     path: PathKV,
-    rope: torch.Tensor,
 ) -> None:
     """Keys/values of path_nodes[start:] (a chain below the slots already held) into the path, no gradient."""
     with torch.no_grad():
         for d0 in range(start, len(path_nodes), size):
             d1 = min(d0 + size, len(path_nodes))
             nodes = torch.from_numpy(path_nodes[d0:d1]).to(tokens.device)
-            _, ctx = _forward(model, tokens[nodes], np.arange(-1, d1 - 1), path, d0, False, rope)
+            _, ctx = _forward(model, tokens[nodes], np.arange(-1, d1 - 1), path, d0, False)
             ctx.write(np.arange(d0, d1), np.arange(d1 - d0))

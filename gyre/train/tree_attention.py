@@ -15,6 +15,15 @@ most), and the scores stay inside torch's fused attention kernel. On CPU the bac
 torch's flash-attention backward with the saved logsumexp; elsewhere it recomputes each block's
 attention (about one extra attention forward). Compute is exact attention:
 sum over tokens of (depth + 1), i.e. O(N * path length) for long paths, with no N x N tensor.
+
+Given keys (query_start > 0: one segment of a split tree, gyre/train/split_tree.py). The tokens before
+query_start are a root path whose keys/values are given, not computed. A query's given ancestors are the
+path's first m of them, m shrinking along the segment as depth-first order leaves the path's subtrees, so
+the queries fall into a few runs of equal m (plan.prefix_runs). Each run attends to its m given keys in
+unmasked tiles of at most PREFIX_KEY_CHUNK keys, read in place (no gather, no mask); the blocks hold the
+segment's own keys only, under a [block, segment] mask. The parts are merged by their logsumexp, and the
+backward pass takes each part's gradients from the merged output and logsumexp (exact: the softmax's
+normalisation is the whole one). Transient memory is then set by the segment, not by the path's depth.
 """
 
 from __future__ import annotations
@@ -48,8 +57,12 @@ class TreeAttentionPlan:
     subtree_end: torch.Tensor  # [N] long: token i's subtree is [i, subtree_end[i])
     blocks: list[tuple[int, int, Ranges]]  # (qa, qb, key ranges) covering [query_start, N) in order
     query_start: int = 0
+    # With query_start > 0: (qa, qb, m), queries [qa, qb) also attend to the given tokens [0, m) (the given
+    # tokens are a chain, so a query's given ancestors are its first m); blocks then hold computed keys only.
+    prefix_runs: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
     prefix: Any = None  # the key-only tokens' per-layer keys/values (split_tree.SegmentKV); None when query_start=0
-    rope_table: torch.Tensor | None = None  # RoPE rows by position when positions can exceed the query count
+    rope_table: torch.Tensor | None = None  # RoPE rows from position rope_offset on, when positions exceed the queries
+    rope_offset: int = 0
 
     @property
     def n_tokens(self) -> int:
@@ -139,8 +152,19 @@ def plan_from_parents(
             seg_depth[s] = seg_depth[seg_parent[s]] + (seg_end[seg_parent[s]] - seg_start[seg_parent[s]])
     depth = seg_depth[seg_of] + (idx - seg_start[seg_of])
 
-    if block_size is None:
-        block_size = int(np.clip(mask_budget // (int(depth.max()) + 1), MIN_BLOCK, MAX_BLOCK))
+    runs: list[tuple[int, int, int]] = []
+    if query_start:
+        if not np.array_equal(parent[:query_start], np.arange(-1, query_start - 1)):
+            raise ValueError("the key-only tokens before query_start must be a chain (a root path, by depth)")
+        # the given chain's subtree ends shrink with depth: query q's given ancestors are the first m(q)
+        given_end = sub_end[seg_of[:query_start]]
+        m = np.searchsorted(-given_end, -idx[query_start:], side="left")
+        cut = np.flatnonzero(np.diff(m)) + 1
+        starts, ends = np.append(0, cut), np.append(cut, len(m))
+        runs = [(query_start + a, query_start + b, int(m[a])) for a, b in zip(starts, ends, strict=True) if m[a]]
+    if block_size is None:  # with given keys, a block's mask covers the computed keys only
+        deepest = int(depth.max()) + 1 if not query_start else n - query_start
+        block_size = int(np.clip(mask_budget // deepest, MIN_BLOCK, MAX_BLOCK))
     # A block also starts where depth-first order jumps back up by more than half the depth (a new
     # tree, or a branch off a shallow point after a deep one): queries there would not use the keys
     # of the deep root path the block is charged for.
@@ -151,39 +175,28 @@ def plan_from_parents(
         next_jump = jumps[np.searchsorted(jumps, qa, side="right")] if len(jumps) and jumps[-1] > qa else n
         qb = min(qa + block_size, int(next_jump))
         s = int(seg_of[qa])
-        blocks.append((qa, qb, tuple(_merge([*anc[s], (int(seg_start[s]), qb)]))))
+        ranges = _merge([*anc[s], (int(seg_start[s]), qb)])
+        ranges = [(max(a, query_start), b) for a, b in ranges if b > query_start]  # given keys: prefix_runs
+        blocks.append((qa, qb, tuple(ranges)))
         qa = qb
     return TreeAttentionPlan(
-        torch.from_numpy(depth[query_start:]), torch.from_numpy(sub_end[seg_of]), blocks, query_start=query_start
+        torch.from_numpy(depth[query_start:]),
+        torch.from_numpy(sub_end[seg_of]),
+        blocks,
+        query_start=query_start,
+        prefix_runs=runs,
     )
 
 
-def _pieces(ranges: Ranges, split: int) -> list[tuple[int, int]]:
-    """The ranges cut at `split` (the first computed token: keys before it are given, see TreeAttentionPlan)."""
-    out = []
-    for a, b in ranges:
-        if a < split < b:
-            out += [(a, split), (split, b)]
-        else:
-            out.append((a, b))
-    return out
-
-
 def _block_inputs(
-    k: torch.Tensor, v: torch.Tensor, plan: TreeAttentionPlan, qa: int, qb: int, ranges: Ranges, prefix: Prefix
+    k: torch.Tensor, v: torch.Tensor, plan: TreeAttentionPlan, qa: int, qb: int, ranges: Ranges
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gathered keys/values [1, Hkv, K, D] and the [qb - qa, K] mask (True = attend) of one block.
 
-    k, v [Hkv, N - query_start, D] hold the computed tokens; keys before query_start come from `prefix`."""
+    k, v [Hkv, N - query_start, D] hold the computed tokens (a block's ranges hold computed keys only)."""
     d = plan.query_start
-    parts = _pieces(ranges, d)
-    if prefix is None:
-        kb = torch.cat([k[:, a:b] for a, b in parts], dim=1)[None]
-        vb = torch.cat([v[:, a:b] for a, b in parts], dim=1)[None]
-    else:
-        kp, vp = prefix[0], prefix[1]
-        kb = torch.cat([kp[:, a:b] if b <= d else k[:, a - d : b - d] for a, b in parts], dim=1)[None]
-        vb = torch.cat([vp[:, a:b] if b <= d else v[:, a - d : b - d] for a, b in parts], dim=1)[None]
+    kb = torch.cat([k[:, a - d : b - d] for a, b in ranges], dim=1)[None]
+    vb = torch.cat([v[:, a - d : b - d] for a, b in ranges], dim=1)[None]
     key_idx = torch.cat([torch.arange(a, b, device=k.device) for a, b in ranges])
     q_idx = torch.arange(qa, qb, device=k.device)[:, None]
     mask = (key_idx[None] <= q_idx) & (q_idx < plan.subtree_end[key_idx][None])
@@ -207,6 +220,8 @@ def _fused_cpu_ops() -> tuple | None:
 
 
 _CPU_FLASH = _fused_cpu_ops()
+# Given keys attended by a run of queries are taken in chunks: no per-chunk buffer grows with the path.
+PREFIX_KEY_CHUNK = 1 << 14
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -218,62 +233,156 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """Softmax statistics' dtype: fp32 for fp32 and lower precision, the input's own above."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _scores(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scores [1, H, nq, nk] (-inf where masked) and k, v repeated to the query heads, at least fp32."""
+    group, dtype = q.shape[1] // k.shape[1], _acc(q.dtype)
+    k, v = (t.to(dtype).repeat_interleave(group, dim=1) for t in (k, v))
+    s = (q.to(dtype) @ k.transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return s, k, v
+
+
+def _partial_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, fused: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [1, H, nq, D] over some of its keys, k/v [1, Hkv, nk, D] (mask [nq, nk], True = attend,
+    or None for all): its output [1, H, nq, D] and logsumexp [1, H, nq] (_acc), to be merged with the rest."""
+    if fused:
+        attn_mask = None if mask is None else _additive(mask, q.dtype)
+        return _CPU_FLASH[0](q, k, v, 0.0, False, attn_mask=attn_mask, scale=scale)
+    s, _, v = _scores(q, k, v, mask, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    return (torch.exp(s - lse[..., None]) @ v).to(q.dtype), lse
+
+
+def _partial_attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    fused: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of q, k, v through the part of the attention these keys take, given the whole attention's
+    output and logsumexp (out, lse over all of the queries' keys): exact, whatever the other keys are."""
+    if fused:
+        attn_mask = None if mask is None else _additive(mask, q.dtype)
+        return _CPU_FLASH[1](grad_out, q, k, v, out, lse, 0.0, False, attn_mask=attn_mask, scale=scale)
+    s, kr, vr = _scores(q, k, v, mask, scale)
+    p = torch.exp(s - lse[..., None])  # this part's probabilities under the whole softmax
+    g = grad_out.to(p.dtype)
+    ds = p * (g @ vr.transpose(-1, -2) - (g * out.to(p.dtype)).sum(-1, keepdim=True))
+    group = q.shape[1] // k.shape[1]
+
+    def to_kv_heads(t: torch.Tensor) -> torch.Tensor:
+        return t.view(1, k.shape[1], group, *t.shape[2:]).sum(2)
+
+    gk = to_kv_heads(ds.transpose(-1, -2) @ q.to(p.dtype)) * scale
+    gv = to_kv_heads(p.transpose(-1, -2) @ g)
+    return (ds @ kr * scale).to(q.dtype), gk.to(k.dtype), gv.to(v.dtype)
+
+
+def _prefix_tiles(plan: TreeAttentionPlan, fused: bool) -> list[tuple[int, int, int, int]]:
+    """(qa, qb, ka, kb): queries [qa, qb) attend to all given keys [ka, kb); tiles cover plan.prefix_runs."""
+    q_step = MAX_BLOCK if not fused else None  # the unfused path holds a [H, queries, keys] score tile
+    k_step = DEFAULT_MASK_BUDGET // MAX_BLOCK if not fused else PREFIX_KEY_CHUNK
+    tiles = []
+    for qa, qb, m in plan.prefix_runs:
+        for q0 in range(qa, qb, q_step or qb - qa):
+            q1 = min(qb, q0 + (q_step or qb - qa))
+            tiles += [(q0, q1, k0, min(m, k0 + k_step)) for k0 in range(0, m, k_step)]
+    return tiles
+
+
+def _merge_into(out: torch.Tensor, lse: torch.Tensor, qs: slice, o: torch.Tensor, lse_o: torch.Tensor) -> None:
+    """out, lse over the queries qs := the attention over their keys so far and over the keys giving (o, lse_o)."""
+    before = lse[:, :, qs]
+    both = torch.logaddexp(before, lse_o)
+    old_w, new_w = torch.exp(before - both)[..., None], torch.exp(lse_o - both)[..., None]
+    out[:, :, qs] = (out[:, :, qs] * old_w + o * new_w).to(out.dtype)
+    lse[:, :, qs] = both
+
+
 class _TreeAttention(torch.autograd.Function):
-    """q [1, H, Nq, D], k/v [1, Hkv, N, D] (queries are tokens [N - Nq, N)); block by block, saving only
+    """q [1, H, Nq, D], k/v [1, Hkv, Nq, D] (queries are tokens [N - Nq, N)); block by block, saving only
     q, k, v, out (and the logsumexp). k/v hold the query tokens' own keys/values; those of the tokens before
-    query_start are in `prefix`, whose gradients the backward pass adds to its sinks in place."""
+    query_start are in `prefix`, attended to in unmasked tiles (plan.prefix_runs) merged by their logsumexp,
+    and the backward pass adds their gradients to the prefix's sinks in place."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan, scale, prefix):  # noqa: ANN001, ANN205 - autograd.Function protocol
         fused = _CPU_FLASH is not None and q.device.type == "cpu"
+        with_lse = fused or prefix is not None  # given keys are merged in by logsumexp
         out = torch.empty_like(q)
-        lse = q.new_empty(q.shape[:3]) if fused else None
+        lse = q.new_empty(q.shape[:3], dtype=_acc(q.dtype)) if with_lse else None
         off = plan.query_start
         for qa, qb, ranges in plan.blocks:
-            kb, vb, mask = _block_inputs(k[0], v[0], plan, qa, qb, ranges, prefix)
-            if fused:
-                o, lse_b = _CPU_FLASH[0](
-                    q[:, :, qa - off : qb - off], kb, vb, 0.0, False, attn_mask=_additive(mask, q.dtype), scale=scale
-                )
-                out[:, :, qa - off : qb - off], lse[:, :, qa - off : qb - off] = o, lse_b
+            kb, vb, mask = _block_inputs(k[0], v[0], plan, qa, qb, ranges)
+            qs = slice(qa - off, qb - off)
+            if with_lse:
+                out[:, :, qs], lse[:, :, qs] = _partial_attention(q[:, :, qs], kb, vb, mask, scale, fused)
             else:
-                out[:, :, qa - off : qb - off] = _sdpa(q[:, :, qa - off : qb - off], kb, vb, mask, scale)
-        ctx.save_for_backward(q, k, v, out, *([lse] if fused else []))
-        ctx.plan, ctx.scale, ctx.fused, ctx.prefix = plan, scale, fused, prefix
+                out[:, :, qs] = _sdpa(q[:, :, qs], kb, vb, mask, scale)
+        if prefix is not None:  # every query attends to itself: lse is finite before the given keys come in
+            for qa, qb, ka, kb in _prefix_tiles(plan, fused):
+                qs = slice(qa - off, qb - off)
+                kp, vp = prefix[0][None, :, ka:kb], prefix[1][None, :, ka:kb]
+                _merge_into(out, lse, qs, *_partial_attention(q[:, :, qs], kp, vp, None, scale, fused))
+        ctx.save_for_backward(q, k, v, out, *([lse] if with_lse else []))
+        # not the plan's prefix (a split_tree.SegmentKV, which holds this layer's k, v): that would be a
+        # reference cycle through the autograd graph, which Python's garbage collector cannot see
+        ctx.plan, ctx.scale, ctx.fused = dataclasses.replace(plan, prefix=None), scale, fused
+        ctx.prefix = prefix
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: ANN001, ANN205 - autograd.Function protocol
         q, k, v, out, *lse = ctx.saved_tensors
-        plan, scale = ctx.plan, ctx.scale
+        plan, scale, fused, prefix = ctx.plan, ctx.scale, ctx.fused, ctx.prefix
         grad_out = grad_out.contiguous()
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        off, prefix = plan.query_start, ctx.prefix
-        sink_k, sink_v = (prefix[2], prefix[3]) if prefix is not None else (None, None)
+        off = plan.query_start
         for qa, qb, ranges in plan.blocks:
-            kb, vb, mask = _block_inputs(k[0], v[0], plan, qa, qb, ranges, prefix)
+            kb, vb, mask = _block_inputs(k[0], v[0], plan, qa, qb, ranges)
             qs = slice(qa - off, qb - off)
-            if ctx.fused:
-                gq, gk, gv = _CPU_FLASH[1](
-                    grad_out[:, :, qs], q[:, :, qs], kb, vb, out[:, :, qs], lse[0][:, :, qs],
-                    0.0, False, attn_mask=_additive(mask, q.dtype), scale=scale,
-                )  # fmt: skip
+            if lse:
+                gq, gk, gv = _partial_attention_backward(
+                    grad_out[:, :, qs], q[:, :, qs], kb, vb, out[:, :, qs], lse[0][:, :, qs], mask, scale, fused
+                )
             else:
                 with torch.enable_grad():
                     qb_, kb, vb = (t.detach().requires_grad_() for t in (q[:, :, qs], kb, vb))
                     o = _sdpa(qb_, kb, vb, mask, scale)
                     gq, gk, gv = torch.autograd.grad(o, (qb_, kb, vb), grad_out[:, :, qs])
-            dq[:, :, qs] = gq
+            dq[:, :, qs] += gq
             offset = 0
-            for a, b in _pieces(ranges, off):
-                if b <= off:  # a given key: its gradient goes to the prefix's sink, if it wants one
-                    if sink_k is not None:
-                        sink_k[:, a:b] += gk[0, :, offset : offset + b - a]
-                        sink_v[:, a:b] += gv[0, :, offset : offset + b - a]
-                else:
-                    dk[:, :, a - off : b - off] += gk[:, :, offset : offset + b - a]
-                    dv[:, :, a - off : b - off] += gv[:, :, offset : offset + b - a]
+            for a, b in ranges:
+                dk[:, :, a - off : b - off] += gk[:, :, offset : offset + b - a]
+                dv[:, :, a - off : b - off] += gv[:, :, offset : offset + b - a]
                 offset += b - a
+        if prefix is not None:
+            sink_k, sink_v = prefix[2], prefix[3]
+            for qa, qb, ka, kb in _prefix_tiles(plan, fused):
+                qs = slice(qa - off, qb - off)
+                kp, vp = prefix[0][None, :, ka:kb], prefix[1][None, :, ka:kb]
+                gq, gk, gv = _partial_attention_backward(
+                    grad_out[:, :, qs], q[:, :, qs], kp, vp, out[:, :, qs], lse[0][:, :, qs], None, scale, fused
+                )
+                dq[:, :, qs] += gq
+                if sink_k is not None:  # a given key's gradient goes to the prefix's sink, if it wants one
+                    sink_k[:, ka:kb] += gk[0]
+                    sink_v[:, ka:kb] += gv[0]
         return dq, dk, dv, None, None, None
 
 

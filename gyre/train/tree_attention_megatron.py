@@ -44,8 +44,11 @@ class TreeSelfAttention(SelfAttention):
             if args:
                 raise TypeError("pass SelfAttention's optional arguments by keyword with a tree plan")
             table = attention_mask.rope_table  # megatron's table covers the input length only, a segment goes deeper
-            table = kwargs.get("rotary_pos_emb") if table is None else table
-            kwargs["rotary_pos_emb"] = _rows_at(table, attention_mask.positions)
+            if table is None:
+                table, rows = kwargs.get("rotary_pos_emb"), attention_mask.positions
+            else:  # the plan's own table starts at position rope_offset
+                rows = attention_mask.positions - attention_mask.rope_offset
+            kwargs["rotary_pos_emb"] = _rows_at(table, rows)
         return super().forward(hidden_states, attention_mask, *args, **kwargs)
 
 
