@@ -39,7 +39,6 @@ class RunRecord:
     calls: list[tuple[float, int, int, float]] = field(default_factory=list)  # (t_start, concurrency, decode, dur)
     group_write_s: list[float] = field(default_factory=list)  # controller seconds per completed group's shard
 
-
     def to_json(self) -> dict[str, Any]:
         return _rounded(asdict(self))
 
