@@ -193,3 +193,8 @@ def test_elastic_starts_queued_sessions_while_training_waits_on_all_but_two_trai
         Switch(1, "rollout"),
         Switch(0, "rollout"),
     ]
+    # keep_training = n_cells: the rule before (no trainer leaves while training waits), as the simulator compares
+    before = PolicyConfig("elastic", n_cells=4, capacity=4, staleness=1, keep_training=4)
+    assert decide(before, cells("train", "train", "train", "train"), Load(queued=8, trainable=5)) == []
+    with pytest.raises(ValueError, match="keep_training"):
+        PolicyConfig("elastic", 3, 4, 1, keep_training=0)

@@ -40,6 +40,7 @@ class PolicyConfig:
     capacity: int  # concurrent sessions one rollout cell serves
     staleness: int  # rollouts of step s may start once weights of version s - staleness exist
     rollout_cells: int = 0  # async: cells fixed to rollout (0: all but the core)
+    keep_training: int = KEEP_TRAINING  # elastic: trainers that stay while training waits (n_cells: none return)
 
     def __post_init__(self) -> None:
         if self.kind not in SCHEDULERS:
@@ -48,6 +49,8 @@ class PolicyConfig:
             raise ValueError(f"{self.kind} needs at least 2 cells (core + 1 satellite), got {self.n_cells}")
         if self.capacity < 1:
             raise ValueError(f"sched.capacity_per_cell must be at least 1, got {self.capacity}")
+        if self.keep_training < 1:
+            raise ValueError(f"keep_training must be at least 1 (the core trains the update), got {self.keep_training}")
         if self.staleness < 0:
             raise ValueError(f"sched.staleness must be >= 0, got {self.staleness}")
         if self.kind == "async" and not 0 < self.fixed_rollout_cells < self.n_cells:
@@ -138,6 +141,6 @@ def _elastic(p: PolicyConfig, alive: list[CellState], load: Load) -> list[Switch
         idle = sorted((c for c in trainers if not c.busy), key=lambda c: (c.cell == 0, -c.cell))
         if load.trainable > 0:  # training waits too: it keeps two cells (the core last to go), the rest serve
             busy = len(trainers) - len(idle)
-            idle = idle[: len(idle) - max(0, min(KEEP_TRAINING, len(trainers)) - busy)]
+            idle = idle[: len(idle) - max(0, min(p.keep_training, len(trainers)) - busy)]
         return [Switch(c.cell, "rollout", "sessions_queue") for c in idle[: need - len(serving)]]
     return []
