@@ -166,3 +166,35 @@ def test_elastic_gives_waiting_training_work_the_core_when_nobody_trains() -> No
     # the surplus rule still comes first
     surplus = decide(ELASTIC, three, Load(running=3, trainable=1))
     assert surplus == [Switch(0, "train"), Switch(1, "train")] and {s.reason for s in surplus} == {"surplus"}
+
+
+def test_elastic_starts_queued_sessions_while_training_waits_on_all_but_two_trainers() -> None:
+    four = PolicyConfig("elastic", n_cells=4, capacity=4, staleness=1)
+    # the next step's sessions queue while the current step's micro-batches wait: the satellites beyond two serve
+    assert decide(four, cells("train", "train", "train", "train"), Load(queued=8, trainable=5)) == [
+        Switch(3, "rollout"),
+        Switch(2, "rollout"),
+    ]
+    assert decide(four, cells("train", "train", "train", "train"), Load(queued=3, trainable=5)) == [
+        Switch(3, "rollout")
+    ]
+    # a trainer with work in flight counts among the two that stay
+    assert decide(four, cells("train", "train", "train", "train", busy=(0, 1)), Load(queued=12, trainable=5)) == [
+        Switch(3, "rollout"),
+        Switch(2, "rollout"),
+    ]
+    # two trainers, or three with one of them already serving: nobody leaves the step while its work waits
+    assert decide(ELASTIC, cells("train", "train", "rollout"), Load(queued=5, running=4, trainable=2)) == []
+    assert decide(four, cells("train", "train", "rollout", "rollout"), Load(queued=5, running=8, trainable=2)) == []
+    # nothing waits to train: every idle trainer serves, the core last
+    assert decide(four, cells("train", "train", "train", "train"), Load(queued=16)) == [
+        Switch(3, "rollout"),
+        Switch(2, "rollout"),
+        Switch(1, "rollout"),
+        Switch(0, "rollout"),
+    ]
+    # keep_training = n_cells: the rule before (no trainer leaves while training waits), as the simulator compares
+    before = PolicyConfig("elastic", n_cells=4, capacity=4, staleness=1, keep_training=4)
+    assert decide(before, cells("train", "train", "train", "train"), Load(queued=8, trainable=5)) == []
+    with pytest.raises(ValueError, match="keep_training"):
+        PolicyConfig("elastic", 3, 4, 1, keep_training=0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -12,7 +12,7 @@ import yaml
 from gyre.harness.builtin import rollout_tool_factor
 from gyre.sched import policy
 from gyre.sim.bound import lower_bound
-from gyre.sim.calibrate import Calibration, calibrate, read_run
+from gyre.sim.calibrate import Calibration, RunRecord, calibrate, read_run
 from gyre.sim.simulator import simulate
 from gyre.sim.workload import Call, CellModel, Rollout, RunShape, Trace, Workload, tool_factor
 
@@ -122,6 +122,7 @@ def write_run(d: Path) -> None:
         {"event": "micro_batch", "step": 0, "cell": 0, "tokens": 1000, "seconds": 0.5},
         {"event": "micro_batch", "step": 0, "cell": 1, "tokens": 1000, "seconds": 0.5},
         {"event": "step", "reduce_s": 0.3, "sync_s": 0.4, "tree_tokens": 2000.0},
+        {"event": "group", "step": 0, "group": 0, "micro_batches": 2, "seconds": 0.25},
     ]
     calls = []
     for i in range(2):
@@ -144,7 +145,7 @@ def test_calibration_reads_a_run(tmp_path: Path) -> None:
     cal = calibrate([read_run(tmp_path)])
     c = cal.cell
     assert c.train_tps == pytest.approx(2000) and c.capacity == 3
-    assert (c.to_train_s, c.to_rollout_s, c.reduce_s, c.sync_s) == (0.2, 0.1, 0.3, 0.4)
+    assert (c.to_train_s, c.to_rollout_s, c.reduce_s, c.sync_s, c.group_write_s) == (0.2, 0.1, 0.3, 0.4, 0.25)
     assert c.call_s == pytest.approx(0.02, abs=1e-6) and c.session_tps == pytest.approx(100, rel=1e-4)
     assert cal.shape.n_cells == 2 and cal.shape.timeout_s == 90.0 and cal.measured == {"elastic": [7.0]}
     r = cal.rollouts["s0-g0-r1"]
@@ -153,6 +154,9 @@ def test_calibration_reads_a_run(tmp_path: Path) -> None:
     assert r.calls[0].tool_s == pytest.approx(1.5) and r.calls[1].tool_s == pytest.approx(3.5 - 1.84)
     assert r.overhead_s == pytest.approx(0.5) and r.train_tokens == 1000
     again = Calibration.from_json(json.loads(json.dumps(cal.to_json())))
+    record = read_run(tmp_path)
+    stored = calibrate([RunRecord.from_json(json.loads(json.dumps(record.to_json())))]).cell  # floats to 4 places
+    assert asdict(stored) == pytest.approx(asdict(c), rel=1e-5)
     assert simulate("elastic", again.cell, again.shape, again.trace()).wall_s == pytest.approx(
         simulate("elastic", cal.cell, cal.shape, cal.trace()).wall_s
     )

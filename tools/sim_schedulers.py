@@ -1,12 +1,13 @@
 """Elastic vs colocate vs async in the simulator (gyre.sim): validation, the reference system's scale, a map.
 
-    python -m tools.sim_schedulers [--out DIR] [--bench DIR] [--quick]
+    python -m tools.sim_schedulers [--out DIR] [--bench DIR [--save-data]] [--quick]
 
 1. Validation: every run of the local benchmark (tools/bench_schedulers.py, layout disjoint2, three
-   workloads) is simulated from its own calibration (its sessions, micro-batches, switches, steps);
-   the medians over repeats beside the measured medians. The calibrations of the recorded benchmark
-   are in tools/sim_data/bench17_calibration.json.gz; `--bench DIR` refits them from a benchmark's
-   output directory (DIR/<workload>/<scheduler>-<repeat>/).
+   workloads) is simulated from its own calibration (its sessions, micro-batches, switches, steps, the
+   controller's shard writes), fitted now from the run's records; the medians over repeats beside the
+   measured medians, and what the model gives without the shard writes. The records of the recorded
+   benchmark are in tools/sim_data/bench17_runs.json.gz; `--bench DIR` reads a benchmark's output
+   directory instead (DIR/<workload>/<scheduler>-<repeat>/), `--save-data` stores its records there.
 2. The reference system's scale: the 2.4T setting (4 cells of 48 nodes x 8 GPUs) and the 122B setting
    (24 and 32 nodes), with the throughputs and costs below stated as assumptions, beside the reference
    table; GPU utilisation of each scheduler and the lower bound (gyre.sim.bound).
@@ -26,13 +27,14 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from gyre.sched.policy import KEEP_TRAINING
 from gyre.sim.bound import alone_seconds, lower_bound
-from gyre.sim.calibrate import Calibration, calibrate, read_run
+from gyre.sim.calibrate import Calibration, RunRecord, calibrate, read_run
 from gyre.sim.simulator import SimResult, simulate
 from gyre.sim.workload import CellModel, RunShape, Workload
 
 ROOT = Path(__file__).resolve().parents[1]
-CALIBRATION = ROOT / "tools" / "sim_data" / "bench17_calibration.json.gz"
+DATA = ROOT / "tools" / "sim_data" / "bench17_runs.json.gz"
 SCHEDULERS = ("colocate_cells", "async", "elastic")
 WORKLOADS = {"sigma0.5": "tool-time tail sigma=0.5", "sigma1.0": "sigma=1.0", "trainheavy": "training ~ rollouts"}
 HOUR = 3600.0
@@ -111,18 +113,35 @@ def ref_122b(nodes: int) -> dict[str, Any]:
 
 # ----- 1. validation -----
 def load_calibrations(bench: Path | None) -> dict[str, dict[str, Calibration]]:
+    """workload -> run name -> the run's own calibration, fitted now from its records (the stored benchmark
+    in DATA, or a bench_schedulers output directory laid out as bench/<workload>/<scheduler>-<n>/)."""
+    return {wl: {name: calibrate([rec]) for name, rec in runs.items()} for wl, runs in load_records(bench).items()}
+
+
+def load_records(bench: Path | None) -> dict[str, dict[str, RunRecord]]:
     if bench is not None:
         return {
-            wl: {
-                d.name: calibrate([read_run(d)])
-                for d in sorted((bench / wl).iterdir())
-                if (d / "summary.json").exists()
-            }
+            wl: {d.name: read_run(d) for d in sorted((bench / wl).iterdir()) if (d / "summary.json").exists()}
             for wl in WORKLOADS
             if (bench / wl).is_dir()
         }
-    data = json.loads(gzip.decompress(CALIBRATION.read_bytes()))
-    return {wl: {name: Calibration.from_json(c) for name, c in d["runs"].items()} for wl, d in data.items()}
+    data = json.loads(gzip.decompress(DATA.read_bytes()))
+    return {wl: {name: RunRecord.from_json(r) for name, r in d["runs"].items()} for wl, d in data.items()}
+
+
+def save_records(bench: Path) -> None:
+    """Store a benchmark's run records (what calibration reads from each run directory) as DATA."""
+    data = {}
+    for wl, runs in load_records(bench).items():
+        args = (
+            json.loads((bench / wl / "results.json").read_text())["extra"]
+            if (bench / wl / "results.json").exists()
+            else []
+        )
+        data[wl] = {"bench_args": args, "runs": {name: r.to_json() for name, r in runs.items()}}
+    DATA.parent.mkdir(parents=True, exist_ok=True)
+    DATA.write_bytes(gzip.compress(json.dumps(data).encode()))
+    print(f"sim_schedulers: {sum(len(d['runs']) for d in data.values())} run records in {DATA}")
 
 
 def validate(cals: dict[str, dict[str, Calibration]]) -> dict[str, Any]:
@@ -135,11 +154,17 @@ def validate(cals: dict[str, dict[str, Calibration]]) -> dict[str, Any]:
             bounds = [lower_bound(c.cell, c.shape, c.trace()).seconds for c in mine.values()]
             measured = [c.measured[sched][0] for c in mine.values()]
             simulated = [s.wall_s for s in sims.values()]
+            # the model without the controller's shard writes (what the simulator assumed before they were fitted)
+            unwritten = [
+                simulate(sched, replace(c.cell, group_write_s=0.0), c.shape, c.trace()).wall_s for c in mine.values()
+            ]
             rows[sched] = {
                 "measured_s": round(statistics.median(measured), 2),
                 "simulated_s": round(statistics.median(simulated), 2),
                 "error": round(statistics.median(simulated) / statistics.median(measured) - 1, 4),
                 "bound_s": round(statistics.median(bounds), 2),
+                "no_shard_writes_s": round(statistics.median(unwritten), 2),
+                "group_write_s": round(statistics.median(c.cell.group_write_s for c in mine.values()), 3),
                 "measured_runs": measured,
                 "simulated_runs": [round(x, 2) for x in simulated],
             }
@@ -150,13 +175,18 @@ def validate(cals: dict[str, dict[str, Calibration]]) -> dict[str, Any]:
 
 def print_validation(table: dict[str, Any]) -> None:
     print("\n1. Validation: local benchmark (2 one-CPU cells), each run simulated from its own calibration")
-    print(f"{'workload':24s} {'scheduler':15s} {'measured s':>10s} {'simulated s':>11s} {'error':>7s} {'bound s':>8s}")
+    print(f"{'workload':24s} {'scheduler':15s} {'measured s':>10s} {'simulated s':>11s} {'error':>7s} {'bound s':>8s} "
+          f"{'no shard writes':>15s} {'shard write':>11s}")  # fmt: skip
     for wl, rows in table.items():
         for sched in SCHEDULERS:
             r = rows[sched]
+            off = r["no_shard_writes_s"] / r["measured_s"] - 1
             print(f"{WORKLOADS[wl]:24s} {sched:15s} {r['measured_s']:10.1f} {r['simulated_s']:11.1f} "
-                  f"{r['error']:+7.1%} {r['bound_s']:8.1f}")  # fmt: skip
-        print(f"{'':24s} same order: {rows['same_order']} (measured {' < '.join(rows['order']['measured_s'])})")
+                  f"{r['error']:+7.1%} {r['bound_s']:8.1f} {r['no_shard_writes_s']:7.1f} ({off:+5.1%}) "
+                  f"{r['group_write_s']:9.2f} s")  # fmt: skip
+        runs = "; ".join(f"{s} {rows[s]['measured_runs']}" for s in SCHEDULERS)
+        print(f"{'':24s} same order: {rows['same_order']} (measured {' < '.join(rows['order']['measured_s'])}); "
+              f"measured runs: {runs}")  # fmt: skip
 
 
 # ----- 2. the reference scale -----
@@ -174,6 +204,8 @@ def reference(setting: dict[str, Any]) -> dict[str, Any]:
     out["bound_h"] = {"chain": round(bound.chain_s / HOUR, 2), "work": round(bound.work_s / HOUR, 2)}
     out["elastic_over_bound"] = round(e / bound.seconds, 3)
     out["elastic_speedup"] = {s: round(results[s].wall_s / e, 3) for s in ("colocate_cells", "async")}
+    before = simulate("elastic", cell, replace(shape, keep_training=shape.n_cells), wl)  # the rule before
+    out["elastic_before"] = {"hours": round(before.wall_s / HOUR, 2), "utilisation": round(before.utilisation, 3)}
     out["rollout_h"] = {
         "median": round(statistics.median(durations) / HOUR, 2),
         "max": round(max(durations) / HOUR, 2),
@@ -191,6 +223,8 @@ def print_reference(name: str, r: dict[str, Any]) -> None:
         x = r[s]
         ref = f"{x['reference_h']:.2f}" if x["reference_h"] else "-"
         print(f"{s:15s} {x['hours']:9.2f} {ref:>11s} {x['utilisation']:8.1%} {x['timeouts']:8d}")
+    x = r["elastic_before"]
+    print(f"{'(elastic before':15s} {x['hours']:9.2f} {'-':>11s} {x['utilisation']:8.1%}  keep_training = every cell)")
     b = r["bound_h"]
     print(f"{'lower bound':15s} {max(b.values()):9.2f}  (chain {b['chain']} h, work {b['work']} h); elastic is "
           f"{r['elastic_over_bound']:.2f}x the bound; speedup {r['elastic_speedup']}")  # fmt: skip
@@ -215,14 +249,33 @@ def grid_point(tail: float, ratio: float, cells: int, steps: int) -> dict[str, f
     tokens = sum(r.train_tokens for r in rollouts)
     cell = replace(cell, micro_batch_s=0.0, train_tps=tokens / (ratio * rollout_cell_s))
     walls = {s: simulate(s, cell, base, wl).wall_s for s in SCHEDULERS}
+    # elastic under the rule before KEEP_TRAINING: no training cell serves queued sessions while training waits
+    before = simulate("elastic", cell, replace(base, keep_training=cells), wl).wall_s
     bound = lower_bound(cell, base, wl).seconds
     return {
         "vs_colocate": walls["colocate_cells"] / walls["elastic"],
         "vs_async": walls["async"] / walls["elastic"],
         "over_bound": walls["elastic"] / bound,
+        "over_bound_before": before / bound,
         **{f"{s}_s": w for s, w in walls.items()},
+        "elastic_before_s": before,
         "bound_s": bound,
     }
+
+
+def print_policy_change(points: list[dict[str, float]]) -> None:
+    """Elastic on the map under the rule before (keep_training = every cell) and now (KEEP_TRAINING)."""
+    print(f"\n   elastic's policy before/after (sessions that queue while training waits get all but "
+          f"{KEEP_TRAINING} trainers):")  # fmt: skip
+    print(f"   {'cells':>5s} {'wall/bound before':>17s} {'after':>12s} {'worst before':>12s} {'after':>6s} "
+          f"{'points faster':>13s} {'slower':>6s}")  # fmt: skip
+    for c in GRID_CELLS:
+        pts = [p for p in points if p["cells"] == c]
+        b, a = [p["over_bound_before"] for p in pts], [p["over_bound"] for p in pts]
+        faster = sum(1 for p in pts if p["elastic_s"] < 0.99 * p["elastic_before_s"])
+        slower = sum(1 for p in pts if p["elastic_s"] > 1.01 * p["elastic_before_s"])
+        print(f"   {c:5d} {statistics.fmean(b):17.3f} {statistics.fmean(a):12.3f} {max(b):12.3f} {max(a):6.3f} "
+              f"{faster:13d} {slower:6d}")  # fmt: skip
 
 
 def grid(steps: int) -> list[dict[str, float]]:
@@ -242,11 +295,14 @@ def heatmaps(points: list[dict[str, float]], out: Path) -> list[Path]:
         "vs_colocate": "elastic speedup over colocate",
         "vs_async": "elastic speedup over async",
         "over_bound": "elastic wall / lower bound",
+        "over_bound_before": f"elastic wall / lower bound, before keep_training={KEEP_TRAINING}",
     }
     for key, title in titles.items():
         fig = Figure(figsize=(4.2 * len(GRID_CELLS), 3.8), dpi=110, layout="constrained")
         axes = fig.subplots(1, len(GRID_CELLS))
-        vals = [p[key] for p in points]
+        vals = [
+            p[k] for p in points for k in ((key,) if key.startswith("vs_") else ("over_bound", "over_bound_before"))
+        ]
         lo, hi = min(vals), max(vals)
         for ax, c in zip(axes, GRID_CELLS, strict=True):
             m = [[next(p[key] for p in points if p["cells"] == c and p["tail"] == t and p["ratio"] == r)
@@ -273,8 +329,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(ROOT / "outputs" / "sim_schedulers"))
     p.add_argument("--bench", default=None, help="refit the validation from a bench_schedulers output directory")
-    p.add_argument("--quick", action="store_true", help="a smaller map (12 steps) and the reference at 12 steps")
+    p.add_argument("--save-data", action="store_true", help=f"store the run records of --bench as {DATA.name}")
+    p.add_argument("--quick", action="store_true", help="a smaller map (6 steps) and the reference at 12 steps")
     args = p.parse_args()
+    if args.save_data:
+        if not args.bench:
+            p.error("--save-data stores the runs of --bench DIR")
+        save_records(Path(args.bench))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -297,6 +358,7 @@ def main() -> None:
     print(f"\n3. Map: {len(results['grid'])} points; elastic is farthest from the bound at tail {worst['tail']}, "
           f"ratio {worst['ratio']}, {worst['cells']} cells ({worst['over_bound']:.2f}x); heatmaps: "
           f"{', '.join(str(p) for p in pngs)}")  # fmt: skip
+    print_policy_change(results["grid"])
     print(f"sim_schedulers: {out / 'results.json'} in {time.monotonic() - t0:.0f} s")
 
 

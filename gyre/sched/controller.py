@@ -157,9 +157,12 @@ class Controller:
                 row |= {"harness_s": done.outcome.wall_s, "turns": done.outcome.turns}
             self.log(row)
             calls = self.call_log.pop_rollout(done.job.rollout_id)
+            t0 = time.monotonic()
             group = self.book.finished(done, calls, self.out / "rollouts" / f"step{done.job.step:04d}")
-            if group is not None:
+            if group is not None:  # the loop was blocked while the shard was written and planned
                 self.train.ledger.add(done.job.step, group[1])
+                row = {"event": "group", "step": done.job.step, "group": done.job.group, "micro_batches": len(group[1])}
+                self.log(row | {"seconds": round(time.monotonic() - t0, 4)})
 
     def collect_acks(self) -> None:
         for body, ack in self.outbox.pump():

@@ -13,7 +13,9 @@ rollout cell (a cell's KV budget); the staleness bound decides which steps' roll
   serve every active session (the core goes first: it owns the optimizer). Training work that waits
   (micro-batches of completed groups, or the step's optimizer update) also takes one cell, the core,
   when none trains: the next version gates the next step's rollouts, so it is the critical path.
-  Idle training cells come back (satellites first) when sessions queue and nothing waits to train.
+  Idle training cells come back (satellites first) when sessions queue: all of them when nothing waits
+  to train, else all but two (KEEP_TRAINING), so that the next step's rollouts start while the current
+  step trains.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from dataclasses import dataclass, field
 from gyre.comm.messages import Role
 
 SCHEDULERS = ("colocate_cells", "async", "elastic")
+# elastic: cells that keep training while sessions queue and training work waits. One cell alone would take
+# twice as long over the step whose update gates the next admission; beyond two, a cell that serves the
+# queued sessions costs the step a third of its rate or less (gyre.sim's map: tools/sim_schedulers.py)
+KEEP_TRAINING = 2
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,7 @@ class PolicyConfig:
     capacity: int  # concurrent sessions one rollout cell serves
     staleness: int  # rollouts of step s may start once weights of version s - staleness exist
     rollout_cells: int = 0  # async: cells fixed to rollout (0: all but the core)
+    keep_training: int = KEEP_TRAINING  # elastic: trainers that stay while training waits (n_cells: none return)
 
     def __post_init__(self) -> None:
         if self.kind not in SCHEDULERS:
@@ -42,6 +49,8 @@ class PolicyConfig:
             raise ValueError(f"{self.kind} needs at least 2 cells (core + 1 satellite), got {self.n_cells}")
         if self.capacity < 1:
             raise ValueError(f"sched.capacity_per_cell must be at least 1, got {self.capacity}")
+        if self.keep_training < 1:
+            raise ValueError(f"keep_training must be at least 1 (the core trains the update), got {self.keep_training}")
         if self.staleness < 0:
             raise ValueError(f"sched.staleness must be >= 0, got {self.staleness}")
         if self.kind == "async" and not 0 < self.fixed_rollout_cells < self.n_cells:
@@ -127,7 +136,11 @@ def _elastic(p: PolicyConfig, alive: list[CellState], load: Load) -> list[Switch
         return [Switch(c.cell, "train", "surplus") for c in serving[: len(serving) - need]]
     if load.trainable > 0 and len(serving) == len(alive):  # training waits and nobody trains
         return [Switch(serving[0].cell, "train", "training_waits")]
-    if load.queued > 0 and len(serving) < need and load.trainable == 0:  # sessions queue: bring idle cells back
-        idle = sorted((c for c in alive if c.role == "train" and not c.busy), key=lambda c: (c.cell == 0, -c.cell))
+    if load.queued > 0 and len(serving) < need:  # sessions queue: bring idle cells back
+        trainers = [c for c in alive if c.role == "train"]
+        idle = sorted((c for c in trainers if not c.busy), key=lambda c: (c.cell == 0, -c.cell))
+        if load.trainable > 0:  # training waits too: it keeps two cells (the core last to go), the rest serve
+            busy = len(trainers) - len(idle)
+            idle = idle[: len(idle) - max(0, min(p.keep_training, len(trainers)) - busy)]
         return [Switch(c.cell, "rollout", "sessions_queue") for c in idle[: need - len(serving)]]
     return []

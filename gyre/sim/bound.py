@@ -3,8 +3,9 @@
 Two bounds; the larger holds.
 - chain: rollouts of step s cannot start before version s - staleness exists (step s - staleness - 1
   trained); the step cannot be trained before its slowest rollout ends (each rollout at its own speed,
-  alone on an engine) and its last group's largest micro-batch is trained; steps train one after the
-  other, each at best on every cell at once; each ends with a reduction and a weight sync.
+  alone on an engine), its last group's shard is written and its largest micro-batch trained; steps
+  train one after the other, each at best on every cell at once; each ends with a reduction and a
+  weight sync.
 - work: every cell-second goes to rollouts (a session holds 1/capacity of a cell for its whole
   duration) or to training micro-batches, so the total divided by the number of cells.
 """
@@ -47,7 +48,7 @@ def lower_bound(cell: CellModel, shape: RunShape, source: RolloutSource) -> Boun
         start = ends[step - shape.staleness - 1] if step - shape.staleness - 1 >= 0 else 0.0
         rollouts_end = start + max(durations)
         prev = ends[-1] if ends else 0.0
-        trained = max(rollouts_end + last_mb, prev + train_cell_s / n)
+        trained = max(rollouts_end + cell.group_write_s + last_mb, prev + train_cell_s / n)
         ends.append(trained + cell.reduce_s + cell.sync_s)
         work += sum(durations) / cell.capacity + train_cell_s
     return Bound(ends[-1], work / n)

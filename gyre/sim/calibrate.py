@@ -37,6 +37,24 @@ class RunRecord:
     sync_s: list[float]
     step_tokens: list[float]  # tree tokens trained per step
     calls: list[tuple[float, int, int, float]] = field(default_factory=list)  # (t_start, concurrency, decode, dur)
+    group_write_s: list[float] = field(default_factory=list)  # controller seconds per completed group's shard
+
+    def to_json(self) -> dict[str, Any]:
+        return _rounded(asdict(self))
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> RunRecord:
+        return cls(**d)
+
+
+def _rounded(x: Any) -> Any:
+    if isinstance(x, float):
+        return round(x, 4)
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_rounded(v) for v in x]
+    return x
 
 
 def read_run(run_dir: str | Path) -> RunRecord:
@@ -92,7 +110,27 @@ def read_run(run_dir: str | Path) -> RunRecord:
         [r["sync_s"] for r in steps],
         [r["tree_tokens"] for r in steps],
         _concurrency(all_calls),
+        _group_writes(rows, rl["group_size"]),
     )
+
+
+def _group_writes(rows: list[dict[str, Any]], group_size: int) -> list[float]:
+    """How long the controller's loop stood still writing and planning each completed group's shard: the
+    `group` events, or in a run from before they were logged, the time from the session row that completed
+    the group to the controller's next row (an upper bound: the loop may have waited for news)."""
+    if direct := [r["seconds"] for r in rows if r["event"] == "group"]:
+        return direct
+    seen: dict[tuple[int, str], int] = defaultdict(int)
+    out = []
+    for i, r in enumerate(rows[:-1]):
+        if r["event"] != "session":
+            continue
+        key = (r["step"], r["rollout_id"].rsplit("-", 1)[0])
+        seen[key] += 1
+        if seen[key] == group_size:
+            if "t" in r and "t" in rows[i + 1]:
+                out.append(max(0.0, rows[i + 1]["t"] - r["t"]))
+    return out
 
 
 def _micro_batches(rows: list[dict[str, Any]]) -> list[tuple[int, float, bool]]:
@@ -193,6 +231,7 @@ def fit_cell(runs: list[RunRecord], capacity: int) -> CellModel:
         to_rollout_s=statistics.median(lat["train->rollout"]) if lat["train->rollout"] else 0.0,
         reduce_s=statistics.median(x for r in runs for x in r.reduce_s),
         sync_s=statistics.median(x for r in runs for x in r.sync_s),
+        group_write_s=statistics.median(writes) if (writes := [x for r in runs for x in r.group_write_s]) else 0.0,
     )
 
 

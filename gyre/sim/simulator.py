@@ -65,7 +65,7 @@ class SimResult:
 class Simulation:
     def __init__(self, scheduler: str, cell: CellModel, shape: RunShape, source: RolloutSource) -> None:
         self.p = policy.PolicyConfig(
-            scheduler, shape.n_cells, cell.capacity, shape.staleness, shape.async_rollout_cells
+            scheduler, shape.n_cells, cell.capacity, shape.staleness, shape.async_rollout_cells, shape.keep_training
         )
         self.cell, self.shape, self.source = cell, shape, source
         self.t = 0.0

@@ -16,6 +16,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gyre.sched.policy import KEEP_TRAINING
+
 
 @dataclass(frozen=True)
 class Call:
@@ -76,6 +78,7 @@ class RunShape:
     micro_batches_in_flight: int = 1
     timeout_s: float = math.inf  # a session still running after this long is ended (and scored as is)
     async_rollout_cells: int = 0
+    keep_training: int = KEEP_TRAINING  # elastic's policy: see gyre.sched.policy.PolicyConfig
 
 
 @dataclass(frozen=True)
