@@ -1,0 +1,2 @@
+#!/bin/bash
+bash ./build.sh > /app/build.log
