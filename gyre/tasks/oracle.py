@@ -41,10 +41,15 @@ class OracleReport:
 
     def line(self) -> str:
         def g(grade: Grade) -> str:
-            return f"{grade.score:g}" if grade.score is not None else f"failed ({grade.reason})"
+            return f"{grade.score:g}" if grade.score is not None else f"failed ({_short(grade.reason)})"
 
-        verdict = f"BROKEN: {self.problem}" if self.problem else "ok"
+        verdict = f"BROKEN: {_short(self.problem)}" if self.problem else "ok"
         return f"{self.task_id}: oracle {g(self.oracle)}, do-nothing {g(self.nop)} -> {verdict}"
+
+
+def _short(text: str, n: int = 240) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[: n - 3] + "..."
 
 
 def run_solve_script(task: Task, workspace: Path, sandbox: Sandbox) -> str:

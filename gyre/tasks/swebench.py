@@ -3,8 +3,8 @@ local repository snapshots (nothing is cloned at run time).
 
 Fields read: instance_id, repo, base_commit, problem_statement (the prompt), test_patch, patch (the
 reference fix: tools/check_tasks.py applies it), FAIL_TO_PASS, PASS_TO_PASS (lists, or JSON text of lists
-as in the published datasets), and optionally image (the environment image for sandbox.apptainer_images) and Gyre's own
-test_cmd (argv list or shell string; default: the test files of test_patch under `python3 -m unittest -v`,
+as in the published datasets), and optionally image (the environment image for sandbox.apptainer_images), and Gyre's
+own agent_timeout_s (the instance's limit for the agent), test_cmd (argv list or shell string; default: the test files of test_patch under `python3 -m unittest -v`,
 or `python3 -m pytest -rA` with log_parser pytest) and log_parser (unittest | pytest).
 
 The snapshot of `owner/name` is `<repos>/owner__name`: a git repository holding base_commit, or a plain
@@ -133,6 +133,7 @@ def instance_task(row: dict[str, Any], repos: Path, cache: dict[tuple[str, str],
         checker="swebench",
         grading=grading,
         image=row.get("image", ""),
+        agent_timeout_s=float(row["agent_timeout_s"]) if row.get("agent_timeout_s") is not None else None,
         init_git=True,
         source="swebench",
         source_path=row["_source_path"],

@@ -69,9 +69,9 @@ def reset_and_patch(workspace: Path, reset_files: dict[str, str | None], test_pa
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(base64.b64decode(content))
     with tempfile.TemporaryDirectory() as git_dir:
-        env = {**os.environ, "GIT_DIR": git_dir, "GIT_WORK_TREE": str(workspace), "GIT_CONFIG_NOSYSTEM": "1",
-               "GIT_CONFIG_GLOBAL": os.devnull}  # fmt: skip
-        subprocess.run(["git", "init", "-q", "--bare", git_dir], env=env, check=True, capture_output=True)
+        base = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull}
+        subprocess.run(["git", "init", "-q", "--bare", git_dir], env=base, check=True, capture_output=True)
+        env = {**base, "GIT_DIR": git_dir, "GIT_WORK_TREE": str(workspace)}
         proc = subprocess.run(["git", "apply", "--whitespace=nowarn", "-"], cwd=workspace, env=env,
                               input=test_patch, text=True, capture_output=True)  # fmt: skip
     if proc.returncode != 0:
