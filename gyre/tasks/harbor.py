@@ -135,7 +135,7 @@ def load_harbor_task(task_dir: Path) -> Task:
     return Task(
         task_id=task_dir.name,
         family="harbor",
-        prompt=_text(task_dir / "instruction.md"),
+        prompt=_text(task_dir / "instruction.md").strip(),
         files=files,
         max_turns=int(config.get("metadata", {}).get("max_turns", 50)),
         checker="harbor",

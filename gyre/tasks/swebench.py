@@ -127,7 +127,7 @@ def instance_task(row: dict[str, Any], repos: Path, cache: dict[tuple[str, str],
     return Task(
         task_id=row["instance_id"],
         family="swebench",
-        prompt=row["problem_statement"],
+        prompt=row["problem_statement"].strip(),
         files=files,
         max_turns=50,
         checker="swebench",

@@ -1,0 +1,2 @@
+#!/bin/bash
+printf piano > /app/answer.txt
