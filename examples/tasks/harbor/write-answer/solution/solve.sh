@@ -1,2 +1,0 @@
-#!/bin/bash
-printf piano > /app/answer.txt
