@@ -18,11 +18,12 @@ from test_harness import STALL, ScriptedServer, tool_reply
 from gyre.config.load import compose
 from gyre.config.schema import HarnessConfig, RunConfig, SandboxConfig, TaskConfig
 from gyre.config.validate import ConfigValueError, check_run
-from gyre.harness.runner import run_rollout
+from gyre.harness.runner import RolloutOutcome, run_rollout
+from gyre.pipeline import FinishedRollout, task_provenance
 from gyre.sandbox import ApptainerSandbox, Mount, SandboxJob, SandboxUnavailable, make_sandbox
 from gyre.sandbox.backends import check_task_images
 from gyre.sandbox.base import ENV_ALLOWLIST
-from gyre.tasks.grading import grade_workspace
+from gyre.tasks.grading import Grade, grade_workspace
 from gyre.tasks.harbor import TaskFormatError, load_harbor_task, workspace_from_dockerfile
 from gyre.tasks.harbor_checker import read_rewards, score_of
 from gyre.tasks.oracle import apply_patch, reference_patch
@@ -262,3 +263,14 @@ def test_oracle_check_passes_the_shipped_suites_and_reports_broken_tasks(suite, 
         assert "no-reward: oracle failed" in out and "0 of 2 tasks sound" in out
     else:
         assert "broken__wrong-patch: oracle 0, do-nothing 0 -> BROKEN: the oracle gets 0" in out
+
+
+@pytest.mark.unit
+def test_shards_record_source_path_and_instance():
+    cfg = compose(["tasks=swebench_examples"])
+    task = swebench_task("gyre-examples__calc-1")
+    outcome = RolloutOutcome("r0", task, Grade("ok", 1.0, 1, 1), 1.0, 1, "finish", False)
+    assert task_provenance(cfg, [FinishedRollout(0, outcome, [])]) == {
+        "source": "swebench", "path": "examples/tasks/swebench/instances.jsonl", "split": "all",
+        "instances": {"gyre-examples__calc-1": f"{SWEBENCH}:1"},
+    }  # fmt: skip
