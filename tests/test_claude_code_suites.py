@@ -28,7 +28,7 @@ from gyre.tasks.swebench import load_swebench_tasks
 from tools.record_claude_code import CONTEXT_TOKENS, build_policy
 
 ROOT = Path(__file__).resolve().parents[1]
-HARBOR_TASK = ROOT / "examples" / "tasks" / "harbor" / "write-files"
+HARBOR_TASK = ROOT / "examples" / "tasks" / "harbor" / "write-value"
 SWEBENCH = ROOT / "examples" / "tasks" / "swebench" / "instances.jsonl"
 
 
@@ -70,18 +70,19 @@ def test_claude_code_runs_on_the_task_format(fmt, proxy):
     assert not outcome.timed_out and outcome.stop_reason not in ("api_error", "no_result"), outcome.stderr_tail
     assert outcome.grade.status == "ok" and outcome.grade.score is not None, outcome.grade  # graded by its checker
     names = {c["name"] for c in outcome.grade.checks}
-    assert names == ({"a.txt", "data.txt", "note.txt"} if fmt == "harbor" else {
-        "FAIL_TO_PASS: tests.test_note.TestNote.test_a", "FAIL_TO_PASS: tests.test_note.TestNote.test_data",
-        "FAIL_TO_PASS: tests.test_note.TestNote.test_note",
+    assert names == ({"exists", "content"} if fmt == "harbor" else {
+        "FAIL_TO_PASS: tests.test_note.TestNote.test_value",
         "PASS_TO_PASS: tests.test_note.TestNote.test_missing_is_empty"})  # fmt: skip
     calls = server.call_log.for_rollout(f"cc-{fmt}")
     assert calls, "Claude Code made no model call through the proxy"
     tok = Tokenizer.load(root / "policy" / "tok")
     prompt = tok.decode(calls[0].input_ids)
     assert task.prompt in prompt  # the task's prompt reached the model ...
-    hidden = "score note.txt piano" if fmt == "harbor" else "test_missing_is_empty"
+    hidden = "Two named scores" if fmt == "harbor" else "test_missing_is_empty"
     assert hidden not in prompt  # ... and nothing of its tests
     workspace = root / fmt / "workspace"
     assert not (workspace / "tests" / "test.sh").exists()
     if fmt == "swebench":
-        assert (workspace / ".git").is_dir() and "def test_a" not in (workspace / "tests" / "test_note.py").read_text()
+        assert (workspace / ".git").is_dir() and "def test_value" not in (
+            workspace / "tests" / "test_note.py"
+        ).read_text()

@@ -17,7 +17,7 @@ from test_harness import STALL, ScriptedServer, tool_reply
 
 from gyre.config.load import compose
 from gyre.config.schema import HarnessConfig, RunConfig, SandboxConfig, TaskConfig
-from gyre.config.validate import ConfigValueError, check_run
+from gyre.config.validate import ConfigValueError
 from gyre.harness.runner import RolloutOutcome, run_rollout
 from gyre.pipeline import FinishedRollout, task_provenance
 from gyre.sandbox import ApptainerSandbox, Mount, SandboxJob, SandboxUnavailable, make_sandbox
@@ -121,9 +121,10 @@ def test_task_config_fails_early_naming_the_key():
         TaskConfig(source="harbor")
     with pytest.raises(ConfigValueError, match="tasks.split"):
         TaskConfig(split="test")
-    cfg = RunConfig(tasks=TaskConfig(source="harbor", path=str(HARBOR)), sandbox=SandboxConfig(backend="none"))
     with pytest.raises(ConfigValueError, match="sandbox.backend"):
-        check_run(cfg)
+        RunConfig(tasks=TaskConfig(source="harbor", path=str(HARBOR)), sandbox=SandboxConfig(backend="none"))
+    with pytest.raises(ConfigValueError, match="sandbox.backend"):
+        compose(["tasks=harbor_examples", "sandbox.backend=none"])
     harbor, swe = compose(["tasks=harbor_examples"]), compose(["tasks=swebench_examples"])
     assert (harbor.tasks.source, harbor.tasks.path) == ("harbor", "examples/tasks/harbor")
     assert (swe.tasks.source, swe.tasks.path) == ("swebench", "examples/tasks/swebench/instances.jsonl")
@@ -235,8 +236,8 @@ def test_swebench_grading_applies_the_test_patch_to_the_final_workspace(tmp_path
 @pytest.mark.integration
 def test_slow_agent_times_out_and_the_preserved_workspace_is_graded(tmp_path):
     """The task's own agent limit ends the harness; its /app (the workspace) is graded by the hidden tests."""
-    task = dataclasses.replace(load_harbor_task(HARBOR / "write-files"), agent_timeout_s=1.5)
-    script = [tool_reply("write_file", 0, path="a.txt", content="apple"), STALL]
+    task = dataclasses.replace(load_harbor_task(HARBOR / "write-value"), agent_timeout_s=1.5)
+    script = [tool_reply("write_file", 0, path="value.txt", content="rive"), STALL]
 
     async def main():
         async with ScriptedServer({"r": script}) as url:
@@ -244,8 +245,8 @@ def test_slow_agent_times_out_and_the_preserved_workspace_is_graded(tmp_path):
 
     outcome = asyncio.run(main())
     assert outcome.timed_out and outcome.wall_s < 10.0 and outcome.turns == 1  # killed while waiting for turn 2
-    assert (outcome.grade.status, outcome.grade.score) == ("timeout", pytest.approx(1 / 3)), outcome.grade
-    assert sorted(p.name for p in (tmp_path / "r" / "workspace").iterdir()) == ["a.txt"]
+    assert (outcome.grade.status, outcome.grade.score) == ("timeout", 0.5), outcome.grade  # exists, wrong word
+    assert sorted(p.name for p in (tmp_path / "r" / "workspace").iterdir()) == ["value.txt"]
 
 
 @pytest.mark.integration

@@ -345,6 +345,7 @@ class RunConfig:
     sched: SchedConfig = field(default_factory=SchedConfig)
 
     def __post_init__(self) -> None:
-        from gyre.config.validate import check_loggers
+        from gyre.config.validate import check_loggers, check_task_sandbox
 
         check_loggers(self.logger)
+        check_task_sandbox(self)

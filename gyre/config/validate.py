@@ -68,6 +68,12 @@ def check_tasks(t: TaskConfig) -> None:
         _fail("tasks.pool_size", t.pool_size, "must be >= 0")
 
 
+def check_task_sandbox(cfg: RunConfig) -> None:
+    if cfg.tasks.source == "harbor" and cfg.sandbox.backend == "none":
+        _fail("sandbox.backend", "none", "tasks.source=harbor: Harbor tests use /tests and /logs, which need an "
+              "isolated sandbox (bwrap or apptainer)")  # fmt: skip
+
+
 def check_engine(e: EngineConfig) -> None:
     if e.backend not in ENGINE_BACKENDS:
         _fail("engine.backend", e.backend, f"unknown engine backend; choose one of {', '.join(ENGINE_BACKENDS)}")
@@ -176,9 +182,7 @@ def check_run(cfg: RunConfig) -> None:
     check_engine(cfg.engine)
     check_rl(cfg.rl)
     check_sandbox(cfg.sandbox)
-    if cfg.tasks.source == "harbor" and cfg.sandbox.backend == "none":
-        _fail("sandbox.backend", "none", "tasks.source=harbor: Harbor tests use /tests and /logs, which need an "
-              "isolated sandbox (bwrap or apptainer)")  # fmt: skip
+    check_task_sandbox(cfg)
     check_model(cfg.model)
     check_engine_for_model(cfg.engine, cfg.model)
     check_train(cfg.train, cfg.model)
