@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from gyre.config.schema import SandboxConfig, TaskConfig
@@ -26,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repos", default="", help="swebench: directory of repository snapshots")
     p.add_argument("--sandbox", default="bwrap", help="sandbox backend (bwrap, apptainer)")
     p.add_argument("--check-timeout", type=float, default=60.0, help="grading limit of tasks that set none")
+    p.add_argument("--jobs", type=int, default=4, help="tasks checked at once (each in its own sandboxes)")
     p.add_argument("--commit-id", action="store_true", help="print PATH's commit id as a snapshot; check nothing")
     args = p.parse_args(argv)
     if args.commit_id:
@@ -36,10 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     assert tasks is not None
     sandbox = make_sandbox(SandboxConfig(backend=args.sandbox))
     broken = 0
-    for task in tasks:
-        report = check_task(task, sandbox, args.check_timeout)
-        broken += report.broken
-        print(report.line(), flush=True)
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:  # the work is in sandboxed subprocesses
+        for report in pool.map(lambda t: check_task(t, sandbox, args.check_timeout), tasks):
+            broken += report.broken
+            print(report.line(), flush=True)
     print(f"{len(tasks) - broken} of {len(tasks)} tasks sound, {broken} broken")
     return 1 if broken else 0
 
