@@ -10,6 +10,7 @@ import dataclasses
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from gyre.pipeline import FinishedRollout, task_provenance
 from gyre.sandbox import ApptainerSandbox, Mount, SandboxJob, SandboxUnavailable, make_sandbox
 from gyre.sandbox.backends import check_task_images
 from gyre.sandbox.base import ENV_ALLOWLIST
+from gyre.store.reader import read_shard
 from gyre.tasks.grading import Grade, grade_workspace
 from gyre.tasks.harbor import TaskFormatError, load_harbor_task, workspace_from_dockerfile
 from gyre.tasks.harbor_checker import read_rewards, score_of
@@ -275,3 +277,27 @@ def test_shards_record_source_path_and_instance():
         "source": "swebench", "path": "examples/tasks/swebench/instances.jsonl", "split": "all",
         "instances": {"gyre-examples__calc-1": f"{SWEBENCH}:1"},
     }  # fmt: skip
+
+
+@pytest.mark.integration
+def test_main_job_trains_on_a_harbor_suite(tmp_path):
+    """`make run ARGS="tasks=harbor_examples"` at a toy size, through the real CLI: rollouts of suite tasks are
+    graded in the sandbox (none excluded) and stored with their provenance."""
+    out = tmp_path / "run"
+    args = ["tasks=harbor_examples", "steps=1", "rl.groups_per_step=2", "rl.group_size=2", "tasks.pool_size=2",
+            "warm_start.steps=3", "warm_start.demos=16", "warm_start.batch_size=4", "tokenizer.corpus_tasks=60",
+            "tokenizer.vocab_size=512", "harness.max_turns=2", "harness.max_tokens=24",
+            f"warm_start.cache_dir={tmp_path / 'cache'}", f"output_dir={out}", f"hydra.run.dir={tmp_path / 'hydra'}"]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "launch.run", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert (row["n_rollouts"], row["n_scored"], row["n_excluded"]) == (4, 4, 0), row
+    shards = [read_shard(p) for p in sorted((out / "shards").glob("*.h5"))]
+    pool = {t.task_id for t in TaskPool.from_config(compose(args[:5]).tasks, seed=0).tasks}
+    for shard in shards:
+        tasks = json.loads(shard.attrs["producer"])["tasks"]
+        assert (tasks["source"], tasks["path"], tasks["split"]) == ("harbor", "examples/tasks/harbor", "all")
+        (instance,) = set(shard.rollouts["task_id"])
+        assert instance in pool and tasks["instances"] == {instance: str(HARBOR / instance)}
+        assert set(shard.rollouts["task_family"]) == {"harbor"}

@@ -1,8 +1,9 @@
 """Harbor / Terminal-Bench 2 task directories as Gyre tasks (the format of the `harbor` package's TaskPaths).
 
     <task>/instruction.md        the prompt
-    <task>/task.toml             [agent] timeout_sec, [verifier] timeout_sec and env, [environment] docker_image,
-                                 workdir, cpus/memory_mb (recorded, not enforced: the sandbox's limits apply)
+    <task>/task.toml             [agent] timeout_sec, [verifier] timeout_sec and env, [environment] docker_image
+                                 (else the directory name: the image name) and workdir, [metadata] max_turns;
+                                 cpus/memory_mb are not enforced (the sandbox's rlimits apply)
     <task>/environment/Dockerfile  WORKDIR is the working directory; its COPY/ADD of build-context files
                                  into the working directory make the initial workspace (RUN steps are the
                                  image's: apptainer runs the converted image, bwrap the host's /usr)
