@@ -8,6 +8,7 @@ import asyncio
 import base64
 import dataclasses
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -33,6 +34,7 @@ from gyre.tasks.source import load_instances, split_of
 from gyre.tasks.suite import TaskPool
 from gyre.tasks.swebench import load_swebench_tasks
 from gyre.tasks.swebench_checker import parse_pytest, parse_unittest, report
+from gyre.tasks.task import GIT_ENV, commit_tree
 from tools import check_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -301,3 +303,18 @@ def test_main_job_trains_on_a_harbor_suite(tmp_path):
         (instance,) = set(shard.rollouts["task_id"])
         assert instance in pool and tasks["instances"] == {instance: str(HARBOR / instance)}
         assert set(shard.rollouts["task_family"]) == {"harbor"}
+
+
+@pytest.mark.unit
+def test_a_git_repository_is_a_snapshot_too(tmp_path):
+    """A snapshot may be a git repository holding base_commit (with later commits on top)."""
+    repo = tmp_path / "repos" / "gyre-examples__calc"
+    shutil.copytree(SWEBENCH.parent / "repos" / "gyre-examples__calc", repo)
+    base = commit_tree(repo)
+    (repo / "calc" / "ops.py").write_text("later\n")
+    env = {**os.environ, **GIT_ENV}
+    subprocess.run(["git", "commit", "-qam", "later"], cwd=repo, env=env, check=True)
+    (tmp_path / "instances.jsonl").write_text(SWEBENCH.read_text().splitlines()[0] + "\n")
+    (task,) = load_swebench_tasks(tmp_path / "instances.jsonl")
+    assert json.loads(SWEBENCH.read_text().splitlines()[0])["base_commit"] == base
+    assert task.files == swebench_task("gyre-examples__calc-1").files and "later" not in task.files["calc/ops.py"]

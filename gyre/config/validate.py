@@ -60,6 +60,8 @@ def check_tasks(t: TaskConfig) -> None:
         _fail("tasks.source", t.source, f"unknown task source; choose one of {', '.join(TASK_SOURCES)}")
     if t.source != "builtin" and not t.path:
         _fail("tasks.path", t.path, f"tasks.source={t.source} needs a path (a directory of tasks or a JSONL file)")
+    if t.repos and t.source != "swebench":
+        _fail("tasks.repos", t.repos, "repository snapshots are for tasks.source=swebench only")
     if t.split not in TASK_SPLITS:
         _fail("tasks.split", t.split, f"choose one of {', '.join(TASK_SPLITS)}")
     if not 0.0 <= t.eval_fraction < 1.0:

@@ -3,9 +3,10 @@ local repository snapshots (nothing is cloned at run time).
 
 Fields read: instance_id, repo, base_commit, problem_statement (the prompt), test_patch, patch (the
 reference fix: tools/check_tasks.py applies it), FAIL_TO_PASS, PASS_TO_PASS (lists, or JSON text of lists
-as in the published datasets), and optionally image (the environment image for sandbox.apptainer_images), and Gyre's
-own agent_timeout_s (the instance's limit for the agent), test_cmd (argv list or shell string; default: the test files of test_patch under `python3 -m unittest -v`,
-or `python3 -m pytest -rA` with log_parser pytest) and log_parser (unittest | pytest).
+as in the published datasets), and optionally image (the environment image for sandbox.apptainer_images),
+and Gyre's own agent_timeout_s (the instance's limit for the agent), test_cmd (argv list or shell string;
+default: the test files of test_patch under `python3 -m unittest -v`, or `python3 -m pytest -rA` with
+log_parser pytest) and log_parser (unittest | pytest).
 
 The snapshot of `owner/name` is `<repos>/owner__name`: a git repository holding base_commit, or a plain
 directory that is the tree at base_commit (Gyre commits it with a fixed identity and date, and the

@@ -27,8 +27,8 @@ class Task:
     (optionally with `"score"`: the reward, when it is not the fraction of results passed).
 
     Tasks from a suite on disk (gyre/tasks/source.py) also set: `checker`, the gyre checker that
-    grades them (builtin, harbor, swebench: gyre/tasks/checkers/); `grading`, what that checker is
-    told besides the checks (test commands, patches, test ids); `hidden_files`, files (relative path ->
+    grades them (builtin, harbor, swebench: gyre/tasks/checker.py, harbor_checker.py,
+    swebench_checker.py); `grading`, what that checker is told besides the checks (test commands, patches, test ids); `hidden_files`, files (relative path ->
     base64) that exist only in the grading sandbox, read-only at /tests (Harbor's tests/); `workdir`,
     a second path of the workspace in the sandbox (a Harbor image's WORKDIR, e.g. /app); `image`, the
     environment image (sandbox.apptainer_images maps it to a .sif); `agent_timeout_s` and
