@@ -71,7 +71,8 @@ def test_dockerfile_copies_outside_the_working_directory_are_refused(tmp_path):
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "a.txt").write_text("a")
     (tmp_path / "Dockerfile").write_text("FROM x\nWORKDIR /app\nCOPY src/ ./lib/\nCOPY src/a.txt b.txt\nRUN make\n")
-    assert workspace_from_dockerfile(tmp_path) == ("/app", {"lib/a.txt": "a", "b.txt": "a"})
+    (tmp_path / "src" / "a.txt").chmod(0o755)
+    assert workspace_from_dockerfile(tmp_path) == ("/app", {"lib/a.txt": "a", "b.txt": "a"}, ["b.txt", "lib/a.txt"])
     (tmp_path / "Dockerfile").write_text("FROM x\nWORKDIR /app\nCOPY src/a.txt /usr/local/bin/\n")
     with pytest.raises(TaskFormatError, match="outside the working directory /app"):
         workspace_from_dockerfile(tmp_path)

@@ -17,7 +17,7 @@ from gyre.config.schema import SandboxConfig, TaskConfig
 from gyre.sandbox import make_sandbox
 from gyre.tasks.oracle import check_task
 from gyre.tasks.source import load_instances
-from gyre.tasks.swebench import plain_snapshot, snapshot_commit
+from gyre.tasks.swebench import plain_executables, plain_snapshot, snapshot_commit
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--commit-id", action="store_true", help="print PATH's commit id as a snapshot; check nothing")
     args = p.parse_args(argv)
     if args.commit_id:
-        print(snapshot_commit(plain_snapshot(args.path)))
+        print(snapshot_commit(plain_snapshot(args.path), plain_executables(args.path)))
         return 0
     source = args.source or ("swebench" if args.path.suffix == ".jsonl" else "harbor")
     tasks = load_instances(TaskConfig(source=source, path=str(args.path.resolve()), repos=args.repos, split="all"))

@@ -16,6 +16,7 @@ tests/ reaches the grading sandbox only (gyre/tasks/grading.py); the agent never
 from __future__ import annotations
 
 import base64
+import os
 import posixpath
 import shlex
 import tomllib
@@ -76,17 +77,19 @@ def _dockerfile_lines(text: str) -> list[list[str]]:
     return out
 
 
-def workspace_from_dockerfile(env_dir: Path, workdir_override: str = "") -> tuple[str, dict[str, str]]:
-    """(working directory, files relative to it) from environment/Dockerfile's WORKDIR and COPY/ADD lines."""
+def workspace_from_dockerfile(env_dir: Path, workdir_override: str = "") -> tuple[str, dict[str, str], list[str]]:
+    """(working directory, files relative to it, the executable ones) from environment/Dockerfile's WORKDIR
+    and COPY/ADD lines."""
     dockerfile = env_dir / "Dockerfile"
     if not dockerfile.is_file():
-        return workdir_override, {}
+        return workdir_override, {}, []
     steps, workdir = _dockerfile_lines(dockerfile.read_text()), "/"
     for words in steps:
         if words and words[0].upper() == "WORKDIR":
             workdir = posixpath.normpath(posixpath.join(workdir, words[1]))
     final = workdir_override or (workdir if workdir != "/" else "")
     files: dict[str, str] = {}
+    executables: list[str] = []
     workdir = "/"
     for words in steps:
         op = words[0].upper() if words else ""
@@ -111,12 +114,15 @@ def workspace_from_dockerfile(env_dir: Path, workdir_override: str = "") -> tupl
                 raise TaskFormatError(f"{dockerfile}: COPY source {src!r} is not in environment/")
             base = posixpath.relpath(dest_abs, final)
             if src_path.is_dir():
-                for f in sorted(p for p in src_path.rglob("*") if p.is_file()):
-                    files[posixpath.normpath(posixpath.join(base, f.relative_to(src_path).as_posix()))] = _text(f)
+                pairs = [(f, posixpath.join(base, f.relative_to(src_path).as_posix()))
+                         for f in sorted(p for p in src_path.rglob("*") if p.is_file())]  # fmt: skip
             else:
-                target = posixpath.join(base, src_path.name) if into_dir or src_path.is_dir() else base
-                files[posixpath.normpath(target)] = _text(src_path)
-    return final, files
+                pairs = [(src_path, posixpath.join(base, src_path.name) if into_dir else base)]
+            for f, rel in pairs:
+                files[posixpath.normpath(rel)] = _text(f)
+                if os.access(f, os.X_OK):
+                    executables.append(posixpath.normpath(rel))
+    return final, files, sorted(set(executables) & set(files))
 
 
 def load_harbor_task(task_dir: Path) -> Task:
@@ -131,13 +137,14 @@ def load_harbor_task(task_dir: Path) -> Task:
     tests = task_dir / "tests"
     if not (tests / "test.sh").is_file():
         raise TaskFormatError(f"{task_dir}: no tests/test.sh (the verifier that writes /logs/verifier/reward.txt)")
-    workdir, files = workspace_from_dockerfile(task_dir / "environment", env.get("workdir") or "")
+    workdir, files, executables = workspace_from_dockerfile(task_dir / "environment", env.get("workdir") or "")
     hidden = {p.relative_to(tests).as_posix(): _b64(p) for p in sorted(tests.rglob("*")) if p.is_file()}
     return Task(
         task_id=task_dir.name,
         family="harbor",
         prompt=_text(task_dir / "instruction.md").strip(),
         files=files,
+        executables=executables,
         max_turns=int(config.get("metadata", {}).get("max_turns", 50)),
         checker="harbor",
         grading={"test_script": "test.sh", "env": {str(k): str(v) for k, v in verifier.get("env", {}).items()}},

@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import re
 import subprocess
 import tarfile
@@ -55,8 +56,9 @@ def patch_paths(patch: str) -> list[str]:
     return paths
 
 
-def snapshot_files(snapshot: Path, base_commit: str) -> dict[str, bytes]:
-    """The tree at base_commit: from a git repository (`git archive`), or a plain directory checked against it."""
+def snapshot_files(snapshot: Path, base_commit: str) -> tuple[dict[str, bytes], list[str]]:
+    """(the tree at base_commit, its executable files): from a git repository (`git archive`), or a plain
+    directory checked against it."""
     if not snapshot.is_dir():
         raise TaskFormatError(f"no repository snapshot at {snapshot}")
     git = ["git", "-c", "safe.directory=*", "-C", str(snapshot)]
@@ -66,12 +68,14 @@ def snapshot_files(snapshot: Path, base_commit: str) -> dict[str, bytes]:
         if proc.returncode != 0:
             raise TaskFormatError(f"{snapshot}: cannot read base_commit {base_commit}: {proc.stderr.decode().strip()}")
         with tarfile.open(fileobj=io.BytesIO(proc.stdout)) as tar:
-            return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}  # type: ignore[union-attr]
-    files = plain_snapshot(snapshot)
-    commit = snapshot_commit(files)
+            members = [m for m in tar.getmembers() if m.isfile()]
+            files = {m.name: tar.extractfile(m).read() for m in members}  # type: ignore[union-attr]
+            return files, sorted(m.name for m in members if m.mode & 0o111)
+    files, executables = plain_snapshot(snapshot), plain_executables(snapshot)
+    commit = snapshot_commit(files, executables)
     if commit != base_commit:
         raise TaskFormatError(f"snapshot {snapshot} is commit {commit}, not the instance's base_commit {base_commit}")
-    return files
+    return files, executables
 
 
 def plain_snapshot(snapshot: Path) -> dict[str, bytes]:
@@ -83,12 +87,18 @@ def plain_snapshot(snapshot: Path) -> dict[str, bytes]:
     }
 
 
-def snapshot_commit(files: dict[str, bytes]) -> str:
+def plain_executables(snapshot: Path) -> list[str]:
+    return sorted(rel for rel in plain_snapshot(snapshot) if os.access(snapshot / rel, os.X_OK))
+
+
+def snapshot_commit(files: dict[str, bytes], executables: list[str] | tuple[str, ...] = ()) -> str:
     """The commit id of `files` as one commit of gyre's fixed identity and date (Task.init_git makes the same)."""
     with tempfile.TemporaryDirectory() as tmp:
         for rel, data in files.items():
             (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
             (Path(tmp) / rel).write_bytes(data)
+        for rel in executables:
+            (Path(tmp) / rel).chmod(0o755)
         return commit_tree(Path(tmp))
 
 
@@ -100,14 +110,16 @@ def default_test_cmd(test_files: list[str], log_parser: str) -> list[str]:
     return ["python3", "-m", "unittest", "-v", *(f[:-3].replace("/", ".") for f in files)]
 
 
-def instance_task(row: dict[str, Any], repos: Path, cache: dict[tuple[str, str], dict[str, bytes]]) -> Task:
+def instance_task(
+    row: dict[str, Any], repos: Path, cache: dict[tuple[str, str], tuple[dict[str, bytes], list[str]]]
+) -> Task:
     missing = [k for k in REQUIRED if k not in row]
     if missing:
         raise TaskFormatError(f"instance {row.get('instance_id', '?')}: missing fields {missing}")
     key = (row["repo"], row["base_commit"])
     if key not in cache:
         cache[key] = snapshot_files(repos / row["repo"].replace("/", "__"), row["base_commit"])
-    tree = cache[key]
+    tree, executables = cache[key]
     try:
         files = {rel: data.decode() for rel, data in tree.items()}
     except UnicodeDecodeError:
@@ -136,6 +148,7 @@ def instance_task(row: dict[str, Any], repos: Path, cache: dict[tuple[str, str],
         image=row.get("image", ""),
         agent_timeout_s=float(row["agent_timeout_s"]) if row.get("agent_timeout_s") is not None else None,
         init_git=True,
+        executables=executables,
         source="swebench",
         source_path=row["_source_path"],
     )
@@ -146,7 +159,7 @@ def load_swebench_tasks(jsonl: Path, repos: Path | None = None) -> list[Task]:
     if not jsonl.is_file():
         raise TaskFormatError(f"tasks.path={str(jsonl)!r} is not a JSONL file of SWE-bench instances")
     repos = repos or jsonl.parent / "repos"
-    cache: dict[tuple[str, str], dict[str, bytes]] = {}
+    cache: dict[tuple[str, str], tuple[dict[str, bytes], list[str]]] = {}
     tasks = []
     for n, line in enumerate(jsonl.read_text().splitlines(), 1):
         if not line.strip():

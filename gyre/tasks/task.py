@@ -54,6 +54,7 @@ class Task:
     agent_timeout_s: float | None = None
     check_timeout_s: float | None = None
     init_git: bool = False
+    executables: list[str] = field(default_factory=list)  # files of `files` with the executable bit
     source: str = "builtin"
     source_path: str = ""
 
@@ -76,6 +77,8 @@ class Task:
             path = root / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(content)
+        for rel in self.executables:
+            (root / rel).chmod(0o755)
         if self.init_git:
             commit_tree(root)
         return root

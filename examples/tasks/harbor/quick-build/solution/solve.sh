@@ -1,2 +1,2 @@
 #!/bin/bash
-bash ./build.sh > /app/build.log
+./build.sh > /app/build.log
