@@ -76,9 +76,8 @@ class WorkspaceTooLarge(Exception):
 @dataclass(frozen=True)
 class Grade:
     status: str  # "ok" | "timeout" | "agent_failed" | "failed"
-    score: (
-        float | None
-    )  # the checker's score, else the fraction of checks passed (0 when agent_failed); None when failed
+    # the checker's score, else the fraction of checks passed (0 when agent_failed); None when failed
+    score: float | None
     passed: int = 0
     total: int = 0
     reason: str = ""
