@@ -14,6 +14,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,7 +61,8 @@ def write_group_shard(
     advantages = group_advantages(rewards)[0].tolist()
     path = shard_dir / f"step{step:05d}-group{group:04d}.h5"
     result = GroupShard(path, step, group, len(rollouts), 0, 0, 0, 0)
-    producer = {"harness": cfg.harness.kind, "sandbox": cfg.sandbox.backend}  # "none" is on record in every shard
+    producer = {"harness": cfg.harness.kind, "sandbox": cfg.sandbox.backend,  # "none" is on record in every shard
+                "tasks": task_provenance(cfg, rollouts)}  # fmt: skip
     with ShardWriter(path, run_id=cfg.output_dir or "gyre", step=step, producer=producer) as w:
         for r, adv in zip(rollouts, advantages, strict=True):
             rid, grade = r.outcome.rollout_id, r.outcome.grade
@@ -95,6 +97,15 @@ def write_group_shard(
             result.path_tokens += sum(c.n_input + c.n_output for c in sampled.tree.calls)
             result.policy_tokens += sampled.n_targets
     return result
+
+
+def task_provenance(cfg: RunConfig, rollouts: Sequence[FinishedRollout]) -> dict[str, Any]:
+    """Where the group's task came from: the source, its path and split, and each instance's own path."""
+    tasks = {r.outcome.task.task_id: r.outcome.task for r in rollouts}
+    return {
+        "source": cfg.tasks.source, "path": cfg.tasks.path, "split": cfg.tasks.split,
+        "instances": {tid: t.source_path or t.family for tid, t in sorted(tasks.items())},
+    }  # fmt: skip
 
 
 def with_signal(rollouts: Iterable[ShardRollout]) -> list[ShardRollout]:

@@ -25,6 +25,7 @@ from gyre.proxy.call_log import CallLog
 from gyre.proxy.keys import RolloutKeys
 from gyre.proxy.server import ProxyServer
 from gyre.sandbox import make_sandbox
+from gyre.sandbox.backends import check_task_images
 from gyre.tasks.suite import TaskPool
 from gyre.train.warm_start import Policy
 
@@ -68,12 +69,13 @@ class RolloutService:
         self.out = output_dir
         self.tokenizer = policy.tokenizer()
         self.call_log = CallLog(output_dir / "calls.jsonl")
-        self.task_pool = TaskPool(cfg.tasks.families, cfg.tasks.pool_size, seed=cfg.seed)
+        self.task_pool = TaskPool.from_config(cfg.tasks, seed=cfg.seed)
         setup = EngineSetup(policy.model_cfg, policy.tokenizer_dir, output_dir, scratch=output_dir / "weights")
         self.engine: RolloutEngine = make_engine(cfg.engine, setup)
         self.proxy = None
         self.keys = RolloutKeys()
         self.sandbox = make_sandbox(cfg.sandbox)  # fails before the engine starts when it cannot run here
+        check_task_images(cfg.sandbox, [t.image for t in self.task_pool.tasks])
 
     def __enter__(self) -> RolloutService:
         self.engine.start(self.policy.checkpoint_dir)

@@ -99,10 +99,16 @@ class ProxyConfig:
 
 @dataclass
 class TaskConfig:
-    suite: str = "builtin"
+    """Where tasks come from (gyre/tasks/source.py): builtin families, or a suite on disk at `path`."""
+
+    source: str = "builtin"  # builtin | harbor (a directory of task dirs) | swebench (a JSONL file)
+    path: str = ""  # harbor: directory of tasks (or one task); swebench: instances JSONL; relative: to the cwd
+    repos: str = ""  # swebench: directory of repository snapshots (owner__name); empty: <path's dir>/repos
+    split: str = "train"  # train | eval (held out) | all: which instances of a suite on disk the run uses
+    eval_fraction: float = 0.25  # share of a suite's instances held out for eval (by a hash of the instance id)
     families: list[str] = field(default_factory=lambda: ["write_value"])
-    # the RL training set: this many instances (families in equal shares), revisited in shuffled epochs;
-    # 0 = fresh instances every step
+    # the RL training set: this many instances (families in equal shares, or a seeded sample of the split),
+    # revisited in shuffled epochs; 0 = fresh instances every step (builtin) or the whole split (suites on disk)
     pool_size: int = 8
     check_timeout_s: float = 10.0
     tool_delay_s: float = 0.0
@@ -110,6 +116,11 @@ class TaskConfig:
     # workload. Each rollout draws a factor ~ lognormal(mean 1, sigma tool_time_sigma) from its rollout id
     tool_time_s: float = 0.0
     tool_time_sigma: float = 1.0
+
+    def __post_init__(self) -> None:
+        from gyre.config.validate import check_tasks
+
+        check_tasks(self)
 
 
 @dataclass
@@ -139,6 +150,9 @@ class SandboxConfig:
 
     backend: str = "bwrap"  # bwrap | apptainer | none
     apptainer_image: str = ""  # backend=apptainer: the image (.sif) harnesses and checkers run in
+    # backend=apptainer: a task's environment image (Harbor's docker_image, a SWE-bench instance's image) -> .sif;
+    # once given, a task whose image is not here fails; tasks naming no image use apptainer_image
+    apptainer_images: dict[str, str] = field(default_factory=dict)
     file_size_mb: int = 256  # RLIMIT_FSIZE: largest file a sandboxed process may write
     open_files: int = 1024  # RLIMIT_NOFILE
     # RLIMIT_NPROC; the kernel counts every process of the real user (machine-wide), so leave headroom
@@ -334,6 +348,7 @@ class RunConfig:
     sched: SchedConfig = field(default_factory=SchedConfig)
 
     def __post_init__(self) -> None:
-        from gyre.config.validate import check_loggers
+        from gyre.config.validate import check_loggers, check_task_sandbox
 
         check_loggers(self.logger)
+        check_task_sandbox(self)

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
         RLConfig,
         RunConfig,
         SandboxConfig,
+        TaskConfig,
         TrainConfig,
     )
 
@@ -31,6 +32,8 @@ WEIGHT_SYNCS = ("auto", "disk", "tensor", "distributed")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOSS_NORMS = ("all_rollouts", "with_signal")
 SANDBOX_BACKENDS = ("bwrap", "apptainer", "none")
+TASK_SOURCES = ("builtin", "harbor", "swebench")  # gyre/tasks/source.py
+TASK_SPLITS = ("train", "eval", "all")
 
 
 class ConfigValueError(ValueError):
@@ -44,11 +47,33 @@ def _fail(key: str, value: object, why: str) -> None:
 def check_sandbox(s: SandboxConfig) -> None:
     if s.backend not in SANDBOX_BACKENDS:
         _fail("sandbox.backend", s.backend, f"unknown sandbox backend; choose one of {', '.join(SANDBOX_BACKENDS)}")
-    if s.backend == "apptainer" and not s.apptainer_image:
-        _fail("sandbox.apptainer_image", s.apptainer_image, "backend=apptainer needs an image (a .sif file)")
+    if s.backend == "apptainer" and not s.apptainer_image and not s.apptainer_images:
+        _fail("sandbox.apptainer_image", s.apptainer_image,
+              "backend=apptainer needs an image (a .sif file), or sandbox.apptainer_images per task image")  # fmt: skip
     for key in ("file_size_mb", "open_files", "processes"):
         if getattr(s, key) < 1:
             _fail(f"sandbox.{key}", getattr(s, key), "must be at least 1")
+
+
+def check_tasks(t: TaskConfig) -> None:
+    if t.source not in TASK_SOURCES:
+        _fail("tasks.source", t.source, f"unknown task source; choose one of {', '.join(TASK_SOURCES)}")
+    if t.source != "builtin" and not t.path:
+        _fail("tasks.path", t.path, f"tasks.source={t.source} needs a path (a directory of tasks or a JSONL file)")
+    if t.repos and t.source != "swebench":
+        _fail("tasks.repos", t.repos, "repository snapshots are for tasks.source=swebench only")
+    if t.split not in TASK_SPLITS:
+        _fail("tasks.split", t.split, f"choose one of {', '.join(TASK_SPLITS)}")
+    if not 0.0 <= t.eval_fraction < 1.0:
+        _fail("tasks.eval_fraction", t.eval_fraction, "must be in [0, 1)")
+    if t.pool_size < 0:
+        _fail("tasks.pool_size", t.pool_size, "must be >= 0")
+
+
+def check_task_sandbox(cfg: RunConfig) -> None:
+    if cfg.tasks.source == "harbor" and cfg.sandbox.backend == "none":
+        _fail("sandbox.backend", "none", "tasks.source=harbor: Harbor tests use /tests and /logs, which need an "
+              "isolated sandbox (bwrap or apptainer)")  # fmt: skip
 
 
 def check_engine(e: EngineConfig) -> None:
@@ -192,6 +217,7 @@ def check_run(cfg: RunConfig) -> None:
     check_engine(cfg.engine)
     check_rl(cfg.rl)
     check_sandbox(cfg.sandbox)
+    check_task_sandbox(cfg)
     check_model(cfg.model)
     check_engine_for_model(cfg.engine, cfg.model)
     check_train(cfg.train, cfg.model)

@@ -206,6 +206,13 @@ def _copy_out_trace(kind: str, harness_dir: Path) -> None:
             log.warning("no Claude Code trace copied from %s: %s", harness_dir, e)
 
 
+def agent_timeout(harness_cfg: HarnessConfig, task: Task) -> float:
+    """The harness's wall clock limit: harness.timeout_s, or the task's own agent timeout when shorter."""
+    if task.agent_timeout_s is None:
+        return harness_cfg.timeout_s
+    return min(harness_cfg.timeout_s, task.agent_timeout_s)
+
+
 @dataclass
 class _Harness:
     returncode: int | None
@@ -284,6 +291,8 @@ async def run_rollout(
     harness_dir = workdir / "harness"
     harness_dir.mkdir()
     ws_mount, io_mount = Mount(workspace, WORKSPACE, writable=True), Mount(harness_dir, HARNESS_DIR, writable=True)
+    # a task's image may expect its files elsewhere (Harbor's WORKDIR, e.g. /app): the same workspace there too
+    also = [Mount(workspace, task.workdir, writable=True)] if task.workdir and sandbox.isolated else []
     key = keys.issue(rollout_id) if keys is not None else "none"
     sock_dir = Path(tempfile.mkdtemp(prefix="gyre-ep-")) if sandbox.isolated else None
     endpoint = ProxyEndpoint(base_url, sock_dir / "proxy.sock" if sock_dir else None)
@@ -309,11 +318,12 @@ async def run_rollout(
             argv=HARNESS_COMMANDS[harness_cfg.kind](launch),
             cwd=str(launch.workspace),
             env=harness_env(harness_cfg.kind, key, inside_io),
-            mounts=[*code_mounts(), ws_mount, io_mount],
+            mounts=[*code_mounts(), ws_mount, *also, io_mount],
             proxy_socket=endpoint.unix_path,
+            image=task.image,
         )
         log_path = workdir / "harness.log"
-        run, pid = await _run_harness(sandbox, job, log_path, harness_cfg.timeout_s, kill_grace_s)
+        run, pid = await _run_harness(sandbox, job, log_path, agent_timeout(harness_cfg, task), kill_grace_s)
     finally:
         await endpoint.close()
         if keys is not None:

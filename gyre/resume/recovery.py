@@ -101,6 +101,9 @@ def task_pool_position(cfg: RunConfig, next_step: int) -> dict[str, Any]:
     this is derived from next_step; it is saved to notice a resume with another pool."""
     return {
         "seed": cfg.seed,
+        "source": cfg.tasks.source,
+        "path": cfg.tasks.path,
+        "split": cfg.tasks.split,
         "families": list(cfg.tasks.families),
         "pool_size": cfg.tasks.pool_size,
         "groups_per_step": cfg.rl.groups_per_step,

@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from gyre.config.schema import SandboxConfig
@@ -103,7 +104,26 @@ class ApptainerSandbox:
         for key, value in {**self.base_env(), **job.env}.items():
             if key != "HOME":  # --containall gives a private, empty HOME; apptainer refuses to override it
                 argv += ["--env", f"{key}={value}"]
-        return [*argv, self.cfg.apptainer_image, *launcher_argv(self.python, self.cfg, job)]
+        return [*argv, self.image_for(job.image), *launcher_argv(self.python, self.cfg, job)]
+
+    def image_for(self, image: str) -> str:
+        """The .sif a task's image maps to (sandbox.apptainer_images), else sandbox.apptainer_image."""
+        return image_file(self.cfg, image)
+
+
+def image_file(cfg: SandboxConfig, image: str) -> str:
+    """The .sif for a task's environment image: its entry in apptainer_images, else apptainer_image (the
+    image of tasks that name none, and of every task when no mapping is given)."""
+    if image and image in cfg.apptainer_images:
+        return cfg.apptainer_images[image]
+    if image and cfg.apptainer_images:
+        raise SandboxUnavailable(
+            f"task image {image!r} has no entry in sandbox.apptainer_images (known: {sorted(cfg.apptainer_images)}); "
+            f"convert it (apptainer build NAME.sif docker://{image}) and map it"
+        )
+    if not cfg.apptainer_image:
+        raise SandboxUnavailable(f"no .sif for task image {image!r}: set sandbox.apptainer_images or apptainer_image")
+    return cfg.apptainer_image
 
 
 class NoSandbox:
@@ -140,6 +160,13 @@ def _bwrap_works(bwrap: str) -> str:
     return "" if proc.returncode == 0 else (proc.stderr.strip() or f"exit code {proc.returncode}")
 
 
+def check_task_images(cfg: SandboxConfig, images: Iterable[str]) -> None:
+    """backend=apptainer: every task image has a .sif (raises SandboxUnavailable naming the first that has not)."""
+    if cfg.backend == "apptainer":
+        for image in sorted(set(images)):
+            image_file(cfg, image)
+
+
 def make_sandbox(cfg: SandboxConfig) -> Sandbox:
     """The configured backend, checked to run here; SandboxUnavailable says what to do if it cannot."""
     if cfg.backend == "none":
@@ -148,8 +175,10 @@ def make_sandbox(cfg: SandboxConfig) -> Sandbox:
         apptainer = shutil.which("apptainer")
         if apptainer is None:
             raise SandboxUnavailable("sandbox.backend=apptainer but `apptainer` is not on PATH")
-        if not Path(cfg.apptainer_image).exists():
-            raise SandboxUnavailable(f"sandbox.apptainer_image={cfg.apptainer_image!r} does not exist")
+        for key, sif in [("apptainer_image", cfg.apptainer_image),
+                         *((f"apptainer_images[{k!r}]", v) for k, v in cfg.apptainer_images.items())]:  # fmt: skip
+            if sif and not Path(sif).exists():
+                raise SandboxUnavailable(f"sandbox.{key}={sif!r} does not exist")
         return ApptainerSandbox(cfg, apptainer)
     bwrap = shutil.which("bwrap")
     if bwrap is None:

@@ -53,6 +53,7 @@ class SandboxJob:
     mounts: list[Mount] = field(default_factory=list)
     proxy_socket: Path | None = None  # host Unix socket relayed to 127.0.0.1:RELAY_PORT inside
     started_fd: int = -1  # pipe the launcher writes "started" to once the sandbox is up
+    image: str = ""  # the task's environment image (apptainer: sandbox.apptainer_images maps it to a .sif)
 
 
 class Sandbox(Protocol):

@@ -21,6 +21,7 @@ from gyre.harness.runner import RolloutOutcome
 from gyre.metrics import mean
 from gyre.pipeline import FinishedRollout, GroupShard, write_group_shard
 from gyre.proxy.call_log import CallRecord
+from gyre.sandbox.backends import check_task_images
 from gyre.sched.replica import plan_group
 from gyre.sched.rollout_driver import SessionDone, SessionJob
 from gyre.tasks.suite import TaskPool
@@ -54,7 +55,8 @@ class StepBook:
         self.cfg = cfg
         self.shard_dir = out / "shards"
         self.shard_dir.mkdir(parents=True, exist_ok=True)
-        self.pool = TaskPool(cfg.tasks.families, cfg.tasks.pool_size, seed=cfg.seed)
+        self.pool = TaskPool.from_config(cfg.tasks, seed=cfg.seed)
+        check_task_images(cfg.sandbox, [t.image for t in self.pool.tasks])
         self.steps: dict[int, StepRecord] = {}
 
     def open(self, step: int) -> list[SessionJob]:

@@ -13,11 +13,17 @@ its spec exist, and never as files: the checker's source and spec reach it on st
 anonymous memory file, and the checker marks itself non-dumpable, so agent code it runs (as the same
 user, in the same sandbox) can open neither its /proc files nor its memory. The score is what the
 checker process prints last on its stdout, a pipe only it holds.
+
+A task's hidden files (Harbor's tests/) are written only here, after the agent has finished, into a
+directory the grading sandbox sees read-only at /tests; a Harbor task's verifier writes its reward under
+/logs, a fresh writable directory of this sandbox alone, read by the checker inside it.
 """
 
 from __future__ import annotations
 
+import base64
 import json
+import math
 import os
 import shutil
 import signal
@@ -32,10 +38,13 @@ from gyre.config.schema import SandboxConfig
 from gyre.sandbox import Mount, Sandbox, SandboxJob, place
 from gyre.sandbox.backends import NoSandbox
 from gyre.sandbox.base import WORKSPACE, code_mounts, host_env
-from gyre.tasks import checker
+from gyre.tasks import checker, harbor_checker, swebench_checker
 from gyre.tasks.task import Task
 
 BUILTIN_CHECKER = Path(checker.__file__)
+CHECKERS = {"builtin": BUILTIN_CHECKER, "harbor": Path(harbor_checker.__file__),
+            "swebench": Path(swebench_checker.__file__)}  # fmt: skip
+TESTS_DIR, LOGS_DIR = "/tests", "/logs"  # Harbor's paths for the tests and the verifier's output
 # Reason codes of agent_failed grades (the part of Grade.reason before ": ")
 AGENT_FAILURES = {
     "harness_exit": "the harness exited non-zero, no proxy failure seen",
@@ -68,7 +77,8 @@ class WorkspaceTooLarge(Exception):
 @dataclass(frozen=True)
 class Grade:
     status: str  # "ok" | "timeout" | "agent_failed" | "failed"
-    score: float | None  # fraction of checks passed (0 when agent_failed); None when failed
+    # the checker's score, else the fraction of checks passed (0 when agent_failed); None when failed
+    score: float | None
     passed: int = 0
     total: int = 0
     reason: str = ""
@@ -97,17 +107,23 @@ def _tail(text: str, n: int = 400) -> str:
     return text if len(text) <= n else "..." + text[-n:]
 
 
-def _parse_results(stdout: str) -> list[dict[str, Any]]:
+def _parse_results(stdout: str) -> tuple[list[dict[str, Any]], float | None]:
+    """(results, the checker's own score or None: then the fraction of results passed)."""
     lines = stdout.strip().splitlines()
     if not lines:
         raise ValueError("checker printed nothing")
-    results = json.loads(lines[-1])["results"]
+    out = json.loads(lines[-1])
+    results, score = out["results"], out.get("score")
+    if score is not None and (
+        isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score)
+    ):
+        raise ValueError(f"checker score {score!r} is not a finite number")
     if not isinstance(results, list) or not results:
         raise ValueError("checker reported no results")
     for r in results:
         if not isinstance(r, dict) or not isinstance(r.get("passed"), bool) or "name" not in r:
             raise ValueError(f"malformed check result {r!r}")
-    return results
+    return results, None if score is None else float(score)
 
 
 def copy_workspace(src: Path, dst: Path) -> None:
@@ -136,14 +152,35 @@ def copy_workspace(src: Path, dst: Path) -> None:
         dirs[:] = [d for d in dirs if not os.path.islink(Path(root) / d)]
 
 
+def _grading_mounts(task: Task, sandbox: Sandbox, scratch: Path, copy: Path) -> tuple[list[Mount], dict[str, str]]:
+    """The mounts of the grading sandbox besides the code, and where the spec finds them."""
+    ws = Mount(copy, WORKSPACE, writable=True)
+    mounts, where = [ws], {"workspace": place(sandbox, ws), "workdir": place(sandbox, ws)}
+    if task.workdir and sandbox.isolated:
+        mounts.append(Mount(copy, task.workdir, writable=True))
+        where["workdir"] = task.workdir
+    if task.hidden_files:
+        tests = scratch / "tests"
+        for rel, content in task.hidden_files.items():
+            path = tests / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(base64.b64decode(content))
+        mounts.append(Mount(tests, TESTS_DIR))
+        where["tests_dir"] = place(sandbox, mounts[-1])
+    if task.checker == "harbor":
+        (scratch / "logs").mkdir()
+        mounts.append(Mount(scratch / "logs", LOGS_DIR, writable=True))
+        where["logs_dir"] = place(sandbox, mounts[-1])
+    return mounts, where
+
+
 def _run_checker(
-    sandbox: Sandbox, source: str, spec: dict[str, Any], workspace: Path, timeout_s: float
+    sandbox: Sandbox, source: str, spec: dict[str, Any], mounts: list[Mount], timeout_s: float, image: str = ""
 ) -> tuple[int | None, str, str]:
-    """(returncode or None on timeout, stdout, stderr) of the checker in a fresh sandbox over `workspace`."""
-    mounts = [*code_mounts(), Mount(workspace, WORKSPACE, writable=True)]
-    spec = {**spec, "workspace": place(sandbox, mounts[-1])}
+    """(returncode or None on timeout, stdout, stderr) of the checker in a fresh sandbox with `mounts`."""
+    mounts = [*code_mounts(), *mounts]
     job = SandboxJob(argv=[sandbox.python, "-I", "-c", _CHECKER_BOOT], cwd="/tmp" if sandbox.isolated else "/",
-                     mounts=mounts)  # fmt: skip
+                     mounts=mounts, image=image)  # fmt: skip
     proc = subprocess.Popen(
         sandbox.command(job),
         stdin=subprocess.PIPE,
@@ -181,20 +218,29 @@ def grade_workspace(
     workspace = Path(workspace).resolve()
     if not workspace.is_dir():
         return Grade.failed(f"workspace {workspace} does not exist")
-    if not task.checks and task.checker_source is None:
+    if not task.checks and task.checker_source is None and task.checker == "builtin":
         return Grade.failed(f"task {task.task_id} has no checks")
+    if task.checker not in CHECKERS:
+        return Grade.failed(f"task {task.task_id} names checker {task.checker!r}; known: {sorted(CHECKERS)}")
     sandbox = sandbox or NoSandbox(SandboxConfig(backend="none"))
+    if task.checker == "harbor" and not sandbox.isolated:
+        return Grade.failed(f"task {task.task_id} ({task.source}): its tests use /tests and /logs, which need an "
+                            "isolated sandbox (sandbox.backend=bwrap or apptainer)")  # fmt: skip
+    check_timeout_s = task.check_timeout_s or check_timeout_s
     scratch = Path(tempfile.mkdtemp(prefix="gyre-grade-"))
     try:
         copy = scratch / "workspace"
         copy_workspace(workspace, copy)
-        source = task.checker_source if task.checker_source is not None else BUILTIN_CHECKER.read_text()
+        source = task.checker_source if task.checker_source is not None else CHECKERS[task.checker].read_text()
+        mounts, where = _grading_mounts(task, sandbox, scratch, copy)
         spec = {
             "checks": task.checks,
             "python_timeout_s": min(5.0, check_timeout_s / 3),
             "python_budget_s": check_timeout_s * PYTHON_BUDGET_FRACTION,
+            **task.grading,
+            **where,
         }
-        code, out, err = _run_checker(sandbox, source, spec, copy, check_timeout_s)
+        code, out, err = _run_checker(sandbox, source, spec, mounts, check_timeout_s, task.image)
     except WorkspaceTooLarge as e:
         return Grade.agent_failed("workspace_limits", str(e))
     except OSError as e:
@@ -212,13 +258,13 @@ def _grade_from(code: int | None, out: str, err: str, timed_out: bool, check_tim
     if code != 0:
         return Grade.failed(f"checker exited with code {code}: {_tail(err) or '(no stderr)'}")
     try:
-        results = _parse_results(out)
+        results, score = _parse_results(out)
     except (ValueError, KeyError, TypeError) as e:
         return Grade.failed(f"checker output unreadable ({e}): {_tail(out, 200)!r}")
     passed = sum(r["passed"] for r in results)
     return Grade(
         status="timeout" if timed_out else "ok",
-        score=passed / len(results),
+        score=passed / len(results) if score is None else score,
         passed=passed,
         total=len(results),
         checks=results,

@@ -5,7 +5,9 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+from gyre.config.schema import TaskConfig
 from gyre.tasks.families import FAMILIES, get_family
+from gyre.tasks.source import load_instances
 from gyre.tasks.task import Task
 
 
@@ -24,17 +26,31 @@ class TaskPool:
 
     Step s takes instances s*n .. s*n+n-1 of the endless sequence epoch 0, epoch 1, ..., so every
     instance comes back once per epoch, as in training on a dataset. `size` 0 draws fresh instances
-    for every step instead (nothing repeats).
+    for every step instead (nothing repeats). With `instances` (a suite on disk), the pool is a seeded
+    sample of `size` of them (all of them when `size` is 0 or at least their number).
     """
 
-    def __init__(self, families: Sequence[str] | None, size: int, seed: int) -> None:
+    def __init__(
+        self, families: Sequence[str] | None, size: int, seed: int, instances: Sequence[Task] | None = None
+    ) -> None:
         if size < 0:
             raise ValueError(f"tasks.pool_size must be >= 0, got {size}")
         self.families = families
-        self.size = size
         self.seed = seed
-        self.tasks = balanced_tasks(families, size, seed) if size else []
+        if instances is not None:
+            if not instances:
+                raise ValueError("the task source has no instances")
+            chosen = list(instances) if not size or size >= len(instances) else random.Random(seed).sample(
+                list(instances), size)  # fmt: skip
+            self.tasks, self.size = chosen, len(chosen)
+        else:
+            self.tasks, self.size = (balanced_tasks(families, size, seed) if size else []), size
         self._orders: dict[int, list[int]] = {}
+
+    @classmethod
+    def from_config(cls, cfg: TaskConfig, seed: int) -> TaskPool:
+        """The configured source's pool (gyre/tasks/source.py reads a suite on disk)."""
+        return cls(cfg.families, cfg.pool_size, seed, load_instances(cfg))
 
     def for_step(self, step: int, n: int) -> list[Task]:
         if not self.size:

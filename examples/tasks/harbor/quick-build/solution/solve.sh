@@ -1,0 +1,2 @@
+#!/bin/bash
+./build.sh > /app/build.log

@@ -1,0 +1,2 @@
+#!/bin/bash
+printf river > /app/value.txt

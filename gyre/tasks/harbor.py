@@ -1,0 +1,162 @@
+"""Harbor / Terminal-Bench 2 task directories as Gyre tasks (the format of the `harbor` package's TaskPaths).
+
+    <task>/instruction.md        the prompt
+    <task>/task.toml             [agent] timeout_sec, [verifier] timeout_sec and env, [environment] docker_image
+                                 (else the directory name: the image name) and workdir, [metadata] max_turns;
+                                 cpus/memory_mb are not enforced (the sandbox's rlimits apply)
+    <task>/environment/Dockerfile  WORKDIR is the working directory; its COPY/ADD of build-context files
+                                 into the working directory make the initial workspace (RUN steps are the
+                                 image's: apptainer runs the converted image, bwrap the host's /usr)
+    <task>/tests/test.sh         the verifier: writes /logs/verifier/reward.txt or reward.json
+    <task>/solution/solve.sh     the reference solution (tools/check_tasks.py runs it)
+
+tests/ reaches the grading sandbox only (gyre/tasks/grading.py); the agent never sees it.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import posixpath
+import shlex
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from gyre.tasks.task import Task
+
+DEFAULT_VERIFIER_TIMEOUT_S = 600.0  # harbor's VerifierConfig.timeout_sec
+
+
+class TaskFormatError(ValueError):
+    """A task on disk that Gyre cannot read; the message names the file and what to change."""
+
+
+def is_harbor_task(path: Path) -> bool:
+    return (path / "task.toml").is_file() and (path / "instruction.md").is_file()
+
+
+def harbor_task_dirs(root: Path) -> list[Path]:
+    """`root` itself when it is a task, else its task subdirectories (sorted by name)."""
+    if is_harbor_task(root):
+        return [root]
+    if not root.is_dir():
+        raise TaskFormatError(f"tasks.path={str(root)!r} is not a directory of Harbor tasks")
+    dirs = sorted(p for p in root.iterdir() if p.is_dir() and is_harbor_task(p))
+    if not dirs:
+        raise TaskFormatError(
+            f"tasks.path={str(root)!r} holds no Harbor task (a directory with task.toml and instruction.md)"
+        )
+    return dirs
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except UnicodeDecodeError:
+        raise TaskFormatError(f"{path} is not UTF-8 text; workspace files must be text") from None
+
+
+def _b64(path: Path) -> str:
+    return base64.b64encode(path.read_bytes()).decode()
+
+
+def _dockerfile_lines(text: str) -> list[list[str]]:
+    """Instructions as word lists, continuation lines joined, comments dropped."""
+    out, current = [], ""
+    for line in text.splitlines():
+        if not current and line.strip().startswith("#"):
+            continue
+        current += line.rstrip()
+        if current.endswith("\\"):
+            current = current[:-1] + " "
+            continue
+        if current.strip():
+            out.append(shlex.split(current, comments=False))
+        current = ""
+    return out
+
+
+def workspace_from_dockerfile(env_dir: Path, workdir_override: str = "") -> tuple[str, dict[str, str], list[str]]:
+    """(working directory, files relative to it, the executable ones) from environment/Dockerfile's WORKDIR
+    and COPY/ADD lines."""
+    dockerfile = env_dir / "Dockerfile"
+    if not dockerfile.is_file():
+        return workdir_override, {}, []
+    steps, workdir = _dockerfile_lines(dockerfile.read_text()), "/"
+    for words in steps:
+        if words and words[0].upper() == "WORKDIR":
+            workdir = posixpath.normpath(posixpath.join(workdir, words[1]))
+    final = workdir_override or (workdir if workdir != "/" else "")
+    files: dict[str, str] = {}
+    executables: list[str] = []
+    workdir = "/"
+    for words in steps:
+        op = words[0].upper() if words else ""
+        if op == "WORKDIR":
+            workdir = posixpath.normpath(posixpath.join(workdir, words[1]))
+        if op not in ("COPY", "ADD"):
+            continue
+        args = [w for w in words[1:] if not w.startswith("--")]
+        if any(w.startswith("--from") for w in words[1:]):
+            raise TaskFormatError(f"{dockerfile}: `{' '.join(words)}` copies from another stage; not supported")
+        *sources, dest = args
+        dest_abs = posixpath.normpath(posixpath.join(workdir, dest))
+        if not final or not (dest_abs == final or dest_abs.startswith(final.rstrip("/") + "/")):
+            raise TaskFormatError(
+                f"{dockerfile}: `{' '.join(words)}` copies to {dest_abs}, outside the working directory "
+                f"{final or '(no WORKDIR)'}; Gyre's workspace is the working directory only: copy into it"
+            )
+        into_dir = dest.endswith("/") or len(sources) > 1
+        for src in sources:
+            src_path = (env_dir / src).resolve()
+            if not src_path.is_relative_to(env_dir.resolve()) or not src_path.exists():
+                raise TaskFormatError(f"{dockerfile}: COPY source {src!r} is not in environment/")
+            base = posixpath.relpath(dest_abs, final)
+            if src_path.is_dir():
+                pairs = [(f, posixpath.join(base, f.relative_to(src_path).as_posix()))
+                         for f in sorted(p for p in src_path.rglob("*") if p.is_file())]  # fmt: skip
+            else:
+                pairs = [(src_path, posixpath.join(base, src_path.name) if into_dir else base)]
+            for f, rel in pairs:
+                files[posixpath.normpath(rel)] = _text(f)
+                if os.access(f, os.X_OK):
+                    executables.append(posixpath.normpath(rel))
+    return final, files, sorted(set(executables) & set(files))
+
+
+def load_harbor_task(task_dir: Path) -> Task:
+    task_dir = task_dir.resolve()
+    try:
+        config: dict[str, Any] = tomllib.loads((task_dir / "task.toml").read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise TaskFormatError(f"{task_dir / 'task.toml'}: {e}") from None
+    if config.get("steps"):
+        raise TaskFormatError(f"{task_dir}: multi-step Harbor tasks ([[steps]]) are not supported")
+    agent, verifier, env = config.get("agent", {}), config.get("verifier", {}), config.get("environment", {})
+    tests = task_dir / "tests"
+    if not (tests / "test.sh").is_file():
+        raise TaskFormatError(f"{task_dir}: no tests/test.sh (the verifier that writes /logs/verifier/reward.txt)")
+    workdir, files, executables = workspace_from_dockerfile(task_dir / "environment", env.get("workdir") or "")
+    hidden = {p.relative_to(tests).as_posix(): _b64(p) for p in sorted(tests.rglob("*")) if p.is_file()}
+    return Task(
+        task_id=task_dir.name,
+        family="harbor",
+        prompt=_text(task_dir / "instruction.md").strip(),
+        files=files,
+        executables=executables,
+        max_turns=int(config.get("metadata", {}).get("max_turns", 50)),
+        checker="harbor",
+        grading={"test_script": "test.sh", "env": {str(k): str(v) for k, v in verifier.get("env", {}).items()}},
+        hidden_files=hidden,
+        workdir=workdir,
+        image=env.get("docker_image") or task_dir.name,
+        agent_timeout_s=float(agent["timeout_sec"]) if agent.get("timeout_sec") is not None else None,
+        check_timeout_s=float(verifier.get("timeout_sec", DEFAULT_VERIFIER_TIMEOUT_S)),
+        source="harbor",
+        source_path=str(task_dir),
+    )
+
+
+def load_harbor_tasks(root: Path) -> list[Task]:
+    return [load_harbor_task(d) for d in harbor_task_dirs(root)]

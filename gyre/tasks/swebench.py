@@ -1,0 +1,175 @@
+"""SWE-bench-style instances as Gyre tasks: a JSONL file of the `swebench` package's instance fields plus
+local repository snapshots (nothing is cloned at run time).
+
+Fields read: instance_id, repo, base_commit, problem_statement (the prompt), test_patch, patch (the
+reference fix: tools/check_tasks.py applies it), FAIL_TO_PASS, PASS_TO_PASS (lists, or JSON text of lists
+as in the published datasets), and optionally image (the environment image for sandbox.apptainer_images),
+and Gyre's own agent_timeout_s (the instance's limit for the agent), test_cmd (argv list or shell string;
+default: the test files of test_patch under `python3 -m unittest -v`, or `python3 -m pytest -rA` with
+log_parser pytest) and log_parser (unittest | pytest).
+
+The snapshot of `owner/name` is `<repos>/owner__name`: a git repository holding base_commit, or a plain
+directory that is the tree at base_commit (Gyre commits it with a fixed identity and date, and the
+commit id must equal base_commit: `python -m tools.check_tasks --commit-id DIR` prints it).
+Each instance's source_path is `<jsonl>:<line>`: the reference `patch` is read from there, never sent along.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import re
+import subprocess
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from gyre.tasks.harbor import TaskFormatError
+from gyre.tasks.task import Task, commit_tree
+
+REQUIRED = ("instance_id", "repo", "base_commit", "problem_statement", "test_patch", "FAIL_TO_PASS", "PASS_TO_PASS")
+LOG_PARSERS = ("unittest", "pytest")
+_DIFF_PATH = re.compile(r"^diff --git a/(\S+) b/(\S+)$", re.MULTILINE)
+
+
+def _tests(row: dict[str, Any], key: str) -> list[str]:
+    value = row[key]
+    if isinstance(value, str):
+        value = json.loads(value)
+    if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
+        raise TaskFormatError(f"instance {row['instance_id']}: {key} must be a list of test ids")
+    return value
+
+
+def patch_paths(patch: str) -> list[str]:
+    """Files a git diff touches (both sides of a rename), in order."""
+    paths: list[str] = []
+    for a, b in _DIFF_PATH.findall(patch):
+        for p in (a, b):
+            if p not in paths:
+                if p.startswith("/") or ".." in Path(p).parts:
+                    raise TaskFormatError(f"patch path {p!r} leaves the repository")
+                paths.append(p)
+    return paths
+
+
+def snapshot_files(snapshot: Path, base_commit: str) -> tuple[dict[str, bytes], list[str]]:
+    """(the tree at base_commit, its executable files): from a git repository (`git archive`), or a plain
+    directory checked against it."""
+    if not snapshot.is_dir():
+        raise TaskFormatError(f"no repository snapshot at {snapshot}")
+    git = ["git", "-c", "safe.directory=*", "-C", str(snapshot)]
+    is_repo = (snapshot / ".git").exists() or (snapshot / "HEAD").is_file() and (snapshot / "objects").is_dir()
+    if is_repo:
+        proc = subprocess.run([*git, "archive", "--format=tar", base_commit], capture_output=True)
+        if proc.returncode != 0:
+            raise TaskFormatError(f"{snapshot}: cannot read base_commit {base_commit}: {proc.stderr.decode().strip()}")
+        with tarfile.open(fileobj=io.BytesIO(proc.stdout)) as tar:
+            members = [m for m in tar.getmembers() if m.isfile()]
+            files = {m.name: tar.extractfile(m).read() for m in members}  # type: ignore[union-attr]
+            return files, sorted(m.name for m in members if m.mode & 0o111)
+    files, executables = plain_snapshot(snapshot), plain_executables(snapshot)
+    commit = snapshot_commit(files, executables)
+    if commit != base_commit:
+        raise TaskFormatError(f"snapshot {snapshot} is commit {commit}, not the instance's base_commit {base_commit}")
+    return files, executables
+
+
+def plain_snapshot(snapshot: Path) -> dict[str, bytes]:
+    """The files of a plain-directory snapshot (Python's __pycache__ left out: running code there adds it)."""
+    return {
+        p.relative_to(snapshot).as_posix(): p.read_bytes()
+        for p in sorted(snapshot.rglob("*"))
+        if p.is_file() and "__pycache__" not in p.relative_to(snapshot).parts
+    }
+
+
+def plain_executables(snapshot: Path) -> list[str]:
+    return sorted(rel for rel in plain_snapshot(snapshot) if os.access(snapshot / rel, os.X_OK))
+
+
+def snapshot_commit(files: dict[str, bytes], executables: list[str] | tuple[str, ...] = ()) -> str:
+    """The commit id of `files` as one commit of gyre's fixed identity and date (Task.init_git makes the same)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for rel, data in files.items():
+            (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
+            (Path(tmp) / rel).write_bytes(data)
+        for rel in executables:
+            (Path(tmp) / rel).chmod(0o755)
+        return commit_tree(Path(tmp))
+
+
+def default_test_cmd(test_files: list[str], log_parser: str) -> list[str]:
+    """SWE-bench runs the test files its test patch touches."""
+    files = [f for f in test_files if f.endswith(".py")]
+    if log_parser == "pytest":
+        return ["python3", "-m", "pytest", "-rA", *files]
+    return ["python3", "-m", "unittest", "-v", *(f[:-3].replace("/", ".") for f in files)]
+
+
+def instance_task(
+    row: dict[str, Any], repos: Path, cache: dict[tuple[str, str], tuple[dict[str, bytes], list[str]]]
+) -> Task:
+    missing = [k for k in REQUIRED if k not in row]
+    if missing:
+        raise TaskFormatError(f"instance {row.get('instance_id', '?')}: missing fields {missing}")
+    key = (row["repo"], row["base_commit"])
+    if key not in cache:
+        cache[key] = snapshot_files(repos / row["repo"].replace("/", "__"), row["base_commit"])
+    tree, executables = cache[key]
+    try:
+        files = {rel: data.decode() for rel, data in tree.items()}
+    except UnicodeDecodeError:
+        raise TaskFormatError(f"{row['repo']}@{row['base_commit']}: workspace files must be UTF-8 text") from None
+    log_parser = row.get("log_parser", "unittest")
+    if log_parser not in LOG_PARSERS:
+        raise TaskFormatError(f"instance {row['instance_id']}: log_parser {log_parser!r}; choose one of {LOG_PARSERS}")
+    touched = patch_paths(row["test_patch"])
+    test_cmd = row.get("test_cmd") or default_test_cmd(touched, log_parser)
+    grading = {
+        "test_patch": row["test_patch"],
+        "reset_files": {p: base64.b64encode(tree[p]).decode() if p in tree else None for p in touched},
+        "test_cmd": test_cmd if isinstance(test_cmd, list) else ["bash", "-c", test_cmd],
+        "log_parser": log_parser,
+        "FAIL_TO_PASS": _tests(row, "FAIL_TO_PASS"),
+        "PASS_TO_PASS": _tests(row, "PASS_TO_PASS"),
+    }
+    return Task(
+        task_id=row["instance_id"],
+        family="swebench",
+        prompt=row["problem_statement"].strip(),
+        files=files,
+        max_turns=50,
+        checker="swebench",
+        grading=grading,
+        image=row.get("image", ""),
+        agent_timeout_s=float(row["agent_timeout_s"]) if row.get("agent_timeout_s") is not None else None,
+        init_git=True,
+        executables=executables,
+        source="swebench",
+        source_path=row["_source_path"],
+    )
+
+
+def load_swebench_tasks(jsonl: Path, repos: Path | None = None) -> list[Task]:
+    """Every instance of `jsonl` (one JSON object a line), snapshots under `repos` (default: <jsonl dir>/repos)."""
+    if not jsonl.is_file():
+        raise TaskFormatError(f"tasks.path={str(jsonl)!r} is not a JSONL file of SWE-bench instances")
+    repos = repos or jsonl.parent / "repos"
+    cache: dict[tuple[str, str], tuple[dict[str, bytes], list[str]]] = {}
+    tasks = []
+    for n, line in enumerate(jsonl.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TaskFormatError(f"{jsonl}:{n}: {e}") from None
+        tasks.append(instance_task({**row, "_source_path": f"{jsonl.resolve()}:{n}"}, repos, cache))
+    ids = [t.task_id for t in tasks]
+    if len(set(ids)) != len(ids):
+        raise TaskFormatError(f"{jsonl}: instance ids repeat: {sorted({i for i in ids if ids.count(i) > 1})}")
+    return tasks

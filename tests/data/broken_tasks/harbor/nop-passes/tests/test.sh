@@ -1,0 +1,3 @@
+#!/bin/bash
+# Deliberately broken: the reward does not depend on the workspace.
+echo 1 > /logs/verifier/reward.txt
