@@ -163,6 +163,11 @@ class RLConfig:
     # the step's loss is averaged over: all_rollouts (every rollout that entered the objective, zero advantage
     # included: the GSPO paper's and TRL's choice) or with_signal (only rollouts with a non-zero advantage)
     loss_norm: str = "all_rollouts"
+    # a step with every rollout excluded (an infrastructure failure: nothing scored, nothing trained), or more
+    # than this fraction of them, counts as failed; max_excluded_steps failed steps in a row stop the run with
+    # the exclusion reasons counted (0: never stop)
+    max_excluded_fraction: float = 0.5
+    max_excluded_steps: int = 1
 
     def __post_init__(self) -> None:
         from gyre.config.validate import check_rl

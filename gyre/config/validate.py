@@ -85,6 +85,10 @@ def check_engine(e: EngineConfig) -> None:
 def check_rl(r: RLConfig) -> None:
     if r.loss_norm not in LOSS_NORMS:
         _fail("rl.loss_norm", r.loss_norm, f"choose one of {', '.join(LOSS_NORMS)} (see the README's GSPO section)")
+    if not 0.0 <= r.max_excluded_fraction <= 1.0:
+        _fail("rl.max_excluded_fraction", r.max_excluded_fraction, "must be in [0, 1]")
+    if r.max_excluded_steps < 0:
+        _fail("rl.max_excluded_steps", r.max_excluded_steps, "must be 0 (never stop) or more")
 
 
 def check_engine_for_model(e: EngineConfig, m: ModelConfig) -> None:
