@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from gyre.config.schema import RunConfig
+from gyre.harness.preflight import check_harness_fits
 from gyre.health import ExclusionWatch, success_over
 from gyre.metrics import MetricsWriter, plot_learning_curve
 from gyre.pipeline import loss_rollouts, rl_micro_batches, tree_gspo_loss_fn, with_signal, write_group_shard
@@ -20,6 +21,7 @@ from gyre.resume.state import RunState
 from gyre.rollouts import RolloutService, StepRollouts
 from gyre.sched.policy import SCHEDULERS as CELL_SCHEDULERS
 from gyre.store.reader import Shard, read_shard
+from gyre.tasks.suite import TaskPool
 from gyre.tracking import open_trackers
 from gyre.train.megatron_trainer import MegatronTrainer
 from gyre.train.warm_start import prepare_policy
@@ -35,7 +37,8 @@ def run(cfg: RunConfig) -> Path:
         start = prepare_resume(out, cfg.resume, log=print)
     guard.raise_if_requested()
     state = start.state
-    policy = prepare_policy(cfg, log=print)
+    first_tasks = TaskPool(cfg.tasks.families, cfg.tasks.pool_size, seed=cfg.seed).for_step(0, cfg.rl.groups_per_step)
+    policy = prepare_policy(cfg, log=print, check=lambda tok: check_harness_fits(cfg, first_tasks, tok))
     trainer = MegatronTrainer(policy.model_cfg, cfg.train)
     trainer.load_hf_state_dict(policy.load_state())
     if start.checkpoint is not None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from gyre.config.schema import (
         EngineConfig,
+        HarnessConfig,
         ModelConfig,
         ProxyConfig,
         RLConfig,
@@ -31,6 +32,7 @@ WEIGHT_SYNCS = ("auto", "disk", "tensor", "distributed")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOSS_NORMS = ("all_rollouts", "with_signal")
 SANDBOX_BACKENDS = ("bwrap", "apptainer", "none")
+HARNESS_KINDS = ("builtin", "claude_code", "mini_swe_agent")
 
 
 class ConfigValueError(ValueError):
@@ -49,6 +51,15 @@ def check_sandbox(s: SandboxConfig) -> None:
     for key in ("file_size_mb", "open_files", "processes"):
         if getattr(s, key) < 1:
             _fail(f"sandbox.{key}", getattr(s, key), "must be at least 1")
+
+
+def check_harness(h: HarnessConfig) -> None:
+    if h.kind not in HARNESS_KINDS:
+        _fail("harness.kind", h.kind, f"unknown harness; choose one of {', '.join(HARNESS_KINDS)}")
+    if h.bare and h.kind != "claude_code":
+        _fail("harness.bare", h.bare, "only Claude Code has a --bare mode (harness.kind=claude_code)")
+    if h.max_turns < 1 or h.timeout_s <= 0:
+        _fail("harness.max_turns/timeout_s", (h.max_turns, h.timeout_s), "must be at least 1 and positive")
 
 
 def check_engine(e: EngineConfig) -> None:

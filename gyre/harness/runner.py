@@ -56,6 +56,7 @@ class HarnessLaunch:
     tool_time: float = 0.0
     tool_time_sigma: float = 1.0
     python: str = "python3"
+    bare: bool = False  # claude_code --bare
 
 
 def harness_argv(module: str, launch: HarnessLaunch) -> list[str]:
@@ -84,7 +85,7 @@ def builtin_command(launch: HarnessLaunch) -> list[str]:
 
 def claude_code_command(launch: HarnessLaunch) -> list[str]:
     """Harness kind "claude_code" (gyre.harness.claude_code; max_tokens/temperature are Claude Code's own)."""
-    return harness_argv("gyre.harness.claude_code", launch)
+    return [*harness_argv("gyre.harness.claude_code", launch), *(["--bare"] if launch.bare else [])]
 
 
 HARNESS_COMMANDS: dict[str, Callable[[HarnessLaunch], list[str]]] = {
@@ -303,6 +304,7 @@ async def run_rollout(
             tool_time=task_cfg.tool_time_s,
             tool_time_sigma=task_cfg.tool_time_sigma,
             python=sandbox.python,
+            bare=harness_cfg.bare,
         )
         (harness_dir / "task.json").write_text(json.dumps(task.harness_view()))
         job = SandboxJob(
