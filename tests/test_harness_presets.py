@@ -120,3 +120,19 @@ def test_claude_code_preset_runs_a_step_and_its_prompts_are_the_demonstrations(t
     for rollout in ("s0-g0-r0", "s0-g0-r1"):
         first = min((c for c in calls if c["rollout_id"] == rollout), key=lambda c: c["call_id"])
         assert first["input_ids"] == ids, (tok.decode(first["input_ids"]), tok.decode(ids))
+
+
+@pytest.mark.integration
+def test_mini_swe_agent_preset_runs_a_step_through_its_bash_blocks(tmp_path):
+    out, rows = run_preset(tmp_path, "mini_swe_agent")
+    calls = [json.loads(line) for line in (out / "calls.jsonl").read_text().splitlines()]
+    assert calls and all(c["api"] == "openai" for c in calls)
+    (policy,) = (tmp_path / "cache").glob("policy-*")
+    tok = Tokenizer.load(policy / "tokenizer")
+    cfg = compose(["harness=mini_swe_agent"])
+    (task,) = TaskPool(cfg.tasks.families, cfg.tasks.pool_size, seed=cfg.seed).for_step(0, 1)
+    ids, _ = encode_conversation(*first_request("mini_swe_agent", task), tok)
+    ids += tok.encode(GENERATION_PROMPT)
+    for rollout in ("s0-g0-r0", "s0-g0-r1"):
+        first = min((c for c in calls if c["rollout_id"] == rollout), key=lambda c: c["call_id"])
+        assert first["input_ids"] == ids, (tok.decode(first["input_ids"]), tok.decode(ids))

@@ -6,8 +6,8 @@ the pinned CLI (gyre/harness/templates/, by tools/record_harness_templates.py) w
 workspace and the date as placeholders; a demonstration fills them in, answers with Anthropic tool_use
 blocks for Claude Code's Bash tool (the one tool `--bare` and the full tool set share that writes a
 file), and goes through the proxy's own request conversion (gyre/proxy/anthropic_api.py), so the
-warm start trains on the token ids the proxy renders for those requests. mini-swe-agent's format is in
-gyre/harness/mini_swe_agent.py.
+warm start trains on the token ids the proxy renders for those requests. mini-swe-agent's chat requests
+are recorded the same way; its replies are a THOUGHT and one bash block.
 """
 
 from __future__ import annotations
@@ -126,6 +126,37 @@ def claude_code_first_request(task: Task, bare: bool) -> Demonstration:
     return Demonstration(convert_messages(body.get("system"), body["messages"]), convert_tools(body.get("tools")) or [])
 
 
+@functools.cache
+def mini_template() -> dict[str, Any]:
+    path = TEMPLATE_DIR / "mini_swe_agent.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: run `python -m tools.record_harness_templates`")
+    return json.loads(path.read_text())
+
+
+def mini_first_request(task: Task) -> Demonstration:
+    """mini-swe-agent's first chat request: its system prompt and its instance prompt around the task."""
+    return Demonstration(fill(copy.deepcopy(mini_template()["first"]["messages"]), task.prompt), [])
+
+
+def mini_demonstration(task: Task) -> Demonstration:
+    """The reference solution as mini-swe-agent replies: per file written a THOUGHT and one bash block,
+    answered with the observation of a command without output, then the submit command."""
+    template = mini_template()
+    write, submit = template["replies"]
+    observation = template["after_command"]["messages"][-1]
+    steps = [c for c in task.solution if c["name"] == "write_file"]
+    if not steps or any(c["name"] not in ("write_file", "finish", "run_checks") for c in task.solution):
+        raise ValueError(f"task {task.task_id} ({task.family}): mini-swe-agent demonstrations cover tasks that "
+                         f"only write files (write_value, echo_files); set warm_start.families")  # fmt: skip
+    messages = list(mini_first_request(task).messages)
+    for call in steps:
+        messages.append({"role": "assistant", "content": write.replace(template["command"], bash_command(call))})
+        messages.append(dict(observation))
+    messages.append({"role": "assistant", "content": submit})
+    return Demonstration(messages, [])
+
+
 def demonstration(kind: str, task: Task, *, bare: bool = True, date: str | None = None) -> Demonstration:
     """The task's reference solution in harness `kind`'s own request format (`date`: the day Claude Code's
     prompt names; default today)."""
@@ -134,8 +165,6 @@ def demonstration(kind: str, task: Task, *, bare: bool = True, date: str | None 
     if kind == "claude_code":
         return claude_code_demonstration(task, bare, date)
     if kind == "mini_swe_agent":
-        from gyre.harness.mini_swe_agent import mini_demonstration
-
         return mini_demonstration(task)
     raise ValueError(f"harness.kind={kind!r} has no demonstration format")
 
@@ -148,7 +177,5 @@ def first_request(kind: str, task: Task, *, bare: bool = True) -> Demonstration:
     if kind == "claude_code":
         return claude_code_first_request(task, bare)
     if kind == "mini_swe_agent":
-        from gyre.harness.mini_swe_agent import mini_first_request
-
         return mini_first_request(task)
     raise ValueError(f"harness.kind={kind!r} has no request format")
