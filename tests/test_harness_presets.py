@@ -136,3 +136,40 @@ def test_mini_swe_agent_preset_runs_a_step_through_its_bash_blocks(tmp_path):
     for rollout in ("s0-g0-r0", "s0-g0-r1"):
         first = min((c for c in calls if c["rollout_id"] == rollout), key=lambda c: c["call_id"])
         assert first["input_ids"] == ids, (tok.decode(first["input_ids"]), tok.decode(ids))
+
+
+@pytest.mark.unit
+def test_mini_swe_agent_demonstration_is_bash_blocks_then_submit():
+    (task,) = sample_tasks(["echo_files"], 1, seed=5)
+    demo = demonstration("mini_swe_agent", task)
+    writes = [c["arguments"] for c in task.solution if c["name"] == "write_file"]
+    assert demo.tools == [] and [m["role"] for m in demo.messages[:2]] == ["system", "user"]
+    assert task.prompt in demo.messages[1]["content"]
+    replies = [m["content"] for m in demo.messages if m["role"] == "assistant"]
+    assert len(replies) == len(writes) + 1
+    for reply, args in zip(replies, writes, strict=False):
+        assert f"```mswea_bash_command\nprintf %s {args['content']} > {args['path']}\n```" in reply
+    assert replies[-1].endswith("```mswea_bash_command\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n```")
+    assert demo.messages[3]["content"] == "<returncode>0</returncode>\n<output>\n</output>"
+    with pytest.raises(ValueError, match="warm_start.families"):
+        demonstration("mini_swe_agent", sample_tasks(["fix_value"], 1, seed=0)[0])
+
+
+@pytest.mark.unit
+def test_mini_swe_agent_runs_under_its_own_venv(tmp_path):
+    from gyre.config.schema import SandboxConfig
+    from gyre.harness.mini_swe_agent import venv_python
+    from gyre.harness.runner import HarnessLaunch, harness_python, mini_swe_agent_command
+    from gyre.sandbox import make_sandbox
+    from gyre.sandbox.base import GYRE_ROOT, SOURCE_ROOT
+
+    assert harness_python("mini_swe_agent", make_sandbox(SandboxConfig())) == venv_python(GYRE_ROOT)
+    assert harness_python("mini_swe_agent", make_sandbox(SandboxConfig(backend="none"))) == venv_python(SOURCE_ROOT)
+    launch = HarnessLaunch("http://127.0.0.1:1/v1", "r", tmp_path, tmp_path / "t", tmp_path / "r", 3, 32, 0.7, 0.0)
+    argv = mini_swe_agent_command(launch)
+    assert argv[1:3] == ["-m", "gyre.harness.mini_swe_agent"] and argv[-4:] == [
+        "--max-tokens",
+        "32",
+        "--temperature",
+        "0.7",
+    ]
