@@ -173,3 +173,12 @@ def test_mini_swe_agent_runs_under_its_own_venv(tmp_path):
         "--temperature",
         "0.7",
     ]
+
+
+@pytest.mark.unit
+def test_each_harness_has_its_own_warm_start():
+    from gyre.train.warm_start import cache_key
+
+    keys = {cache_key(compose([f"harness={name}"])) for name in ("builtin", "claude_code", "mini_swe_agent")}
+    keys.add(cache_key(compose(["harness=claude_code", "harness.bare=false"])))
+    assert len(keys) == 4
