@@ -10,6 +10,8 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from gyre.config.schema import RunConfig
+from gyre.harness.preflight import check_harness_fits
+from gyre.health import ExclusionWatch, success_over
 from gyre.metrics import MetricsWriter, plot_learning_curve
 from gyre.pipeline import loss_rollouts, rl_micro_batches, tree_gspo_loss_fn, with_signal, write_group_shard
 from gyre.resume.checkpoint import load_checkpoint, save_checkpoint
@@ -19,6 +21,7 @@ from gyre.resume.state import RunState
 from gyre.rollouts import RolloutService, StepRollouts
 from gyre.sched.policy import SCHEDULERS as CELL_SCHEDULERS
 from gyre.store.reader import Shard, read_shard
+from gyre.tasks.suite import TaskPool
 from gyre.tracking import open_trackers
 from gyre.train.megatron_trainer import MegatronTrainer
 from gyre.train.warm_start import prepare_policy
@@ -34,7 +37,8 @@ def run(cfg: RunConfig) -> Path:
         start = prepare_resume(out, cfg.resume, log=print)
     guard.raise_if_requested()
     state = start.state
-    policy = prepare_policy(cfg, log=print)
+    first_tasks = TaskPool(cfg.tasks.families, cfg.tasks.pool_size, seed=cfg.seed).for_step(0, cfg.rl.groups_per_step)
+    policy = prepare_policy(cfg, log=print, check=lambda tok: check_harness_fits(cfg, first_tasks, tok))
     trainer = MegatronTrainer(policy.model_cfg, cfg.train)
     trainer.load_hf_state_dict(policy.load_state())
     if start.checkpoint is not None:
@@ -44,6 +48,7 @@ def run(cfg: RunConfig) -> Path:
     saved_step = state.next_step if start.checkpoint is not None else None
     writer = MetricsWriter(out, open_trackers(cfg, out))
     writer.rows = start.metrics_rows
+    watch = ExclusionWatch(cfg.rl.max_excluded_fraction, cfg.rl.max_excluded_steps)
     with RolloutService(cfg, policy, out) as service, closing(writer):
         if state.weight_version:  # engines serve the checkpoint's weights, not the warm start
             service.load_weights(trainer.hf_state_dict(), version=state.weight_version)
@@ -53,7 +58,8 @@ def run(cfg: RunConfig) -> Path:
             for step in bar:
                 guard.raise_if_requested()
                 row = run_step(step, service, trainer, state, guard, writer, cfg, out)
-                bar.set_postfix(reward=f"{row['reward_mean']:.2f}", success=f"{row['success_rate']:.2f}")
+                bar.set_postfix(progress(row))
+                watch.observe(row)  # raises ExcludedRunError: the step's row is in metrics.jsonl already
                 if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
                     with guard.deferred():
                         saved_step = checkpoint(out, state, trainer, cfg)
@@ -184,17 +190,27 @@ def step_metrics(
     }
 
 
+def progress(row: dict) -> dict[str, str]:
+    """The progress bar's postfix: reward and success over the scored rollouts, and what was not scored."""
+    scored = bool(row.get("n_scored"))
+    return {
+        "reward": f"{row['reward_mean']:.2f}" if scored else "-",
+        "success": f"{row['success_rate']:.2f}" if scored else "-",
+        "excluded": f"{row['n_excluded']}/{row['n_rollouts']}",
+        "timeouts": str(row["n_timeouts"]),
+    }
+
+
 def summary(rows: list[dict], out: Path) -> str:
     k = max(1, len(rows) // 4)
-    first, last = rows[:k], rows[-k:]
 
-    def rate(rs: list[dict]) -> tuple[float, int]:
-        n = sum(r["n_scored"] for r in rs)
-        return sum(r["success_rate"] * r["n_scored"] for r in rs) / max(n, 1), n
+    def rate(rs: list[dict]) -> str:
+        value, n = success_over(rs)
+        excluded = sum(int(r.get("n_excluded", 0)) for r in rs)
+        shown = "n/a" if value is None else f"{value:.2f}"
+        return f"{shown} over the {{}} {k} steps ({n} rollouts scored, {excluded} excluded)"
 
-    (fs, fn), (ls, ln) = rate(first), rate(last)
     return (
-        f"gyre: success rate {fs:.2f} over the first {k} steps ({fn} rollouts) -> "
-        f"{ls:.2f} over the last {k} steps ({ln} rollouts)\n"
+        f"gyre: success rate {rate(rows[:k]).format('first')} -> {rate(rows[-k:]).format('last')}\n"
         f"gyre: outputs in {out}"
     )

@@ -19,6 +19,7 @@ from gyre.config.schema import LogprobDistribution, RunConfig
 from gyre.engine.engine import EngineSetup, RolloutEngine, make_engine
 from gyre.engine.switch import join_rollout, leave_rollout
 from gyre.harness.runner import RolloutOutcome, run_rollouts
+from gyre.health import count_reasons
 from gyre.metrics import mean
 from gyre.pipeline import FinishedRollout
 from gyre.proxy.call_log import CallLog
@@ -58,6 +59,9 @@ class StepRollouts:
             "n_calls": self.n_calls,
             "policy_tokens": self.policy_tokens,
             "excluded_reasons": sorted({o.grade.reason for o in self.outcomes if o.grade.status == "failed"}),
+            "excluded_reason_counts": count_reasons(
+                o.grade.reason for o in self.outcomes if o.grade.status == "failed"
+            ),
             "n_agent_failed": sum(1 for o in self.outcomes if o.grade.status == "agent_failed"),
         }
 

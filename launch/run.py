@@ -15,6 +15,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from gyre.config.load import ConfigKeyError, check_overrides, normalize_overrides, register_configs, to_run_config
+from gyre.config.validate import ConfigValueError
+from gyre.health import ExcludedRunError
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted
 from gyre.resume.recovery import ResumeError
 from gyre.sched.policy import SCHEDULERS as CELL_SCHEDULERS
@@ -46,7 +48,7 @@ def main(dict_cfg: DictConfig) -> None:
         run(cfg)
     except Preempted:  # checkpointed; the generated sbatch script requeues the job on this exit code
         sys.exit(PREEMPTED_EXIT_CODE)
-    except ResumeError as e:
+    except (ResumeError, ExcludedRunError, ConfigValueError) as e:
         sys.exit(f"gyre: {e}")
 
 

@@ -91,3 +91,23 @@ def check_trackers(out: Path, rows: list[dict]) -> None:
                 assert tb[key][r["step"]] == pytest.approx(value, rel=1e-6, abs=1e-6), key
                 assert by_step[r["step"]][key] == pytest.approx(value, rel=1e-9, abs=1e-9), key
     assert tensorboard_tags(tb_dir)["images"] == ["learning_curve"]
+
+
+def test_a_step_of_excluded_rollouts_stops_the_run(tmp_path):
+    """The proxy times out on every engine call (an infrastructure failure): every rollout is excluded, and
+    the first such step stops the run (rl.max_excluded_steps=1) naming the reason and how often it came."""
+    out = tmp_path / "run"
+    args = [
+        "steps=3", "rl.groups_per_step=1", "rl.group_size=2", "warm_start.enabled=false",
+        "tokenizer.corpus_tasks=60", "tokenizer.vocab_size=512", "harness.max_turns=2", "harness.max_tokens=8",
+        "proxy.request_timeout_s=0.001", f"warm_start.cache_dir={tmp_path / 'cache'}", f"output_dir={out}",
+        f"hydra.run.dir={tmp_path / 'hydra'}",
+    ]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "launch.run", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "stopping: 1 step(s) in a row (0)" in proc.stderr and "(2 of 2)" in proc.stderr, proc.stderr[-3000:]
+    assert "2x infrastructure: proxy answered HTTP N" in proc.stderr, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0] and rows[0]["n_excluded"] == 2
+    assert rows[0]["excluded_reason_counts"][0][1] == 2

@@ -75,6 +75,16 @@ if [ "$("$CLAUDE_BIN" --version 2>/dev/null | cut -d' ' -f1)" != "$CLAUDE_CODE_V
     "@anthropic-ai/claude-code@$CLAUDE_CODE_VERSION"
   "$CLAUDE_BIN" --version >/dev/null
 fi
+# mini-swe-agent harness: PyPI mini-swe-agent, pinned (gyre/harness/mini_swe_agent.py MINI_SWE_AGENT_VERSION), in
+# its own venv .gyre/mini-swe-agent (litellm's dependency pins are not gyre's), same interpreter as $VENV.
+MSWEA_VERSION=$(sed -n 's/^MINI_SWE_AGENT_VERSION = "\([^"]*\)".*/\1/p' gyre/harness/mini_swe_agent.py)
+MSWEA_VENV=.gyre/mini-swe-agent
+if ! "$MSWEA_VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('mini-swe-agent') != '$MSWEA_VERSION')" 2>/dev/null; then
+  echo "gyre setup: installing mini-swe-agent==$MSWEA_VERSION into $MSWEA_VENV"
+  mkdir -p .gyre
+  "$(readlink -f "$VENV/bin/python")" -m venv "$MSWEA_VENV"
+  "$MSWEA_VENV/bin/python" -m pip --disable-pip-version-check -q install "mini-swe-agent==$MSWEA_VERSION"
+fi
 if ! command -v strace >/dev/null; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends strace

@@ -125,13 +125,21 @@ class TaskConfig:
 
 @dataclass
 class HarnessConfig:
-    kind: str = "builtin"
+    """The agent program each rollout runs (gyre/harness); presets: `harness=builtin|claude_code|mini_swe_agent`."""
+
+    kind: str = "builtin"  # builtin | claude_code | mini_swe_agent
     max_turns: int = 10
     timeout_s: float = 90.0
-    temperature: float = 1.0
-    max_tokens: int = 64
+    temperature: float = 1.0  # builtin and mini_swe_agent; Claude Code sends its own
+    max_tokens: int = 64  # builtin and mini_swe_agent; Claude Code asks for 64000 (cap it: proxy.max_output_tokens)
     concurrency: int = 16
     keep_workspaces: bool = False
+    bare: bool = False  # claude_code: `claude --bare` (a one-line system prompt, tools Bash/Edit/Read: ~300 tokens)
+
+    def __post_init__(self) -> None:
+        from gyre.config.validate import check_harness
+
+        check_harness(self)
 
 
 class LogprobDistribution(StrEnum):
@@ -177,6 +185,11 @@ class RLConfig:
     # the step's loss is averaged over: all_rollouts (every rollout that entered the objective, zero advantage
     # included: the GSPO paper's and TRL's choice) or with_signal (only rollouts with a non-zero advantage)
     loss_norm: str = "all_rollouts"
+    # a step with every rollout excluded (an infrastructure failure: nothing scored, nothing trained), or more
+    # than this fraction of them, counts as failed; max_excluded_steps failed steps in a row stop the run with
+    # the exclusion reasons counted (0: never stop)
+    max_excluded_fraction: float = 0.5
+    max_excluded_steps: int = 1
 
     def __post_init__(self) -> None:
         from gyre.config.validate import check_rl

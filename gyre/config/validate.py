@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from gyre.config.schema import (
         EngineConfig,
+        HarnessConfig,
         ModelConfig,
         ProxyConfig,
         RLConfig,
@@ -34,6 +35,7 @@ LOSS_NORMS = ("all_rollouts", "with_signal")
 SANDBOX_BACKENDS = ("bwrap", "apptainer", "none")
 TASK_SOURCES = ("builtin", "harbor", "swebench")  # gyre/tasks/source.py
 TASK_SPLITS = ("train", "eval", "all")
+HARNESS_KINDS = ("builtin", "claude_code", "mini_swe_agent")
 
 
 class ConfigValueError(ValueError):
@@ -74,6 +76,13 @@ def check_task_sandbox(cfg: RunConfig) -> None:
     if cfg.tasks.source == "harbor" and cfg.sandbox.backend == "none":
         _fail("sandbox.backend", "none", "tasks.source=harbor: Harbor tests use /tests and /logs, which need an "
               "isolated sandbox (bwrap or apptainer)")  # fmt: skip
+def check_harness(h: HarnessConfig) -> None:
+    if h.kind not in HARNESS_KINDS:
+        _fail("harness.kind", h.kind, f"unknown harness; choose one of {', '.join(HARNESS_KINDS)}")
+    if h.bare and h.kind != "claude_code":
+        _fail("harness.bare", h.bare, "only Claude Code has a --bare mode (harness.kind=claude_code)")
+    if h.max_turns < 1 or h.timeout_s <= 0:
+        _fail("harness.max_turns/timeout_s", (h.max_turns, h.timeout_s), "must be at least 1 and positive")
 
 
 def check_engine(e: EngineConfig) -> None:
@@ -110,6 +119,10 @@ def check_engine(e: EngineConfig) -> None:
 def check_rl(r: RLConfig) -> None:
     if r.loss_norm not in LOSS_NORMS:
         _fail("rl.loss_norm", r.loss_norm, f"choose one of {', '.join(LOSS_NORMS)} (see the README's GSPO section)")
+    if not 0.0 <= r.max_excluded_fraction <= 1.0:
+        _fail("rl.max_excluded_fraction", r.max_excluded_fraction, "must be in [0, 1]")
+    if r.max_excluded_steps < 0:
+        _fail("rl.max_excluded_steps", r.max_excluded_steps, "must be 0 (never stop) or more")
 
 
 def check_engine_for_model(e: EngineConfig, m: ModelConfig) -> None:

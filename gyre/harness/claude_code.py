@@ -66,9 +66,10 @@ def claude_env(proxy_url: str, rollout_id: str, home: Path, base: dict[str, str]
     return env
 
 
-def claude_args(max_turns: int) -> list[str]:
+def claude_args(max_turns: int, bare: bool = False) -> list[str]:
+    """`--bare`: a one-line system prompt and three tools (Bash, Edit, Read) instead of ~12k tokens of them."""
     io = ["--input-format", "stream-json", "--output-format", "stream-json", "--verbose"]
-    return ["-p", *io, "--dangerously-skip-permissions", "--max-turns", str(max_turns)]
+    return ["-p", *io, "--dangerously-skip-permissions", "--max-turns", str(max_turns), *(["--bare"] if bare else [])]
 
 
 def user_lines(prompts: list[str]) -> str:
@@ -114,13 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("--base-url", "--rollout-id", "--workspace", "--task-file", "--result-file"):
         p.add_argument(name, required=True)
     p.add_argument("--max-turns", type=int, default=10)
+    p.add_argument("--bare", action="store_true", help="claude --bare: minimal system prompt and tools")
     args = p.parse_args(argv)
     result_file = Path(args.result_file)
     home = result_file.parent / "claude-home"
     home.mkdir(parents=True, exist_ok=True)
     prompts = [json.loads(Path(args.task_file).read_text())["prompt"]]
     prompts += json.loads(os.environ.get("GYRE_CLAUDE_FOLLOW_UPS") or "[]")
-    cmd = [str(claude_bin()), *claude_args(args.max_turns)]
+    cmd = [str(claude_bin()), *claude_args(args.max_turns, args.bare)]
     trace = os.environ.get("GYRE_CLAUDE_TRACE")
     if trace:
         cmd = ["strace", "-f", "--seccomp-bpf", "-qq", "-e", TRACED_SYSCALLS, "-o", trace, *cmd]

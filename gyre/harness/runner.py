@@ -29,9 +29,10 @@ from typing import Any
 from gyre.config.schema import HarnessConfig, SandboxConfig, TaskConfig
 from gyre.harness.attribution import harness_failure
 from gyre.harness.endpoint import ProxyEndpoint
+from gyre.harness.mini_swe_agent import venv_python
 from gyre.proxy.keys import RolloutKeys
 from gyre.sandbox import Mount, Sandbox, SandboxJob, make_sandbox, place
-from gyre.sandbox.base import HARNESS_DIR, RELAY_PORT, WORKSPACE, code_mounts, host_env
+from gyre.sandbox.base import GYRE_ROOT, HARNESS_DIR, RELAY_PORT, SOURCE_ROOT, WORKSPACE, code_mounts, host_env
 from gyre.tasks.grading import Grade, grade_workspace
 from gyre.tasks.task import Task
 
@@ -56,6 +57,7 @@ class HarnessLaunch:
     tool_time: float = 0.0
     tool_time_sigma: float = 1.0
     python: str = "python3"
+    bare: bool = False  # claude_code --bare
 
 
 def harness_argv(module: str, launch: HarnessLaunch) -> list[str]:
@@ -84,13 +86,33 @@ def builtin_command(launch: HarnessLaunch) -> list[str]:
 
 def claude_code_command(launch: HarnessLaunch) -> list[str]:
     """Harness kind "claude_code" (gyre.harness.claude_code; max_tokens/temperature are Claude Code's own)."""
-    return harness_argv("gyre.harness.claude_code", launch)
+    return [*harness_argv("gyre.harness.claude_code", launch), *(["--bare"] if launch.bare else [])]
+
+
+def mini_swe_agent_command(launch: HarnessLaunch) -> list[str]:
+    """Harness kind "mini_swe_agent" (gyre.harness.mini_swe_agent), run by the interpreter of its own venv."""
+    return [
+        *harness_argv("gyre.harness.mini_swe_agent", launch),
+        "--max-tokens", str(launch.max_tokens),
+        "--temperature", str(launch.temperature),
+    ]  # fmt: skip
 
 
 HARNESS_COMMANDS: dict[str, Callable[[HarnessLaunch], list[str]]] = {
     "builtin": builtin_command,
     "claude_code": claude_code_command,
+    "mini_swe_agent": mini_swe_agent_command,
 }
+
+
+def harness_python(kind: str, sandbox: Sandbox) -> str:
+    """The interpreter a harness kind runs under: mini-swe-agent has its own venv (its dependencies are not gyre's)."""
+    if kind != "mini_swe_agent":
+        return sandbox.python
+    python = venv_python(SOURCE_ROOT)
+    if not Path(python).exists():
+        raise FileNotFoundError(f"mini-swe-agent is not installed at {python}: run `bash tools/setup_env.sh`")
+    return venv_python(GYRE_ROOT) if sandbox.isolated else python
 
 
 @dataclass
@@ -311,7 +333,8 @@ async def run_rollout(
             tool_delay=task_cfg.tool_delay_s,
             tool_time=task_cfg.tool_time_s,
             tool_time_sigma=task_cfg.tool_time_sigma,
-            python=sandbox.python,
+            python=harness_python(harness_cfg.kind, sandbox),
+            bare=harness_cfg.bare,
         )
         (harness_dir / "task.json").write_text(json.dumps(task.harness_view()))
         job = SandboxJob(

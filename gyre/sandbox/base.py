@@ -92,12 +92,14 @@ def host_python() -> str:
 
 
 def code_mounts() -> list[Mount]:
-    """Read-only code every harness needs: the interpreter's prefix, the gyre package, .gyre/node (Claude Code)."""
+    """Read-only code every harness needs: the interpreter's prefix, the gyre package, .gyre/node (Claude Code),
+    .gyre/mini-swe-agent (its venv)."""
     mounts = [Mount(Path(sys.base_prefix).resolve(), str(Path(sys.base_prefix).resolve()))]
     mounts.append(Mount(SOURCE_ROOT / "gyre", f"{GYRE_ROOT}/gyre"))
-    node = SOURCE_ROOT / ".gyre" / "node"
-    if node.is_dir():
-        mounts.append(Mount(node, f"{GYRE_ROOT}/.gyre/node"))
+    for tool in ("node", "mini-swe-agent"):  # Claude Code; mini-swe-agent's venv
+        path = SOURCE_ROOT / ".gyre" / tool
+        if path.is_dir():
+            mounts.append(Mount(path, f"{GYRE_ROOT}/.gyre/{tool}"))
     return mounts
 
 

@@ -167,9 +167,12 @@ def submitit_main(run_dir: str, abort_after_s: float = 30.0) -> dict[str, Any]:
 def write_policy(cfg: RunConfig, out: Path, start_id: str, resume_from: Path | None, version: int) -> Path:
     """Rank 0 finds or builds the warm start while the cells start up, and writes where the cells start
     from (the warm start, and the run's checkpoint when resuming); returns the tokenizer dir."""
+    from gyre.harness.preflight import check_harness_fits
+    from gyre.tasks.suite import TaskPool
     from gyre.train.warm_start import prepare_policy
 
-    policy = prepare_policy(cfg, log=print)
+    first = TaskPool(cfg.tasks.families, cfg.tasks.pool_size, seed=cfg.seed).for_step(0, cfg.rl.groups_per_step)
+    policy = prepare_policy(cfg, log=print, check=lambda tok: check_harness_fits(cfg, first, tok))
     paths = {"start_id": start_id, "model": asdict(policy.model_cfg), "tokenizer_dir": str(policy.tokenizer_dir)}
     paths |= {"checkpoint_dir": str(policy.checkpoint_dir), "resume_from": str(resume_from or ""), "version": version}
     tmp = out / "policy.json.tmp"

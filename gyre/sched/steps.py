@@ -18,6 +18,7 @@ from typing import Any
 from gyre.comm.messages import MicroBatchRef
 from gyre.config.schema import RunConfig
 from gyre.harness.runner import RolloutOutcome
+from gyre.health import count_reasons
 from gyre.metrics import mean
 from gyre.pipeline import FinishedRollout, GroupShard, write_group_shard
 from gyre.proxy.call_log import CallRecord
@@ -131,6 +132,7 @@ def outcome_summary(outcomes: list[RolloutOutcome]) -> dict[str, Any]:
         "turns_max": max((o.turns for o in outcomes), default=0),
         "rollout_wall_max_s": max((o.wall_s for o in outcomes), default=0.0),
         "excluded_reasons": sorted({o.grade.reason for o in outcomes if o.grade.status == "failed"}),
+        "excluded_reason_counts": count_reasons(o.grade.reason for o in outcomes if o.grade.status == "failed"),
         "n_agent_failed": sum(1 for o in outcomes if o.grade.status == "agent_failed"),
     }
 

@@ -7,6 +7,7 @@ run starts at once. The cache entry is written to a temp directory and renamed i
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import json
 import os
@@ -19,16 +20,19 @@ from pathlib import Path
 import torch
 
 from gyre.config.schema import ModelConfig, RunConfig
+from gyre.harness.formats import demonstration
 from gyre.model.chat_template import AssistantTurn, assistant_body, render_segments, render_text
 from gyre.model.hf_io import load_hf_state, save_hf_checkpoint
 from gyre.model.llama import LlamaForCausalLM
 from gyre.model.tokenizer import Tokenizer
-from gyre.tasks.demos import demonstration, tokenizer_corpus
+from gyre.tasks.demos import Demonstration, tokenizer_corpus
 from gyre.tasks.suite import sample_tasks
+from gyre.tasks.task import Task
 from gyre.train.megatron_trainer import MegatronTrainer
 
-WARM_START_VERSION = 2
+WARM_START_VERSION = 3
 SFT_SEED_OFFSET = 1_000_003  # demonstrations come from other task instances than RL's
+DEMO_EPOCH = datetime.date(2026, 1, 1)
 
 
 @dataclass
@@ -62,25 +66,55 @@ def cache_key(cfg: RunConfig) -> str:
         "warm_start": ws,
         "optimizer": [cfg.train.grad_clip, cfg.train.adam_beta2, cfg.train.weight_decay],
         # what the task suite, harness tools and chat template render to: any change there retrains
+        "harness": [cfg.harness.kind, cfg.harness.bare],
         "suite": hashlib.sha256(
-            "".join(render_text(*demonstration(t)) for t in sample_tasks(cfg.tasks.families, 32, seed=0)).encode()
+            "".join(
+                render_text(*harness_demo(cfg, t, 0)) for t in sample_tasks(demo_families(cfg), 32, seed=0)
+            ).encode()
         ).hexdigest(),
     }
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def prepare_policy(cfg: RunConfig, log: Callable[[str], None] = print) -> Policy:
+def demo_families(cfg: RunConfig) -> list[str]:
+    return list(cfg.warm_start.families or cfg.tasks.families)
+
+
+def harness_demo(cfg: RunConfig, task: Task, i: int) -> Demonstration:
+    """Demonstration `i` in the configured harness's own format; Claude Code's prompt names the day, so
+    demonstrations name days of a year (the policy learns to ignore it), the first the cache key's."""
+    date = (DEMO_EPOCH + datetime.timedelta(days=i % 365)).isoformat()
+    return demonstration(cfg.harness.kind, task, bare=cfg.harness.bare, date=date)
+
+
+def harness_corpus(cfg: RunConfig) -> list[str]:
+    """The tokenizer's corpus: the built-in suite's demonstrations, and the harness's own if it has others
+    (Claude Code's prompt would otherwise tokenize at about one character a token)."""
+    texts = list(tokenizer_corpus(cfg.tokenizer.corpus_tasks, cfg.model.seed, cfg.tasks.families))
+    if cfg.harness.kind != "builtin":
+        tasks = sample_tasks(demo_families(cfg), max(1, cfg.tokenizer.corpus_tasks // 4), cfg.model.seed + 7)
+        texts += [render_text(*harness_demo(cfg, t, i)) for i, t in enumerate(tasks)]
+    return texts
+
+
+def prepare_policy(
+    cfg: RunConfig, log: Callable[[str], None] = print, check: Callable[[Tokenizer], object] | None = None
+) -> Policy:
+    """The cached warm start, or a new one; `check` sees the tokenizer before any training (a preflight)."""
     root = Path(os.path.expanduser(cfg.warm_start.cache_dir)) / f"policy-{cache_key(cfg)}"
     if (root / "meta.json").exists():
         log(f"gyre: reusing cached warm start {root}")
-        return _policy_at(root)
+        policy = _policy_at(root)
+        if check is not None:
+            check(policy.tokenizer())
+        return policy
     tmp = root.with_name(root.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     log(f"gyre: building tokenizer and warm start in {root}")
-    tokenizer = Tokenizer.train(
-        tokenizer_corpus(cfg.tokenizer.corpus_tasks, cfg.model.seed, cfg.tasks.families), cfg.tokenizer.vocab_size
-    )
+    tokenizer = Tokenizer.train(harness_corpus(cfg), cfg.tokenizer.vocab_size)
+    if check is not None:
+        check(tokenizer)
     tokenizer.save(tmp / "tokenizer")
     model_cfg = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
     # one process (rank 0 of the cell job, before the cells' trainer worlds exist); the cells shard what it writes
@@ -135,13 +169,8 @@ def encode_conversation(
 
 
 def sft_examples(cfg: RunConfig, tokenizer: Tokenizer) -> list[tuple[list[int], list[int]]]:
-    families = cfg.warm_start.families or cfg.tasks.families
-    tasks = sample_tasks(families, cfg.warm_start.demos, seed=cfg.model.seed + SFT_SEED_OFFSET)
-    out = []
-    for task in tasks:
-        messages, tools = demonstration(task)
-        out.append(encode_conversation(messages, tools, tokenizer))
-    return out
+    tasks = sample_tasks(demo_families(cfg), cfg.warm_start.demos, seed=cfg.model.seed + SFT_SEED_OFFSET)
+    return [encode_conversation(*harness_demo(cfg, task, i), tokenizer) for i, task in enumerate(tasks)]
 
 
 def pack_batch(examples: list[tuple[list[int], list[int]]], row_tokens: int, pad_id: int) -> SFTBatch:
