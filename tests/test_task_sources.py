@@ -214,6 +214,54 @@ def test_harbor_grading_gives_partial_credit_and_reads_tests_read_only(tmp_path,
     assert failed.status == "failed" and failed.score is None and "no reward file" in failed.reason
 
 
+# What agent code run by a task's tests may try, to win or to have a losing rollout excluded.
+HARBOR_ATTACKS = {
+    # hangs the tests: a checker that times out would be a failed evaluation, excluded from training
+    "hang": ("while True:\n    pass\n", "tests_timeout"),
+    # writes the reward, then kills test.sh before it writes its own 0
+    "forge_and_kill": (
+        "import os\nopen('/logs/verifier/reward.txt', 'w').write('1')\nos.kill(os.getppid(), 9)\n",
+        "tests_killed",
+    ),
+    # leaves a process behind that writes reward 1 once test.sh has written its 0
+    "rewrite_later": (
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    p = '/logs/verifier/reward.txt'\n"
+        "    while not os.path.exists(p):\n        time.sleep(0.001)\n"
+        "    open(p, 'w').write('1')\n    time.sleep(30)\n",
+        "tests_left_processes",
+    ),
+}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("attack", sorted(HARBOR_ATTACKS))
+def test_agent_code_run_by_harbor_tests_cannot_win_or_escape_scoring(attack, tmp_path, sandbox):
+    code, reason = HARBOR_ATTACKS[attack]
+    task = dataclasses.replace(load_harbor_task(HARBOR / "fix-median"), check_timeout_s=5.0)
+    ws = task.materialize(tmp_path / "ws")
+    init = ws / "stats" / "__init__.py"
+    init.write_text(code + init.read_text())
+    grade = grade_workspace(task, ws, sandbox=sandbox)
+    assert (grade.status, grade.score) == ("agent_failed", 0.0), grade
+    assert grade.reason.startswith(reason + ":"), grade.reason
+
+
+@pytest.mark.integration
+def test_agent_code_run_by_swebench_tests_cannot_break_grading(tmp_path, sandbox):
+    task = dataclasses.replace(swebench_task("gyre-examples__calc-1"), check_timeout_s=5.0)
+    ws = task.materialize(tmp_path / "ws")
+    shutil.rmtree(ws / "tests")  # the patched test file's directory is now a link out of the workspace
+    (ws / "tests").symlink_to("/usr/lib")
+    grade = grade_workspace(task, ws, sandbox=sandbox)  # graded as the unfixed code it is, not a broken evaluation
+    assert (grade.status, grade.score) == ("ok", 0.0), grade
+    hang = tmp_path / "hang"
+    task.materialize(hang)
+    ops = hang / "calc" / "ops.py"
+    ops.write_text("while True:\n    pass\n" + ops.read_text())
+    grade = grade_workspace(task, hang, sandbox=sandbox)
+    assert (grade.status, grade.score) == ("agent_failed", 0.0) and grade.reason.startswith("tests_timeout:"), grade
+
+
 @pytest.mark.integration
 def test_swebench_grading_applies_the_test_patch_to_the_final_workspace(tmp_path, sandbox):
     task = swebench_task("gyre-examples__calc-2")

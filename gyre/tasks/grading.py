@@ -51,7 +51,11 @@ AGENT_FAILURES = {
     "harness_protocol": "the harness wrote no valid result file, or reported an API error the proxy never gave",
     "checker_killed": "the checker died of a signal while running the agent's code",
     "workspace_limits": "the workspace cannot be graded within the limits (too many files or bytes)",
+    "tests_timeout": "the task's tests, running the agent's code, ran past their time",
+    "tests_killed": "the task's tests, running the agent's code, died of a signal",
+    "tests_left_processes": "a process started under the task's tests outlived them (it could rewrite the reward)",
 }
+TESTS_BUDGET_FRACTION = 0.8  # of the checker's time limit, for a task's own tests (gyre.tasks.agent_code)
 PYTHON_BUDGET_FRACTION = 0.6  # of the checker's time limit, for all the workspace's programs together
 SANDBOX_START_S = 2.0  # added to the checker's time limit in an isolated sandbox: starting it is not the checker's
 MAX_WORKSPACE_FILES = 100_000
@@ -62,6 +66,7 @@ _CHECKER_BOOT = (
     "import ctypes, json, os, sys\n"
     "ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)\n"
     "job = json.load(sys.stdin)\n"
+    "sys.path.insert(0, job['gyre_root'])\n"
     "fd = os.memfd_create('spec.json')\n"
     "os.write(fd, job['spec'].encode())\n"
     "os.lseek(fd, 0, 0)\n"
@@ -107,8 +112,9 @@ def _tail(text: str, n: int = 400) -> str:
     return text if len(text) <= n else "..." + text[-n:]
 
 
-def _parse_results(stdout: str) -> tuple[list[dict[str, Any]], float | None]:
-    """(results, the checker's own score or None: then the fraction of results passed)."""
+def _parse_results(stdout: str) -> tuple[list[dict[str, Any]], float | None, str | None]:
+    """(results, the checker's own score or None: then the fraction of results passed, the agent failure
+    it reports as 'code: detail' or None)."""
     lines = stdout.strip().splitlines()
     if not lines:
         raise ValueError("checker printed nothing")
@@ -123,7 +129,10 @@ def _parse_results(stdout: str) -> tuple[list[dict[str, Any]], float | None]:
     for r in results:
         if not isinstance(r, dict) or not isinstance(r.get("passed"), bool) or "name" not in r:
             raise ValueError(f"malformed check result {r!r}")
-    return results, None if score is None else float(score)
+    failure = out.get("agent_failed")
+    if failure is not None and (not isinstance(failure, str) or failure.partition(": ")[0] not in AGENT_FAILURES):
+        raise ValueError(f"checker reports an unknown agent failure {failure!r}")
+    return results, None if score is None else float(score), failure
 
 
 def copy_workspace(src: Path, dst: Path) -> None:
@@ -191,7 +200,8 @@ def _run_checker(
         start_new_session=True,
     )
     try:
-        job_input = json.dumps({"source": source, "spec": json.dumps(spec)})
+        gyre_root = str(Path(place(sandbox, mounts[1])).parent)  # code_mounts(): the gyre package second
+        job_input = json.dumps({"source": source, "spec": json.dumps(spec), "gyre_root": gyre_root})
         out, err = proc.communicate(job_input, timeout=timeout_s + (SANDBOX_START_S if sandbox.isolated else 0.0))
         code: int | None = proc.returncode
     except subprocess.TimeoutExpired:
@@ -237,6 +247,8 @@ def grade_workspace(
             "checks": task.checks,
             "python_timeout_s": min(5.0, check_timeout_s / 3),
             "python_budget_s": check_timeout_s * PYTHON_BUDGET_FRACTION,
+            "tests_timeout_s": check_timeout_s * TESTS_BUDGET_FRACTION,
+            "pid_namespace": sandbox.isolated,
             **task.grading,
             **where,
         }
@@ -258,9 +270,12 @@ def _grade_from(code: int | None, out: str, err: str, timed_out: bool, check_tim
     if code != 0:
         return Grade.failed(f"checker exited with code {code}: {_tail(err) or '(no stderr)'}")
     try:
-        results, score = _parse_results(out)
+        results, score, agent_failure = _parse_results(out)
     except (ValueError, KeyError, TypeError) as e:
         return Grade.failed(f"checker output unreadable ({e}): {_tail(out, 200)!r}")
+    if agent_failure is not None:
+        code, _, detail = agent_failure.partition(": ")
+        return Grade.agent_failed(code, detail)
     passed = sum(r["passed"] for r in results)
     return Grade(
         status="timeout" if timed_out else "ok",

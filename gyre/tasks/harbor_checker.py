@@ -1,10 +1,13 @@
 """The Harbor verifier, run as the checker of a Harbor task in its grading sandbox. Standard library only.
 
-spec = {"workspace", "workdir", "tests_dir", "logs_dir", "test_script", "env"}. As Harbor's verifier
-does: empty /logs/verifier, run `bash /tests/<test_script>` from the working directory (its output to
-/logs/verifier/test-stdout.txt), then read /logs/verifier/reward.json (named scores) or, failing that,
-reward.txt (one number). No reward file, an empty one or a value that is not a finite number is an
-evaluation error (this script exits non-zero: the grade fails, it is never a zero or a pass).
+spec = {"workspace", "workdir", "tests_dir", "logs_dir", "test_script", "env", "tests_timeout_s",
+"pid_namespace"}. As Harbor's verifier does: empty /logs/verifier, run `bash /tests/<test_script>` from
+the working directory (its output to /logs/verifier/test-stdout.txt), then read
+/logs/verifier/reward.json (named scores) or, failing that, reward.txt (one number). Tests that run past
+their time, die of a signal or leave a process behind score 0 as the agent's failure, whatever the
+reward file says (gyre.tasks.agent_code). After a clean run, no reward file, an empty one or a value
+that is not a finite number is an evaluation error (this script exits non-zero: the grade fails, it is
+never a zero or a pass): the task's tests did not do their part.
 
 The score is reward.json's "reward" when it names one, else the mean of its scores (partial credit);
 each named score is one result (passed when >= 1). Per-test results in /logs/verifier/ctrf.json (pytest
@@ -16,10 +19,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from gyre.tasks.agent_code import run_tests
 
 
 def read_rewards(verifier: Path) -> dict[str, float]:
@@ -70,13 +74,17 @@ def main(argv: list[str]) -> None:
     script = Path(spec["tests_dir"]) / spec["test_script"]
     env = {**os.environ, **spec.get("env", {})}
     with open(verifier / "test-stdout.txt", "wb") as log:  # agent code runs in there: never our stdout
-        proc = subprocess.run(["bash", str(script)], cwd=spec["workdir"], env=env, stdin=subprocess.DEVNULL,
-                              stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        run = run_tests(["bash", str(script)], cwd=spec["workdir"], env=env, timeout_s=spec["tests_timeout_s"],
+                        out=log, pid_namespace=spec["pid_namespace"])  # fmt: skip
+    failure = run.agent_failure()
+    if failure is not None:  # whatever the reward file says now, the agent's code may have written it
+        print(json.dumps({"results": [{"name": "tests", "passed": False, "detail": failure}], "agent_failed": failure}))
+        return
     try:
         rewards = read_rewards(verifier)
     except ValueError as e:
         tail = (verifier / "test-stdout.txt").read_text(errors="replace")[-400:]
-        sys.stderr.write(f"{e} (test.sh exited {proc.returncode}; its output ends: {tail!r})\n")
+        sys.stderr.write(f"{e} (test.sh exited {run.returncode}; its output ends: {tail!r})\n")
         raise SystemExit(3) from None
     results = [{"name": name, "passed": value >= 1.0, "detail": f"{value:g}"} for name, value in rewards.items()]
     print(json.dumps({"results": results + ctrf_results(verifier), "score": score_of(rewards)}))

@@ -1,13 +1,16 @@
 """SWE-bench grading, run as the checker of a SWE-bench instance in its grading sandbox. Standard library only.
 
-spec = {"workspace", "reset_files", "test_patch", "test_cmd", "log_parser", "FAIL_TO_PASS", "PASS_TO_PASS"}.
+spec = {"workspace", "reset_files", "test_patch", "test_cmd", "log_parser", "FAIL_TO_PASS", "PASS_TO_PASS",
+"tests_timeout_s", "pid_namespace"}.
 As SWE-bench's evaluation does, on the copy of the final workspace: put the files the test patch
 touches back to base_commit (`reset_files`: path -> base64 content, null where the file did not exist),
 apply `test_patch` (git apply, with a git directory of our own: the agent's .git is never read), run
 `test_cmd`, parse its log into a status per test and grade it with SWE-bench's rules: a FAIL_TO_PASS
 test must pass (PASSED or XFAIL; skipped or missing is a failure), a PASS_TO_PASS test must pass or be
 skipped. The score is the fraction of FAIL_TO_PASS tests passed when every PASS_TO_PASS test holds, else
-0. A log that reports no failure although the test command failed is not believed (all tests fail).
+0. A log that reports no failure although the test command failed is not believed (all tests fail), nor
+is one of tests that ran past their time, died of a signal or left a process behind (score 0, the
+agent's failure: gyre.tasks.agent_code).
 A test patch that does not apply to the reset files is a broken task: this script exits non-zero.
 """
 
@@ -23,6 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from gyre.tasks.agent_code import run_tests
 
 PASSING, MAINTAINED = {"PASSED", "XFAIL"}, {"PASSED", "XFAIL", "SKIPPED"}
 _UNITTEST = re.compile(
@@ -58,8 +63,20 @@ def parse_pytest(log: str) -> dict[str, str]:
 PARSERS = {"unittest": parse_unittest, "pytest": parse_pytest}
 
 
+def _real_parents(workspace: Path, rel: str) -> None:
+    """Every directory above `rel` a real one inside the workspace: the agent may have put a link or a file
+    there, and writing through it (or git refusing to) would break grading, which is not the agent's to do."""
+    path = workspace
+    for part in Path(rel).parts[:-1]:
+        path = path / part
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            path.unlink()
+        path.mkdir(exist_ok=True)
+
+
 def reset_and_patch(workspace: Path, reset_files: dict[str, str | None], test_patch: str) -> None:
     for rel, content in reset_files.items():
+        _real_parents(workspace, rel)
         path = workspace / rel
         if path.is_symlink() or path.is_file():
             path.unlink()
@@ -93,12 +110,16 @@ def main(argv: list[str]) -> None:
     spec = json.loads(Path(argv[0]).read_text())
     workspace = Path(spec["workspace"])
     reset_and_patch(workspace, spec["reset_files"], spec["test_patch"])
-    proc = subprocess.run(spec["test_cmd"], cwd=workspace, stdin=subprocess.DEVNULL, capture_output=True,
-                          text=True, errors="replace")  # fmt: skip
-    status = PARSERS[spec["log_parser"]](proc.stdout + "\n" + proc.stderr)
-    if proc.returncode != 0 and not any(s in ("FAILED", "ERROR") for s in status.values()):
+    with tempfile.TemporaryFile() as log:  # a file, not a pipe a process of the agent's could hold open
+        run = run_tests(spec["test_cmd"], cwd=str(workspace), env=None, timeout_s=spec["tests_timeout_s"], out=log,
+                        pid_namespace=spec["pid_namespace"])  # fmt: skip
+        log.seek(0)
+        text = log.read().decode(errors="replace")
+    failure = run.agent_failure()
+    status = {} if failure else PARSERS[spec["log_parser"]](text)  # a failed run: every test fails
+    if run.returncode != 0 and not any(s in ("FAILED", "ERROR") for s in status.values()):
         status = {}  # the log does not describe the run that happened (SWE-bench's exit-code cross-check)
-    print(json.dumps(report(status, spec["FAIL_TO_PASS"], spec["PASS_TO_PASS"])))
+    print(json.dumps({**report(status, spec["FAIL_TO_PASS"], spec["PASS_TO_PASS"]), "agent_failed": failure}))
 
 
 if __name__ == "__main__":
