@@ -76,6 +76,8 @@ def check_task_sandbox(cfg: RunConfig) -> None:
     if cfg.tasks.source == "harbor" and cfg.sandbox.backend == "none":
         _fail("sandbox.backend", "none", "tasks.source=harbor: Harbor tests use /tests and /logs, which need an "
               "isolated sandbox (bwrap or apptainer)")  # fmt: skip
+
+
 def check_harness(h: HarnessConfig) -> None:
     if h.kind not in HARNESS_KINDS:
         _fail("harness.kind", h.kind, f"unknown harness; choose one of {', '.join(HARNESS_KINDS)}")
