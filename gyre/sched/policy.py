@@ -139,7 +139,7 @@ def _elastic(p: PolicyConfig, alive: list[CellState], load: Load) -> list[Switch
     if load.queued > 0 and len(serving) < need:  # sessions queue: bring idle cells back
         trainers = [c for c in alive if c.role == "train"]
         idle = sorted((c for c in trainers if not c.busy), key=lambda c: (c.cell == 0, -c.cell))
-        if load.trainable > 0:  # training waits too: it keeps two cells (the core last to go), the rest serve
+        if load.trainable > 0:  # training waits too: it keeps p.keep_training cells (the core last to go)
             busy = len(trainers) - len(idle)
             idle = idle[: len(idle) - max(0, min(p.keep_training, len(trainers)) - busy)]
         return [Switch(c.cell, "rollout", "sessions_queue") for c in idle[: need - len(serving)]]
