@@ -75,13 +75,19 @@ def post(base_url: str, key: str, rollout_id: str = "") -> str:
         raise RuntimeError(f"HTTP {e.code}: {e.read()[:200]!r}") from e
 
 
-def steal_key(own: str) -> str:
+def steal_key(own: str, siblings: Path) -> str:
+    """Another rollout's key, from the environment of a harness of this run (its workspace under
+    `siblings`): other runs on the machine hold keys too, which this run's proxy rightly refuses."""
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
+            continue
+        workspaces = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == b"--workspace"]
+        if not any(w.decode(errors="replace").startswith(f"{siblings}/") for w in workspaces):
             continue
         for entry in env:
             if entry.startswith(b"GYRE_API_KEY=") and entry[13:].decode() not in (own, "none"):
@@ -136,7 +142,9 @@ def escape(args: argparse.Namespace, targets: dict, report: dict) -> None:
     attempt(report, "engine_direct", lambda: engine_direct(targets["engine_url"]))
     attempt(report, "network_out", lambda: network_out(args.base_url))
     attempt(report, "forge_guessed_id", lambda: post(args.base_url, "guessed", targets["sibling_id"]))
-    attempt(report, "forge_stolen_key", lambda: post(args.base_url, steal_key(own_key)))  # recorded as its owner
+    attempt(
+        report, "forge_stolen_key", lambda: post(args.base_url, steal_key(own_key, ws.parent.parent))
+    )  # recorded as its owner
     attempt(report, "own_call", lambda: post(args.base_url, own_key, args.rollout_id))
 
     def plant() -> str:  # a directory where a grader once wrote its checker, a symlink where it wrote the spec
