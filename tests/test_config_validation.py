@@ -57,6 +57,9 @@ def test_model_dependent_checks():
     for cell in (cells.cluster.core, *cells.cluster.satellites):
         cell.tasks_per_node = 2
     check_run(cells)
+    cells.cluster.core.gpus_per_node = 2  # multi-rank cells train on CPU (gloo) only: refused before start
+    with pytest.raises(ConfigValueError, match=r"train.tensor_parallel/pipeline_parallel=\(2, 1\): .* gloo on CPU"):
+        check_run(cells)
     with pytest.raises(ConfigValueError, match="train.transformer_engine='yes'"):
         check_train(TrainConfig(transformer_engine="yes"), ModelConfig())
     assert EngineConfig(backend="sglang", tp_size=8).tp_size == 8  # valid alone; the model decides
