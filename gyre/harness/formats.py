@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import platform
 import shlex
 import time
 from pathlib import Path
@@ -28,7 +29,8 @@ from gyre.tasks.task import Task
 
 TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
 MARKS = {"prompt": "@@GYRE_PROMPT@@", "home": "@@GYRE_HOME@@", "slug": "@@GYRE_CWD_SLUG@@", "cwd": "@@GYRE_CWD@@",
-         "date": "@@GYRE_DATE@@"}  # fmt: skip
+         "date": "@@GYRE_DATE@@", "kernel_version": "@@GYRE_KERNEL_VERSION@@",
+         "kernel_release": "@@GYRE_KERNEL_RELEASE@@"}  # fmt: skip
 CLAUDE_HOME = "/run/gyre/harness/claude-home"  # gyre.harness.claude_code: HOME beside the result file
 CLAUDE_DONE = "Done."
 
@@ -44,7 +46,10 @@ def _map_strings(value: Any, fn: Any) -> Any:
 
 
 def _values(prompt: str, cwd: str, home: str, date: str) -> dict[str, str]:
-    return {"prompt": prompt, "home": home, "slug": cwd.replace("/", "-"), "cwd": cwd, "date": date}
+    """mini-swe-agent's prompt names the kernel (platform.uname()): this machine's, where the harness runs."""
+    uname = platform.uname()
+    return {"prompt": prompt, "home": home, "slug": cwd.replace("/", "-"), "cwd": cwd, "date": date,
+            "kernel_version": uname.version, "kernel_release": uname.release}  # fmt: skip
 
 
 def placeholders(body: Any, prompt: str, cwd: str, home: str, date: str) -> Any:
