@@ -18,6 +18,7 @@ from gyre.comm.address import engine_reachable
 from gyre.comm.control import ControlError, ControlPlane
 from gyre.comm.messages import Hello, RoleSwitch, SaveCheckpoint, Shutdown
 from gyre.config.schema import LogprobDistribution, RunConfig
+from gyre.health import ExclusionWatch
 from gyre.metrics import MetricsWriter, plot_learning_curve
 from gyre.model.tokenizer import Tokenizer
 from gyre.proxy.call_log import CallLog
@@ -84,6 +85,7 @@ class Controller:
         self.submitted = self.state.next_step  # steps whose sessions have been handed to the driver
         self.finalize = True  # False once a cell died (see gyre.sched.job)
         self.step_rows: list[dict[str, Any]] = []
+        self.exclusions = ExclusionWatch(cfg.rl.max_excluded_fraction, cfg.rl.max_excluded_steps)
         self.stop_signal = ""  # set by SIGTERM/SIGUSR2: checkpoint at the last completed step, then stop
         self.dead_reasons: dict[int, str] = {}  # cell -> why it was declared dead
         self.abandoned: set[int] = set()  # ranks declared dead whose process may still run (told to stop at the end)
@@ -258,6 +260,7 @@ class Controller:
         row |= {"engine_failures": sum(self.proxy.dispatcher.engine_failures.values())}
         self.metrics.write(row)
         self.step_rows.append(row)
+        self.exclusions.observe(row)  # raises ExcludedRunError (the run abandoned): its row is in metrics.jsonl
         rollouts = [m.outcome.rollout_id for members in rec.groups.values() for m in members]
         self.state.record_step(step, rollouts, rec.trained_ids, [s.path.name for s in rec.shards])
         every = self.cfg.checkpoint_every

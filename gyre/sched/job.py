@@ -28,6 +28,7 @@ from gyre.config.load import to_run_config
 from gyre.config.schema import CellResources, ModelConfig, RunConfig
 from gyre.config.validate import cell_ranks, check_cells
 from gyre.engine.admin_key import set_run_admin_key, take_run_admin_key
+from gyre.health import ExcludedRunError
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted
 from gyre.sched.affinity import available_cpus, cpu_plan, pin
 from gyre.sched.faults import stalls_start
@@ -72,6 +73,9 @@ def run(out: Path) -> tuple[bool, dict[str, Any], int]:
             finalize = run_controller(cfg, cp, out, start_id)
         except Preempted:
             finalize, code = True, PREEMPTED_EXIT_CODE
+        except ExcludedRunError as e:  # the world is aborted with the error; its reasons said plainly first
+            print(f"gyre: {e}", file=sys.stderr, flush=True)
+            raise
         report = json.loads((out / "summary.json").read_text())
         if report.get("dead_cells") and not cfg.sched.allow_dead_cells and code == 0:
             print(f"gyre: {dead_cells_message(report)}", file=sys.stderr, flush=True)
