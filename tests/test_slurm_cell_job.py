@@ -163,7 +163,10 @@ def test_cells_of_two_ranks_with_tensor_parallel_run_as_a_het_job(tmp_path: Path
     its shard."""
     out = tmp_path / "run"
     args = ["--via", "sbatch", "--out", str(out), "cluster=slurm_cpu_tp2", f"cluster.python={sys.executable}"]
-    submit_main([*args, f"cluster.workdir={ROOT}", *CELL_WORKLOAD, "scheduler=colocate_cells"])
+    # micro-batches of 512 tokens: enough of them in every step for both cells to train some (one group with
+    # signal and the default budget can make one micro-batch, which only one cell then trains)
+    workload = [*CELL_WORKLOAD, "scheduler=colocate_cells", "train.micro_batch_tokens=512"]
+    submit_main([*args, f"cluster.workdir={ROOT}", *workload])
     job_id = capsys.readouterr().out.split("submitted job ")[1].split(";")[0]
     state = _wait_for_end(job_id, 600)
     assert state == "COMPLETED", f"{state}\n{job_logs(out)}"
