@@ -75,11 +75,7 @@ def capture(bare: bool, timeout_s: float = 120.0) -> list[dict[str, Any]]:
                                    "content": content, "stop_reason": stop, "stop_sequence": None,
                                    "usage": {"input_tokens": 1, "output_tokens": 1}}).encode()  # fmt: skip
                 kind = "application/json"
-            self.send_response(200)
-            self.send_header("content-type", kind)
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            _send(self, data, kind)
 
         def log_message(self, *args: object) -> None:
             pass
@@ -102,6 +98,15 @@ def capture(bare: bool, timeout_s: float = 120.0) -> list[dict[str, Any]]:
         server.shutdown()
 
 
+def _send(handler: BaseHTTPRequestHandler, data: bytes, kind: str) -> None:
+    """A 200 answer of `data` from either recording server."""
+    handler.send_response(200)
+    handler.send_header("content-type", kind)
+    handler.send_header("content-length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 MINI_REPLIES = [
     f"THOUGHT: I will write the file.\n\n```mswea_bash_command\n{COMMAND}\n```",
     "THOUGHT: The file is written.\n\n```mswea_bash_command\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n```",
@@ -122,11 +127,7 @@ def capture_mini(timeout_s: float = 300.0) -> list[dict[str, Any]]:
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
                 "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
             }).encode()  # fmt: skip
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            _send(self, data, "application/json")
 
         def log_message(self, *args: object) -> None:
             pass
