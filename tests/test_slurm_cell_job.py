@@ -177,3 +177,29 @@ def test_cells_of_two_ranks_with_tensor_parallel_run_as_a_het_job(tmp_path: Path
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(set(r["contributors"]) == {"0", "1"} for r in steps if r["event"] == "step")
     assert {p.name for p in (out / "checkpoint").glob("trainer.pt*")} == {"trainer.pt", "trainer.pt.rank1"}
+
+
+@pytest.mark.parametrize("slurm_hosts", slurm_host_modes("netns"), indirect=True)
+def test_a_cell_spanning_two_hosts_runs_its_tensor_parallel_world_across_them(
+    tmp_path: Path, slurm_hosts: str, capsys
+) -> None:
+    """cluster=slurm_cpu_tp2_nodes on the multi-host cluster: the core cell is 2 nodes x 1 task, its TP=2 world
+    over gloo between two hosts' own addresses (the controller beside its rank 0), the satellite 1 node x 2
+    tasks; each rank found its place from Slurm's variables, both cells train each step, each rank checkpoints."""
+    out = tmp_path / "run"
+    args = ["--via", "sbatch", "--out", str(out), "cluster=slurm_cpu_tp2_nodes", f"cluster.python={sys.executable}"]
+    workload = [*CELL_WORKLOAD, "scheduler=colocate_cells", "train.micro_batch_tokens=512"]
+    submit_main([*args, f"cluster.workdir={ROOT}", *workload])
+    job_id = capsys.readouterr().out.split("submitted job ")[1].split(";")[0]
+    state = _wait_for_end(job_id, 600)
+    assert state == "COMPLETED", f"{state}\n{job_logs(out)}"
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    cells = json.loads((out / "cells.json").read_text())
+    where = [[(r["rank"], r["slurm_node"], r["address"]) for r in c["ranks"]] for c in cells]
+    assert where == [  # node i is 10.200.0.(10 + i) (slurm/cluster.sh)
+        [(1, "node1", "10.200.0.11"), (2, "node2", "10.200.0.12")],
+        [(3, "node3", "10.200.0.13"), (4, "node3", "10.200.0.13")],
+    ], where
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(set(r["contributors"]) == {"0", "1"} for r in steps if r["event"] == "step")
+    assert {p.name for p in (out / "checkpoint").glob("trainer.pt*")} == {"trainer.pt", "trainer.pt.rank1"}

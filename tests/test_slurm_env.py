@@ -3,7 +3,15 @@ import sys
 
 import pytest
 
-from gyre.sched.slurm_env import NotInSlurmStep, cell_of_task, cell_rank_from_env
+from gyre.comm.control import CellLayout
+from gyre.sched.slurm_env import (
+    NotInSlurmStep,
+    cell_of_task,
+    cell_rank_from_env,
+    node_of_task,
+    parse_tasks_per_node,
+    place_in_job,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -58,3 +66,46 @@ def test_outside_slurm_says_so():
         [sys.executable, "-m", "gyre.sched.slurm_env"], env={"PATH": ""}, capture_output=True, text=True, timeout=60
     )
     assert proc.returncode != 0 and "run this inside a Slurm step" in proc.stderr
+
+
+# `srun --het-group=0 --nodes=2 --ntasks=3 --distribution=block : --het-group=1 --ntasks-per-node=2` in a job of
+# components 2 nodes x (2, 1) tasks and 1 node x 2 tasks (cluster=slurm_cpu_tp2_nodes), as observed on Slurm 22.05
+SPAN = {"SLURM_HET_SIZE": "2", "GYRE_HET_TASKS": "3,2", "SLURM_STEP_NUM_TASKS": "5"}
+SPAN |= {"SLURM_STEP_TASKS_PER_NODE": "2,1,2", "SLURM_STEP_NODELIST": "node[1-3]"}
+SPAN_TASKS = [(0, 0), (0, 1), (1, 0), (2, 0), (2, 1)]  # SLURM_NODEID, SLURM_LOCALID of tasks 0..4
+
+
+def _span_task(procid: int, **changes: str) -> dict[str, str]:
+    node, local = SPAN_TASKS[procid]
+    return SPAN | {"SLURM_PROCID": str(procid), "SLURM_NODEID": str(node), "SLURM_LOCALID": str(local)} | changes
+
+
+def test_tasks_per_node_syntax():
+    assert parse_tasks_per_node("2,1,2") == [2, 1, 2] and parse_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert [node_of_task(p, [2, 1, 2]) for p in range(5)] == [0, 0, 1, 2, 2]
+
+
+def test_a_cell_over_two_nodes_finds_each_rank_s_node_and_place():
+    ranks = [cell_rank_from_env(_span_task(p)) for p in range(5)]
+    assert [(r.cell, r.local_rank, r.node, r.nodes, r.local_id) for r in ranks] == [
+        (0, 0, 0, 2, 0),  # the controller, on the core's first node
+        (0, 1, 0, 2, 1),  # core rank 0 beside it
+        (0, 2, 1, 2, 0),  # core rank 1 on the core's second node
+        (1, 0, 0, 1, 0),
+        (1, 1, 0, 1, 1),
+    ]
+    places = [place_in_job(r, [1, 2]) for r in ranks]
+    assert [(p.cell, p.rank, p.node) for p in places] == [(-1, 0, 0), (0, 0, 0), (0, 1, 1), (1, 0, 0), (1, 1, 0)]
+    layout = CellLayout.from_places([(p.cell, p.rank) for p in places])
+    assert layout.controller == 0 and layout.cells == ((1, 2), (3, 4))
+
+
+def test_a_task_elsewhere_than_the_layout_says_is_refused_with_the_key():
+    with pytest.raises(ValueError, match="laid out node by node"):  # SLURM_NODEID disagrees with block numbering
+        cell_rank_from_env(_span_task(2, SLURM_NODEID="0"))
+    # both core ranks on one node while the config spreads them over 2 nodes x 1 task
+    packed = cell_rank_from_env(_span_task(2, SLURM_STEP_TASKS_PER_NODE="3,2", SLURM_NODEID="0"))
+    with pytest.raises(ValueError, match=r"rank 1 of cell 0 \(task 2\) runs on node 0.*cluster.core.tasks_per_node=1"):
+        place_in_job(packed, [1, 2])
+    with pytest.raises(ValueError, match="one controller"):
+        CellLayout.from_places([(0, 0), (0, 1)])

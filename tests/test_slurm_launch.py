@@ -12,7 +12,8 @@ from omegaconf import OmegaConf
 
 from gyre.config.load import compose
 from gyre.config.schema import CellResources, RunConfig
-from launch.slurm.plan import LayoutError, cells, job_command, plan_step
+from gyre.config.validate import check_cells
+from launch.slurm.plan import LayoutError, cells, component_layout, job_command, plan_step
 from launch.slurm.preflight import (
     SlurmPreflightError,
     check_addresses,
@@ -43,7 +44,7 @@ def _golden(name: str, text: str) -> None:
     assert text == path.read_text(), f"{name} changed; if intended, regenerate with GYRE_UPDATE_GOLDEN=1"
 
 
-@pytest.mark.parametrize("preset", ["slurm_cpu", "slurm_cpu_tp2", "slurm_gpu"])
+@pytest.mark.parametrize("preset", ["slurm_cpu", "slurm_cpu_tp2", "slurm_cpu_tp2_nodes", "slurm_gpu"])
 def test_generated_sbatch_matches_golden(preset):
     # slurm_cpu runs the submitting interpreter by absolute path: fixed here, as if submitted from /shared/gyre
     python = ["cluster.python=/shared/gyre/.venv/bin/python"] if preset.startswith("slurm_cpu") else []
@@ -55,7 +56,7 @@ def test_the_cell_job_is_one_mpi_world_over_every_component(gpu_cfg):
     step = plan_step(gpu_cfg, job_command(gpu_cfg, "/runs/r1"))
     assert step.argv == ("python", "-m", "mpi4py", "-m", "gyre.sched.job", "/runs/r1") and step.mpi == "pmix"
     assert step.het_groups == (0, 1, 2) and [c.tasks for c in step.components] == [2, 1, 1]  # controller + core
-    assert "--gpus-per-node=8" in step.components[1].srun_args and "--cpus-per-task=48" in step.components[0].srun_args
+    assert "--gres=gpu:8" in step.components[1].srun_args and "--cpus-per-task=48" in step.components[0].srun_args
     script = plain_script(gpu_cfg, "/runs/r1/config.yaml", "/runs/r1/slurm")
     assert (
         len(re.findall(r"^\s*srun ", script, re.M)) == 1
@@ -64,17 +65,25 @@ def test_the_cell_job_is_one_mpi_world_over_every_component(gpu_cfg):
     )
 
 
-def test_cells_of_several_ranks_lay_out_their_tasks_on_their_node():
+def test_cells_of_several_ranks_lay_out_their_tasks_on_their_nodes():
     cfg = compose(["cluster=slurm_cpu_tp2"])
     step = plan_step(cfg, job_command(cfg, "/runs/r1"))
     assert [c.tasks for c in step.components] == [3, 2]  # the controller and the core's 2 ranks, the satellite's 2
-    assert step.components[0].srun_args == ("--ntasks=3", "--ntasks-per-node=3", "--cpus-per-task=1")
+    assert step.components[0].srun_args == (
+        "--ntasks=3", "--nodes=1", "--ntasks-per-node=3", "--cpus-per-task=1", "--distribution=block"
+    )  # fmt: skip
+    # a core of 2 nodes x 1 task: 2 tasks on its first node (the controller beside rank 0), 1 on the second
+    cfg = compose(["cluster=slurm_cpu_tp2_nodes"])
+    step = plan_step(cfg, job_command(cfg, "/runs/r1"))
+    assert [c.tasks for c in step.components] == [3, 2]
+    assert step.components[0].srun_args == ("--nodes=2", "--ntasks=3", "--cpus-per-task=1", "--distribution=block")
+    assert component_layout(0, cfg.cluster.core).tasks_per_node == 2
 
 
 def test_layouts_the_cell_runtime_cannot_hold_fail_with_the_key_to_change(gpu_cfg):
     cfg = copy.deepcopy(gpu_cfg)
     cfg.engine.tp_size = 16
-    with pytest.raises(LayoutError, match="engine.tp_size=16 needs that many GPUs on one node.*cluster.core has"):
+    with pytest.raises(LayoutError, match="engine.tp_size=16: cell 0 has 1 node.* of 8 GPUs"):
         plan_step(cfg, ["x"])
     cfg = copy.deepcopy(gpu_cfg)
     cfg.train.pipeline_parallel = 2
@@ -85,9 +94,35 @@ def test_layouts_the_cell_runtime_cannot_hold_fail_with_the_key_to_change(gpu_cf
     with pytest.raises(LayoutError, match="cluster.satellites.0.tasks_per_node=2: cell 1 has"):
         plan_step(cfg, ["x"])
     cfg = copy.deepcopy(gpu_cfg)
-    cfg.cluster.satellites[1].nodes = 2
-    with pytest.raises(LayoutError, match="cluster.satellites.1.nodes=2: .* set cluster.satellites.1.nodes=1"):
+    cfg.cluster.satellites[1].nodes = 2  # 2 ranks for a one-rank trainer
+    with pytest.raises(LayoutError, match=r"cluster.satellites.1.tasks_per_node=1: cell 2 has 2 node\(s\) x 1"):
         plan_step(cfg, ["x"])
+    cfg = copy.deepcopy(gpu_cfg)
+    cfg.cluster.satellites[0].tasks_per_node, cfg.cluster.satellites[0].gpus_per_node = 4, 2
+    with pytest.raises(LayoutError, match="cluster.satellites.0.tasks_per_node=4 exceeds .*gpus_per_node=2"):
+        plan_step(cfg, ["x"])
+    cfg = copy.deepcopy(gpu_cfg)  # TP 8 x PP 2 over the core's 2 nodes x 8 GPUs: CUDA inside a multi-rank cell
+    cfg.train.tensor_parallel, cfg.train.pipeline_parallel = 8, 2
+    for res in cells(cfg):
+        res.nodes, res.tasks_per_node = 2, 8
+    with pytest.raises(LayoutError, match="train.tensor_parallel/pipeline_parallel=.*gloo on CPU only"):
+        plan_step(cfg, ["x"])
+    cfg = compose(["cluster=slurm_cpu_tp2_nodes", "cluster.core.cpus_per_node=1"])  # controller + rank 0 on node 1
+    with pytest.raises(LayoutError, match="cluster.core.cpus_per_node=1: .*set cluster.core.cpus_per_node to 2"):
+        plan_step(cfg, ["x"])
+    cfg = compose(["cluster=slurm_cpu_tp2_nodes", "train.tensor_parallel=1", "train.pipeline_parallel=2"])
+    plan_step(cfg, ["x"])  # PP 2 over the same two nodes runs
+    cfg = compose(["cluster=slurm_cpu_tp2_nodes", "train.tensor_parallel=4"])
+    with pytest.raises(LayoutError, match=r"cluster.core.tasks_per_node=1: cell 0 has 2 node\(s\) x 1 task.*= 4 rank"):
+        plan_step(cfg, ["x"])
+
+
+@pytest.mark.parametrize("preset", [p.stem for p in (ROOT / "conf" / "cluster").glob("*.yaml")])
+def test_every_cluster_preset_is_a_layout_the_code_runs(preset):
+    cfg = compose([f"cluster={preset}"])
+    check_cells(cfg)
+    if cfg.cluster.backend == "slurm":
+        plan_step(cfg, job_command(cfg, "/runs/r1"))
 
 
 def test_slurm_time_and_memory_syntax():
@@ -172,7 +207,7 @@ def test_dry_run_writes_script_and_resolved_config(tmp_path, capsys):
     resolved = OmegaConf.to_object(saved)
     assert resolved.seed == 7 and resolved.cluster.mooncake.protocol == "rdma" and resolved.output_dir == str(tmp_path)
     assert (tmp_path / "slurm").is_dir()
-    with pytest.raises(SystemExit, match="engine.tp_size=16 needs that many GPUs"):
+    with pytest.raises(SystemExit, match="engine.tp_size=16: cell 0 has 1 node.* of 8 GPUs"):
         submit_main(["--dry-run", "--out", str(tmp_path), "cluster=slurm_gpu", "engine.tp_size=16"])
     with pytest.raises(SystemExit, match="scheduler='colocate' runs on one machine.*scheduler=colocate_cells"):
         submit_main(["--dry-run", "--out", str(tmp_path), "cluster=slurm_gpu", "scheduler=colocate"])

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -49,6 +49,22 @@ class CellLayout:
             )
         starts = itertools.accumulate([1, *sizes[:-1]])
         return cls(tuple(tuple(range(s, s + n)) for s, n in zip(starts, sizes, strict=True)))
+
+    @classmethod
+    def from_places(cls, places: Sequence[tuple[int, int]]) -> CellLayout:
+        """World rank i at `places[i]` = (cell, rank in the cell), cell -1 the controller (as each rank found
+        its place from Slurm's variables: gyre.sched.slurm_env.place_in_job)."""
+        controllers = [r for r, (cell, _) in enumerate(places) if cell < 0]
+        cells = sorted({cell for cell, _ in places if cell >= 0})
+        if len(controllers) != 1 or cells != list(range(len(cells))):
+            raise ValueError(f"places {list(places)}: expected one controller (cell -1) and cells 0..n-1")
+        ranks = [
+            sorted((i for i, (c, _) in enumerate(places) if c == cell), key=lambda i: places[i][1]) for cell in cells
+        ]
+        for cell, members in zip(cells, ranks, strict=True):
+            if [places[i][1] for i in members] != list(range(len(members))):
+                raise ValueError(f"cell {cell}'s ranks are at {[places[i][1] for i in members]}, not 0..n-1")
+        return cls(tuple(tuple(m) for m in ranks), controllers[0])
 
     def cell_of(self, rank: int) -> int:
         """The cell of a world rank, -1 for the controller."""
@@ -88,7 +104,8 @@ class ControlPlane:
         self.cell = layout.cell_of(self.rank)
         self.poll_min_s, self.poll_max_s = poll_min_s, poll_max_s
         color = self.cell if self.cell >= 0 else MPI.UNDEFINED
-        self.cell_comm: MPI.Comm = comm.Split(color, key=self.rank)
+        key = layout.ranks(self.cell).index(self.rank) if self.cell >= 0 else 0  # its rank in the cell
+        self.cell_comm: MPI.Comm = comm.Split(color, key=key)
         self._seq = itertools.count(1)
         self._inbox: deque[Envelope] = deque()
         self._sends: list[MPI.Request] = []
@@ -211,6 +228,9 @@ class ControlPlane:
             self.cell_comm.Free()
 
 
-def world_control_plane(cell_sizes: Iterable[int], poll_max_s: float = 0.02) -> ControlPlane:
+def world_control_plane(
+    cell_sizes: Iterable[int], poll_max_s: float = 0.02, layout: CellLayout | None = None
+) -> ControlPlane:
+    """The control plane over MPI_COMM_WORLD: `layout`, or rank 0 the controller and the cells in rank order."""
     comm = MPI.COMM_WORLD
-    return ControlPlane(comm, CellLayout.contiguous(comm.Get_size(), cell_sizes), poll_max_s)
+    return ControlPlane(comm, layout or CellLayout.contiguous(comm.Get_size(), cell_sizes), poll_max_s)

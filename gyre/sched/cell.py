@@ -78,7 +78,9 @@ class CellWorker:
         self.is_core = self.cell == 0
         self.role: Role = "rollout"
         self.version = str(version)
-        self.group = CellGroup(cp)  # the cell's other ranks, which follow this one (gyre.sched.cell_group)
+        self.group = CellGroup(
+            cp, cfg.comm.hostname
+        )  # the cell's other ranks, which follow this one (gyre.sched.cell_group)
         if version:  # resumed: the engine started from the warm start serves the checkpoint's weights
             self.engine.load(self.gather(), self.version)
         self.weights = WeightTransport(make_transport(cfg.comm, cfg.cluster.mooncake))
@@ -122,6 +124,7 @@ class CellWorker:
             "engine_url": advertised_url(self.engine.url, self.cfg.comm.hostname),
             "engine_pid": self.engine.pid,
             "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
+            "ranks": self.group.ranks,  # the cell's ranks (world rank, host, Slurm node), its leader first
         }
 
     def switch(self, msg: RoleSwitch) -> dict[str, Any]:

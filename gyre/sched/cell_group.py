@@ -8,15 +8,20 @@ the same call on its own shard. Waits are probes with a sleep (gyre.comm.control
 
 Across cells the gradients reduce shard to shard: rank i of a satellite sends its shard's gradients to
 rank i of the core (every cell has the same layout).
+
+A cell's ranks may sit on several nodes. A follower on its leader's host watches the leader's process; one
+on another host cannot, and waits for the controller instead, which tells the followers of a cell it has
+declared dead to leave (`Controller.finish`: a Shutdown over the world communicator, without MPI_Finalize).
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from typing import Any
 
-from gyre.comm.control import ControlPlane
-from gyre.comm.messages import GradientReduce
+from gyre.comm.control import CONTROL_TAG, ControlPlane
+from gyre.comm.messages import GradientReduce, Shutdown
 from gyre.config.schema import RunConfig
 from gyre.sched.grad_reduce import receive_gradients, send_gradients
 from gyre.sched.replica import MicroBatchSource, core_step, flat_grads, grad_numel
@@ -29,16 +34,24 @@ _GONE = object()
 class CellGroup:
     """The leader's side: tell every follower what to run next."""
 
-    def __init__(self, cp: ControlPlane) -> None:
+    def __init__(self, cp: ControlPlane, address: str) -> None:
         self.cp = cp
         self.comm = cp.cell_comm
         self.size = self.comm.Get_size()
-        self.comm.bcast(os.getpid(), root=0)  # the followers watch this process (CellFollower.serve)
+        self.comm.bcast((os.getpid(), socket.gethostname()), root=0)  # followers on this host watch it
+        # where each of the cell's ranks runs, in cell order (the controller's cells.json lists them)
+        self.ranks: list[dict[str, Any]] = self.comm.gather(rank_info(cp, address), root=0)
 
     def tell(self, op: str, *args: Any) -> None:
         requests = [self.comm.isend((op, args), dest=r, tag=FOLLOW_TAG) for r in range(1, self.size)]
         for req in requests:
             self.cp.wait_for(lambda req=req: True if req.Test() else None, None)
+
+
+def rank_info(cp: ControlPlane, address: str) -> dict[str, Any]:
+    """Where a rank runs: its world rank, host, Slurm node and the address it advertises (its gloo pairs')."""
+    node = os.environ.get("SLURMD_NODENAME", "")
+    return {"rank": cp.rank, "host": socket.gethostname(), "slurm_node": node, "address": address}
 
 
 def shard_ranks(cp: ControlPlane, leaders: tuple[int, ...] | list[int], index: int) -> list[int]:
@@ -73,7 +86,9 @@ class CellFollower:
     def __init__(self, cfg: RunConfig, cp: ControlPlane, trainer: MegatronTrainer) -> None:
         self.cfg, self.cp, self.trainer = cfg, cp, trainer
         self.batches = MicroBatchSource(cfg)
-        self.leader_pid = cp.cell_comm.bcast(None, root=0)
+        self.leader_pid, leader_host = cp.cell_comm.bcast(None, root=0)
+        self.leader_here = leader_host == socket.gethostname()
+        cp.cell_comm.gather(rank_info(cp, cfg.comm.hostname), root=0)
 
     def serve(self) -> bool:
         """Returns whether to run MPI_Finalize (the leader's Shutdown says; not after the leader died, which
@@ -89,10 +104,15 @@ class CellFollower:
             getattr(self, op)(*args)
 
     def _leader_gone(self) -> object | None:
-        """_GONE once the leader's process has exited (a cell's ranks share its node)."""
-        try:
-            os.kill(self.leader_pid, 0)
-        except ProcessLookupError:
+        """_GONE once the leader's process has exited (seen on its host) or the controller says the cell is dead
+        (on another host, where the leader's process cannot be seen)."""
+        if self.leader_here:
+            try:
+                os.kill(self.leader_pid, 0)
+            except ProcessLookupError:
+                return _GONE
+        told = self.cp.comm.improbe(source=self.cp.layout.controller, tag=CONTROL_TAG)
+        if told is not None and isinstance(told.recv().body, Shutdown):
             return _GONE
         return None
 

@@ -37,6 +37,7 @@ class Cell:
     pid: int = -1
     host: str = ""
     micro_batches: int = 0  # assigned so far (fault injection counts them)
+    remote_followers: tuple[int, ...] = ()  # the cell's other ranks on other hosts than its leader's
 
     @property
     def local(self) -> bool:

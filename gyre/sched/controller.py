@@ -103,6 +103,7 @@ class Controller:
                     engine_pid=d["engine_pid"],
                     pid=d["pid"],
                     host=d["host"],
+                    remote_followers=tuple(r["rank"] for r in d.get("ranks", [])[1:] if r["host"] != d["host"]),
                 )
             )
             self.timeline.set_role(d["cell"], "rollout")
@@ -315,6 +316,9 @@ class Controller:
                 self.cp.request([rank], Shutdown("declared dead", False), timeout=10.0)
             except ControlError:
                 pass
+        for c in self.table.cells:  # a dead cell's followers on other hosts cannot see their leader go
+            for rank in c.remote_followers if not c.alive else ():
+                self.cp.send(rank, Shutdown("its cell was declared dead", False))
         timeline = self.timeline.save(self.out, f"{self.cfg.scheduler}: {len(self.step_rows)} steps, {wall_s:.0f} s")
         curve = plot_learning_curve(self.step_rows, self.out / "learning_curve.png")
         summary = self.summary(wall_s) | {"stopped_by": stopped}

@@ -34,7 +34,14 @@ from gyre.sched.affinity import available_cpus, cpu_plan, pin
 from gyre.sched.faults import stalls_start
 from gyre.sched.job_preflight import run_preflight
 from gyre.sched.launch import CONTROLLER_PID_FILE, DEAD_CELLS_EXIT_CODE, DeadCellsError
-from gyre.sched.slurm_env import WORLD_UP_VAR, cell_rank_from_env, mark_world_up, start_attempt
+from gyre.sched.slurm_env import (
+    WORLD_UP_VAR,
+    CellPlace,
+    cell_rank_from_env,
+    mark_world_up,
+    place_in_job,
+    start_attempt,
+)
 
 
 def run(out: Path) -> tuple[bool, dict[str, Any], int]:
@@ -48,7 +55,7 @@ def run(out: Path) -> tuple[bool, dict[str, Any], int]:
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
     sizes = cell_ranks(cfg)
-    check_world(world.Get_size(), rank, sizes, os.environ)
+    layout = job_layout(world, cfg, os.environ)
     threads = cfg.sched.threads_per_cell
     if "SLURM_STEP_ID" in os.environ and not cfg.sched.cpu_sets:
         os.environ["OMP_NUM_THREADS"] = str(threads)  # keep the CPUs Slurm bound this task to
@@ -58,11 +65,12 @@ def run(out: Path) -> tuple[bool, dict[str, Any], int]:
         threading.Event().wait()  # an injected stall: the start-up guard of the Slurm script ends this start
     start_id = world.bcast(uuid.uuid4().hex if rank == 0 else None, root=0)  # names this start's policy.json
     set_run_admin_key(world.bcast(take_run_admin_key() if rank == 0 else None, root=0))  # engines' admin routes
-    cp = world_control_plane(sizes, cfg.comm.idle_poll_max_s)  # collective: every rank has joined
+    cp = world_control_plane(sizes, cfg.comm.idle_poll_max_s, layout)  # collective: every rank has joined
     if rank == 0:
         mark_world_up(os.environ)
     # resolved once, here on this rank's node; engines, Mooncake and gloo use this address from now on
-    cfg.comm.hostname = run_preflight(world, cfg, out, start_id)
+    place = (cp.cell, cp.cell_comm.Get_rank() if cp.cell >= 0 else 0)
+    cfg.comm.hostname = run_preflight(world, cfg, out, start_id, place)
     if cfg.comm.transfer_backend == "gloo":
         from gyre.comm.gloo_transport import init_gloo_from_mpi
 
@@ -118,22 +126,36 @@ def run_controller(cfg: RunConfig, cp: ControlPlane, out: Path, start_id: str) -
     return controller.finalize
 
 
-def check_world(size: int, rank: int, cell_sizes: list[int], env: Mapping[str, str]) -> None:
-    """The job has a rank for the controller, then each cell's ranks (nodes x tasks_per_node) in order; under
-    a Slurm het job, rank 0 and the core cell's ranks run on component 0 and cell i's on component i."""
-    if size != 1 + sum(cell_sizes):
+def job_layout(world: Any, cfg: RunConfig, env: Mapping[str, str]) -> CellLayout:
+    """Which world ranks form each cell. The job has a rank for the controller, then each cell's ranks (nodes
+    x tasks_per_node). Under a Slurm het job every rank finds its cell, its rank in it and its node among the
+    cell's nodes from Slurm's variables (gyre.sched.slurm_env.place_in_job: the controller and the core's
+    ranks on component 0, cell i's on component i, `tasks_per_node` of them on each of the cell's nodes), and
+    the layout is what they found; elsewhere (mpirun) the cells take the ranks after the controller in order.
+    Collective (an allgather under Slurm): every rank raises the same error."""
+    size, sizes = world.Get_size(), cell_ranks(cfg)
+    if size != 1 + sum(sizes):
         raise RuntimeError(
-            f"the cell job has {size} ranks but the config's cells have {cell_sizes} ranks: it needs "
-            f"{1 + sum(cell_sizes)} (the controller, then each cell's: cluster.core and each of cluster.satellites)"
+            f"the cell job has {size} ranks but the config's cells have {sizes} ranks: it needs "
+            f"{1 + sum(sizes)} (the controller, then each cell's: cluster.core and each of cluster.satellites)"
         )
-    if "SLURM_HET_SIZE" in env and "SLURM_PROCID" in env:
-        where = cell_rank_from_env(env)
-        expected = max(CellLayout.contiguous(size, cell_sizes).cell_of(rank), 0)
-        if where.cell != expected:
-            raise RuntimeError(
-                f"rank {rank} runs on het component {where.cell} but belongs to cell {expected}: start the job "
-                "with the generated sbatch script (launch/submit.py), which lays the ranks out by component"
-            )
+    if "SLURM_HET_SIZE" not in env or "SLURM_PROCID" not in env:
+        return CellLayout.contiguous(size, sizes)
+    tasks_per_node = [c.tasks_per_node for c in (cfg.cluster.core, *cfg.cluster.satellites)]
+    try:
+        place: CellPlace | str = place_in_job(cell_rank_from_env(env), tasks_per_node)
+    except ValueError as e:
+        place = f"rank {world.Get_rank()} on {env.get('SLURMD_NODENAME', '?')}: {e}"
+    places = world.allgather(place)
+    if errors := [p for p in places if isinstance(p, str)]:
+        raise RuntimeError("the cell job's ranks are not where the config puts them:\n" + "\n".join(errors))
+    layout = CellLayout.from_places([(p.cell, p.rank) for p in places])
+    if [len(r) for r in layout.cells] != sizes:
+        raise RuntimeError(
+            f"Slurm's step holds cells of {[len(r) for r in layout.cells]} ranks, the config {sizes}: start the job "
+            "with the generated sbatch script (launch/submit.py), which lays the ranks out by component"
+        )
+    return layout
 
 
 def leave(finalize: bool, code: int = 0) -> NoReturn:

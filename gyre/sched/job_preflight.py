@@ -31,10 +31,13 @@ class PreflightError(RuntimeError):
     """The job cannot work as configured on these nodes; the message says what to change."""
 
 
-def describe_rank(rank: int, env: dict[str, str] | None = None) -> str:
+def describe_rank(rank: int, env: dict[str, str] | None = None, place: tuple[int, int] | None = None) -> str:
+    """`place`: (cell, rank in the cell), -1 the controller; default: one rank per cell after the controller."""
     env = os.environ if env is None else env
     node = env.get("SLURMD_NODENAME") or socket.gethostname()
-    return f"{'the controller' if rank == 0 else f'cell {rank - 1}'} on {node}"
+    cell, index = place if place is not None else (rank - 1, 0)
+    who = "the controller" if cell < 0 else f"cell {cell}" if index == 0 else f"cell {cell}'s rank {index}"
+    return f"{who} on {node}"
 
 
 def _markers_seen(folder: Path, size: int, deadline: float) -> list[int]:
@@ -47,10 +50,11 @@ def _markers_seen(folder: Path, size: int, deadline: float) -> list[int]:
         os.listdir(folder)  # revalidates the directory's cached listing on NFS
 
 
-def run_preflight(world: Any, cfg: RunConfig, out: Path, start_id: str) -> str:
-    """This rank's advertised address, once every rank has checked the addresses and the output directory."""
+def run_preflight(world: Any, cfg: RunConfig, out: Path, start_id: str, place: tuple[int, int] | None = None) -> str:
+    """This rank's advertised address, once every rank has checked the addresses and the output directory.
+    `place`: this rank's (cell, rank in the cell), for the messages."""
     rank, size = world.Get_rank(), world.Get_size()
-    where = describe_rank(rank)
+    where = describe_rank(rank, place=place)
     try:
         me: Any = this_rank(rank, where, advertise_address(cfg.comm.hostname, cfg.comm.interface))
     except AddressError as e:

@@ -9,6 +9,13 @@ runs the cell job) gives them in `GYRE_HET_TASKS=2,1,1`, and a step over only so
 which (`GYRE_HET_GROUPS=1,2`); the sum is checked against `SLURM_STEP_NUM_TASKS`. A step over one
 component may have any task layout.
 
+A cell may span nodes. Where a task runs comes from the step's own layout: `SLURM_STEP_TASKS_PER_NODE`
+("2,1,2" or "2(x2),1": tasks on each node of `SLURM_STEP_NODELIST`, numbered node by node under the block
+distribution) and `SLURM_NODEID` (this task's node in that list), checked against each other; a task's
+node within its component is its node less the component's first. `place_in_job` turns that into the
+task's place in the cell job: its cell, its rank in the cell and which of the cell's nodes it is on, and
+refuses a layout other than `tasks_per_node` ranks per node with the controller first on the core's first.
+
 `python -m gyre.sched.slurm_env` prints one line per task: a quick check of a job's layout.
 """
 
@@ -39,6 +46,9 @@ class CellRank:
     cell_size: int  # tasks of this cell in the step
     world_size: int  # tasks in the step
     num_cells: int  # components in the job (1 for a plain job)
+    node: int = 0  # which of its component's nodes in this step the task runs on (0: the component's first)
+    nodes: int = 1  # nodes of its component in this step
+    local_id: int = 0  # SLURM_LOCALID: position among this step's tasks on its node
 
     @property
     def role(self) -> str:
@@ -59,6 +69,44 @@ def cell_of_task(procid: int, tasks_per_group: Sequence[int], groups: Sequence[i
     raise ValueError(f"task {procid} is outside a step of {offset} tasks over het groups {list(groups)}")
 
 
+def parse_tasks_per_node(text: str) -> list[int]:
+    """Slurm's tasks-per-node syntax ("2,1,2", "2(x3),1") as one count per node."""
+    counts: list[int] = []
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        count, _, times = part.partition("(x")
+        counts += [int(count)] * (int(times.rstrip(")")) if times else 1)
+    return counts
+
+
+def node_of_task(procid: int, tasks_per_node: Sequence[int]) -> int:
+    """The node (index in the step's node list) of task `procid` when tasks are numbered node by node."""
+    offset = 0
+    for node, count in enumerate(tasks_per_node):
+        offset += count
+        if procid < offset:
+            return node
+    raise ValueError(f"task {procid} is outside a step of {offset} tasks on {len(tasks_per_node)} nodes")
+
+
+def _nodes_of(env: Mapping[str, str], procid: int, first: int, size: int) -> tuple[int, int]:
+    """(this task's node within the component whose tasks are first..first+size-1, the component's nodes)."""
+    text = env.get("SLURM_STEP_TASKS_PER_NODE")
+    if not text or "SLURM_NODEID" not in env:
+        return 0, 1
+    tpn = parse_tasks_per_node(text)
+    node_id, expected = int(env["SLURM_NODEID"]), node_of_task(procid, tpn)
+    if node_id != expected:
+        raise ValueError(
+            f"task {procid} runs on node {node_id} of the step but SLURM_STEP_TASKS_PER_NODE={text} puts it on node "
+            f"{expected}: the step's tasks must be laid out node by node (srun --distribution=block, as the "
+            "generated sbatch script asks)"
+        )
+    start = node_of_task(first, tpn)
+    return node_id - start, node_of_task(first + size - 1, tpn) - start + 1
+
+
 def _parse_groups(text: str, num_groups: int) -> list[int]:
     groups = [int(part) for part in text.replace(" ", "").split(",") if part]
     bad = [g for g in groups if not 0 <= g < num_groups]
@@ -74,14 +122,14 @@ def cell_rank_from_env(env: Mapping[str, str]) -> CellRank:
     procid = int(env["SLURM_PROCID"])
     step_tasks = int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or procid + 1)
     num_groups = int(env.get("SLURM_HET_SIZE", "0"))
+    local_id = int(env.get("SLURM_LOCALID", "0"))
     if num_groups == 0:  # a plain (non-heterogeneous) job is a single core cell
-        return CellRank(
-            cell=0, rank=procid, local_rank=procid, cell_size=step_tasks, world_size=step_tasks, num_cells=1
-        )
+        node, nodes = _nodes_of(env, procid, 0, step_tasks)
+        return CellRank(0, procid, procid, step_tasks, step_tasks, 1, node, nodes, local_id)
     groups = _parse_groups(env[HET_GROUPS_VAR], num_groups) if HET_GROUPS_VAR in env else list(range(num_groups))
     if len(groups) == 1:  # a per-cell step: its own task layout, whatever the allocation's
-        cell = groups[0]
-        return CellRank(cell, procid, procid, step_tasks, step_tasks, num_groups)
+        node, nodes = _nodes_of(env, procid, 0, step_tasks)
+        return CellRank(groups[0], procid, procid, step_tasks, step_tasks, num_groups, node, nodes, local_id)
     if HET_TASKS_VAR in env:
         tasks_per_group = [int(n) for n in env[HET_TASKS_VAR].split(",")]
         if len(tasks_per_group) != num_groups:
@@ -96,6 +144,7 @@ def cell_rank_from_env(env: Mapping[str, str]) -> CellRank:
             f"must give them in {HET_TASKS_VAR} (the generated sbatch script does)"
         )
     cell, local_rank = cell_of_task(procid, tasks_per_group, groups)
+    node, nodes = _nodes_of(env, procid, procid - local_rank, tasks_per_group[cell])
     return CellRank(
         cell=cell,
         rank=procid,
@@ -103,7 +152,43 @@ def cell_rank_from_env(env: Mapping[str, str]) -> CellRank:
         cell_size=tasks_per_group[cell],
         world_size=step_tasks,
         num_cells=num_groups,
+        node=node,
+        nodes=nodes,
+        local_id=local_id,
     )
+
+
+@dataclass(frozen=True)
+class CellPlace:
+    """A task's place in the cell job: component 0 holds the controller (its first task), then the core
+    cell's ranks; component i satellite cell i's. A cell's ranks fill its nodes in order, `tasks_per_node`
+    on each (the controller beside the core's first)."""
+
+    cell: int  # -1: the controller
+    rank: int  # in the cell (0: its leader); 0 for the controller
+    node: int  # which of the cell's nodes (0: its leader's)
+    local_id: int  # SLURM_LOCALID
+
+
+def place_in_job(task: CellRank, tasks_per_node: Sequence[int]) -> CellPlace:
+    """Where `task` sits in the cell job whose cell i has `tasks_per_node[i]` ranks on each of its nodes;
+    ValueError for a task that Slurm put elsewhere than that layout says."""
+    if task.cell == 0 and task.local_rank == 0:
+        place = CellPlace(-1, 0, task.node, task.local_id)
+        expected_node = 0
+    else:
+        rank = task.local_rank - (1 if task.cell == 0 else 0)
+        place = CellPlace(task.cell, rank, task.node, task.local_id)
+        expected_node = rank // tasks_per_node[task.cell]
+    if task.node != expected_node:
+        key = "cluster.core" if task.cell == 0 else f"cluster.satellites.{task.cell - 1}"
+        who = "the controller" if place.cell < 0 else f"rank {place.rank} of cell {place.cell}"
+        raise ValueError(
+            f"{who} (task {task.rank}) runs on node {task.node} of its component, but {key}.tasks_per_node="
+            f"{tasks_per_node[task.cell]} puts it on node {expected_node}: start the job with the generated sbatch "
+            "script (launch/submit.py), which asks for that layout"
+        )
+    return place
 
 
 def start_attempt(env: Mapping[str, str]) -> int:
@@ -122,7 +207,8 @@ def describe(rank: CellRank, env: Mapping[str, str]) -> str:
     node = env.get("SLURMD_NODENAME", "?")
     return (
         f"rank={rank.rank} cell={rank.cell} role={rank.role} local_rank={rank.local_rank} "
-        f"cell_size={rank.cell_size} world_size={rank.world_size} num_cells={rank.num_cells} node={node}"
+        f"cell_size={rank.cell_size} world_size={rank.world_size} num_cells={rank.num_cells} node={node} "
+        f"node_in_cell={rank.node}/{rank.nodes} local_id={rank.local_id}"
     )
 
 

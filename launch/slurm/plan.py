@@ -7,10 +7,13 @@ cell's node, rank 1 the core cell, rank 1+i satellite cell i. Each cell rank sta
 rollout engine (the embedded engine, or an SGLang server over `engine.tp_size` GPUs) and holds its
 Megatron training replica; engine and trainer settings come from the resolved config the step reads.
 
-A cell is one node of `tasks_per_node` ranks (rank 0 of the core after the controller, on the same
-node): its Megatron world of train.tensor_parallel x pipeline_parallel ranks, the first of which also
-runs the engine and talks to the controller. Cells of several nodes are not implemented yet; that
-and every other layout the cell runtime cannot hold fail here, with the key to change.
+A cell is `nodes` x `tasks_per_node` ranks, `tasks_per_node` on each of its nodes in order (the
+controller first on the core's first node, beside the core's first ranks): its Megatron world of
+train.tensor_parallel x pipeline_parallel ranks, the first of which also runs the engine and talks to
+the controller. Each component asks Slurm for exactly its tasks (`ComponentLayout`: tasks on each node,
+CPUs per task, the node's GPUs); the step runs them under the block distribution, and each rank checks
+where it landed (gyre.sched.slurm_env.place_in_job). Every layout the cell runtime cannot hold fails
+here, before submitting, with the key to change.
 """
 
 from __future__ import annotations
@@ -27,6 +30,49 @@ JOB_MODULE = "gyre.sched.job"
 
 class LayoutError(ValueError):
     """A layout that the cells' resources or the cell runtime cannot hold."""
+
+
+@dataclass(frozen=True)
+class ComponentLayout:
+    """What one het component asks Slurm for: its cell's ranks (and on component 0 the controller, a task on
+    the first node), the CPUs of each task, the GPUs of each node (shared by the node's tasks: the cell's
+    engine and its trainer ranks)."""
+
+    nodes: int
+    tasks: int  # in all
+    tasks_per_node: int  # on the busiest node (the core's first, which also holds the controller)
+    cpus_per_task: int
+    gpus_per_node: int
+
+    @property
+    def uniform(self) -> bool:
+        return self.tasks == self.nodes * self.tasks_per_node
+
+    def slurm_args(self) -> list[str]:
+        """`--nodes`, tasks (per node where every node has the same), `--cpus-per-task`, `--gres`."""
+        tasks = [f"--ntasks-per-node={self.tasks_per_node}"] if self.uniform else [f"--ntasks={self.tasks}"]
+        gres = [f"--gres=gpu:{self.gpus_per_node}"] if self.gpus_per_node else []
+        return [f"--nodes={self.nodes}", *tasks, f"--cpus-per-task={self.cpus_per_task}", *gres]
+
+
+def component_layout(cell: int, res: CellResources) -> ComponentLayout:
+    """Cell `cell`'s tasks; LayoutError naming the key when its node cannot hold them."""
+    key = cell_key(cell)
+    busiest = res.tasks_per_node + (1 if cell == 0 else 0)  # the controller shares the core's first node
+    cpus = res.cpus_per_node // busiest
+    if cpus < 1:
+        who = f"{res.tasks_per_node} rank(s) and the controller" if cell == 0 else f"{res.tasks_per_node} rank(s)"
+        raise LayoutError(
+            f"{key}.cpus_per_node={res.cpus_per_node}: its first node runs {who}, one CPU each at least; "
+            f"set {key}.cpus_per_node to {busiest} or more"
+        )
+    if res.gpus_per_node and res.tasks_per_node > res.gpus_per_node:
+        raise LayoutError(
+            f"{key}.tasks_per_node={res.tasks_per_node} exceeds {key}.gpus_per_node={res.gpus_per_node}: a GPU cell "
+            f"runs at most one rank per GPU; lower {key}.tasks_per_node or give the node more GPUs"
+        )
+    tasks = res.nodes * res.tasks_per_node + (1 if cell == 0 else 0)
+    return ComponentLayout(res.nodes, tasks, busiest, cpus, res.gpus_per_node)
 
 
 @dataclass(frozen=True)
@@ -85,36 +131,25 @@ def check_layout(cfg: RunConfig) -> None:
 
         raise LayoutError(GLOO_UNSUPPORTED)
     for cell, res in enumerate(cells(cfg)):
-        if res.nodes != 1:
-            raise LayoutError(
-                f"{cell_key(cell)}.nodes={res.nodes}: a cell is one node of {cell_key(cell)}.tasks_per_node ranks "
-                f"(cells of several nodes are not implemented yet); set {cell_key(cell)}.nodes=1 and add satellites "
-                "for more nodes"
-            )
-        if cfg.engine.backend == "sglang" and cfg.engine.tp_size > max(res.gpus_per_node, 0):
-            raise LayoutError(
-                f"engine.tp_size={cfg.engine.tp_size} needs that many GPUs on one node, but {cell_key(cell)} has "
-                f"gpus_per_node={res.gpus_per_node}; lower engine.tp_size or give the cell more GPUs"
-            )
-    try:  # each cell's ranks hold exactly its trainer's model-parallel layout
+        if res.nodes < 1 or res.tasks_per_node < 1:
+            what = "nodes" if res.nodes < 1 else "tasks_per_node"
+            raise LayoutError(f"{cell_key(cell)}.{what}={getattr(res, what)}: a cell needs at least 1")
+        component_layout(cell, res)
+    try:  # each cell's ranks hold exactly its trainer's model-parallel layout, and its engine its GPUs
         check_cells(cfg)
     except ConfigValueError as e:
         raise LayoutError(str(e)) from e
 
 
-def _cpus(res: CellResources, tasks: int) -> int:
-    return max(1, res.cpus_per_node // tasks)
-
-
 def plan_step(cfg: RunConfig, argv: list[str]) -> Step:
-    """The cell job's step: the controller and the core cell's ranks share component 0, each other cell's
-    ranks its component."""
+    """The cell job's step: the controller and the core cell's ranks on component 0, each other cell's ranks
+    on its component, `tasks_per_node` per node in order (block distribution: a cell's ranks numbered node by
+    node, the controller first)."""
     check_layout(cfg)
     components = []
     for cell, res in enumerate(cells(cfg)):
-        tasks = res.tasks_per_node + (1 if cell == 0 else 0)  # the controller shares the core's node
-        args = [f"--ntasks={tasks}", f"--ntasks-per-node={tasks}", f"--cpus-per-task={_cpus(res, tasks)}"]
-        if res.gpus_per_node:  # every task of the node sees all its GPUs: the cell's engine and replica share them
-            args.append(f"--gpus-per-node={res.gpus_per_node}")
-        components.append(Component(cell, tasks, tuple(args)))
+        layout = component_layout(cell, res)
+        total = [f"--ntasks={layout.tasks}"] if layout.uniform else []  # else slurm_args gives it
+        args = [*total, *layout.slurm_args(), "--distribution=block"]
+        components.append(Component(cell, layout.tasks, tuple(args)))
     return Step("cells", tuple(components), tuple(argv), cfg.cluster.mpi)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from gyre.config.schema import CellResources, ClusterConfig, RunConfig
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE
 from gyre.sched.slurm_env import HET_TASKS_VAR, START_ATTEMPT_VAR, WORLD_UP_VAR
-from launch.slurm.plan import Step, cells
+from launch.slurm.plan import ComponentLayout, Step, cells, component_layout
 
 LogNames = Callable[[Step], tuple[str, str | None]]
 # what gyre.sched.launch sets for a local cell job: shards are immutable once published, so HDF5's advisory
@@ -50,18 +50,12 @@ class ScriptLayout:
     stale_on_restart: tuple[str, ...] = ()  # shell globs of a failed start's outputs, removed before the next
 
 
-def _component_header(cfg: RunConfig, res: CellResources) -> list[str]:
-    options = [
-        ("partition", res.partition),
-        ("nodes", str(res.nodes)),
-        ("ntasks-per-node", "1"),
-        ("cpus-per-task", str(res.cpus_per_node)),
-        ("gpus-per-node", str(res.gpus_per_node) if res.gpus_per_node else ""),
-        ("mem", res.mem),
-        ("time", res.time),
-        ("account", cfg.cluster.account),
-        ("qos", cfg.cluster.qos),
-    ]
+def _component_header(cfg: RunConfig, res: CellResources, layout: ComponentLayout | None = None) -> list[str]:
+    """A component's request: `layout`'s tasks, CPUs per task and GPUs per node; without, one task of the
+    node's CPUs and GPUs (the colocate main job)."""
+    layout = layout or ComponentLayout(res.nodes, res.nodes, 1, res.cpus_per_node, res.gpus_per_node)
+    options = [("partition", res.partition), *(arg[2:].split("=", 1) for arg in layout.slurm_args())]
+    options += [("mem", res.mem), ("time", res.time), ("account", cfg.cluster.account), ("qos", cfg.cluster.qos)]
     return [f"#SBATCH --{key}={shlex.quote(value)}" for key, value in options if value]
 
 
@@ -146,7 +140,7 @@ def render_sbatch(cfg: RunConfig, step: Step, layout: ScriptLayout) -> str:
     for cell, res in enumerate(all_cells):
         if cell:
             lines.append("#SBATCH hetjob")
-        lines += _component_header(cfg, res)
+        lines += _component_header(cfg, res, component_layout(cell, res))
     lines += ["", "set -euo pipefail"]
     if cluster.workdir:
         lines.append(f"cd {shlex.quote(cluster.workdir)}")
