@@ -3,9 +3,9 @@
 Component 0 is the core cell, components 1..N the satellite cells. The cell job is one MPI program
 (`python -m mpi4py -m gyre.sched.job RUN_DIR`), started by one `srun` over every component with a
 single MPI_COMM_WORLD: rank 0 is the controller (proxy, harness sessions, scheduler) on the core
-cell's node, rank 1 the core cell, rank 1+i satellite cell i. Each cell rank starts its cell's
-rollout engine (the embedded engine, or an SGLang server over `engine.tp_size` GPUs) and holds its
-Megatron training replica; engine and trainer settings come from the resolved config the step reads.
+cell's first node, then the core cell's ranks, then each satellite cell's. Each cell's leader starts its
+cell's rollout engine (the embedded engine, or an SGLang server over `engine.tp_size` GPUs) and all its
+ranks hold its Megatron training replica; engine and trainer settings come from the resolved config.
 
 A cell is `nodes` x `tasks_per_node` ranks, `tasks_per_node` on each of its nodes in order (the
 controller first on the core's first node, beside the core's first ranks): its Megatron world of
