@@ -84,6 +84,11 @@ def test_a_step_of_two_cells_of_two_ranks_equals_the_one_process_update(tmp_path
     got = run_job(tmp_path, "cell_reduce_job.py", 5, tp, pp)
     assert got["layout"] == {"tp": tp, "pp": pp, "dp": 2}
     check_update(got, one_process)
+    # the satellite took the new weights shard by shard through Mooncake, each rank only its own shard
+    for name, tensor in got["weights"].items():
+        assert torch.equal(got["satellite_weights"][name], tensor), name
+    print(f"{tp=} {pp=}: satellite ranks pulled {got['pulled_bytes']} bytes; the whole model is {got['whole_bytes']}")
+    assert len(got["pulled_bytes"]) == 2 and max(got["pulled_bytes"]) < 0.75 * got["whole_bytes"]
 
 
 @pytest.mark.unit

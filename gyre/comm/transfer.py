@@ -41,6 +41,22 @@ class BufferHandle:
         return self.layout.nbytes
 
 
+@dataclass(frozen=True)
+class ShardHandles:
+    """One weight version published shard by shard: `shards[i]` is what rank i of the publishing cell holds
+    (its local megatron tensors), pulled by rank i of each other cell of the same layout."""
+
+    shards: tuple[BufferHandle, ...]
+
+    @property
+    def version(self) -> str:
+        return self.shards[0].version
+
+    @property
+    def nbytes(self) -> int:
+        return sum(h.nbytes for h in self.shards)
+
+
 class BufferTransport(Protocol):
     name: str
 

@@ -30,13 +30,13 @@ from gyre.comm.messages import (
     WeightVersion,
 )
 from gyre.comm.mooncake_transport import resolve_hostname
-from gyre.comm.transfer import WeightTransport, make_transport
+from gyre.comm.transfer import BufferHandle, ShardHandles, WeightTransport, make_transport
 from gyre.config.schema import RunConfig
 from gyre.pipeline import tree_gspo_loss_fn
 from gyre.resume.checkpoint import load_checkpoint, save_checkpoint
 from gyre.resume.state import RunState
 from gyre.sched.cell_engine import CellEngine
-from gyre.sched.cell_group import CellGroup, GroupCheckpoint, reduce_shard
+from gyre.sched.cell_group import CellGroup, GroupCheckpoint, load_local_shard, local_shard, reduce_shard
 from gyre.sched.replica import MicroBatchSource, grad_numel
 from gyre.train.megatron_trainer import MegatronTrainer
 from gyre.train.warm_start import Policy
@@ -145,17 +145,23 @@ class CellWorker:
     def new_weights(self, msg: WeightVersion) -> dict[str, Any]:
         start = time.monotonic()
         handle = msg.handle
-        if handle is not None and handle.transport == "gloo" and self.is_core:
+        pulled_bytes: list[int] = []  # per rank of this cell, through the weight transport
+        if isinstance(handle, BufferHandle) and handle.transport == "gloo" and self.is_core:
             self.weights.serve(handle, msg.peers)
+        elif not self.is_core and isinstance(handle, ShardHandles):  # each rank pulls its own shard from the core
+            self.group.tell("pull_shard", handle)
+            load_local_shard(self.trainer, self.weights.pull(handle.shards[0], reuse_buffer=True).state)
+            pulled_bytes = [h.nbytes for h in handle.shards]
         elif not self.is_core:
             state = self.weights.pull(handle, reuse_buffer=True).state
             self.group.tell("load", state)  # the whole model to each follower, which keeps its shard
             self.trainer.load_hf_state_dict(state)
+            pulled_bytes = [handle.nbytes]
         pulled = time.monotonic() - start
         self.version = msg.version
         if self.role == "rollout" and self.engine.alive():
             self.engine.load(self.gather(), msg.version)
-        return {"pull_s": pulled, "seconds": time.monotonic() - start}
+        return {"pull_s": pulled, "pulled_bytes": pulled_bytes, "seconds": time.monotonic() - start}
 
     def save_checkpoint(self, msg: SaveCheckpoint) -> dict[str, Any]:
         if not self.is_core:
@@ -178,7 +184,10 @@ class CellWorker:
         self.batches = MicroBatchSource(self.cfg)  # the step's shards are done with
         if metrics is None:
             return {"sent_bytes": grad_numel(self.trainer.model)[0] * 4, "seconds": time.monotonic() - start}
-        handle = self.weights.publish(self.trainer.hf_state_dict(), msg.version)  # the core's followers gather too
+        if self.group.size > 1:  # each rank publishes its shard (its followers too): satellites pull shard to shard
+            handle: Any = self.group.shard_handles(self.weights.publish(local_shard(self.trainer), msg.version))
+        else:
+            handle = self.weights.publish(self.trainer.hf_state_dict(), msg.version)
         self.version = msg.version
         return {"handle": handle, "metrics": metrics, "seconds": time.monotonic() - start}
 

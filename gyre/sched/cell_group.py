@@ -9,6 +9,10 @@ the same call on its own shard. Waits are probes with a sleep (gyre.comm.control
 Across cells the gradients reduce shard to shard: rank i of a satellite sends its shard's gradients to
 rank i of the core (every cell has the same layout).
 
+New weights reach a satellite of several ranks shard by shard: each rank of the core publishes its own
+shard through the weight transport (Mooncake) and rank i of the satellite pulls rank i's, which is exactly
+the part it holds (every cell has the same layout); nothing goes through the leader.
+
 A cell's ranks may sit on several nodes. A follower on its leader's host watches the leader's process; one
 on another host cannot, and waits for the controller instead, which tells the followers of a cell it has
 declared dead to leave (`Controller.finish`: a Shutdown over the world communicator, without MPI_Finalize).
@@ -20,8 +24,11 @@ import os
 import socket
 from typing import Any
 
+import torch
+
 from gyre.comm.control import CONTROL_TAG, ControlPlane
 from gyre.comm.messages import GradientReduce, Shutdown
+from gyre.comm.transfer import BufferHandle, ShardHandles, WeightTransport, make_transport
 from gyre.config.schema import RunConfig
 from gyre.sched.grad_reduce import receive_gradients, send_gradients
 from gyre.sched.replica import MicroBatchSource, core_step, flat_grads, grad_numel
@@ -42,6 +49,10 @@ class CellGroup:
         # where each of the cell's ranks runs, in cell order (the controller's cells.json lists them)
         self.ranks: list[dict[str, Any]] = self.comm.gather(rank_info(cp, address), root=0)
 
+    def shard_handles(self, own: BufferHandle) -> ShardHandles:
+        """Every rank's handle of its published shard, this one's first (the followers' `publish_shard`)."""
+        return ShardHandles(tuple(self.comm.gather(own, root=0)))
+
     def tell(self, op: str, *args: Any) -> None:
         requests = [self.comm.isend((op, args), dest=r, tag=FOLLOW_TAG) for r in range(1, self.size)]
         for req in requests:
@@ -57,6 +68,21 @@ def rank_info(cp: ControlPlane, address: str) -> dict[str, Any]:
 def shard_ranks(cp: ControlPlane, leaders: tuple[int, ...] | list[int], index: int) -> list[int]:
     """The world ranks holding shard `index` of the cells whose leaders are given."""
     return [cp.layout.ranks(cp.layout.cell_of(r))[index] for r in leaders]
+
+
+def local_shard(trainer: MegatronTrainer) -> dict[str, torch.Tensor]:
+    """The tensors this rank holds of the model (its megatron state_dict: its TP block of its PP stage)."""
+    return {k: v.detach() for k, v in trainer.model.state_dict().items() if not k.endswith("._extra_state")}
+
+
+def load_local_shard(trainer: MegatronTrainer, state: dict[str, torch.Tensor]) -> None:
+    """Load a shard that the same rank of another cell of this layout published (see local_shard)."""
+    result = trainer.model.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
+    if missing or result.unexpected_keys:
+        raise KeyError(
+            f"the pulled shard does not fit this rank: missing {missing}, unexpected {result.unexpected_keys}"
+        )
 
 
 def reduce_shard(
@@ -89,6 +115,13 @@ class CellFollower:
         self.leader_pid, leader_host = cp.cell_comm.bcast(None, root=0)
         self.leader_here = leader_host == socket.gethostname()
         cp.cell_comm.gather(rank_info(cp, cfg.comm.hostname), root=0)
+        self._weights: WeightTransport | None = None  # made on first use: its Mooncake engine, at this rank's address
+
+    @property
+    def weights(self) -> WeightTransport:
+        if self._weights is None:
+            self._weights = WeightTransport(make_transport(self.cfg.comm, self.cfg.cluster.mooncake))
+        return self._weights
 
     def serve(self) -> bool:
         """Returns whether to run MPI_Finalize (the leader's Shutdown says; not after the leader died, which
@@ -100,6 +133,8 @@ class CellFollower:
                 return False
             op, args = msg.recv()
             if op == "shutdown":
+                if self._weights is not None:
+                    self._weights.transport.close()
                 return bool(args[0])
             getattr(self, op)(*args)
 
@@ -128,8 +163,13 @@ class CellFollower:
     def reduce(self, msg: GradientReduce) -> None:
         stepped = reduce_shard(self.cp, self.trainer, msg, self.cfg.sched.cell_timeout_s)
         self.batches = MicroBatchSource(self.cfg)
-        if stepped is not None:  # the core's leader publishes the new version: a gather
-            self.trainer.hf_state_dict()
+        if stepped is not None:  # the core publishes the new version shard by shard (CellGroup.shard_handles)
+            self.cp.cell_comm.gather(self.weights.publish(local_shard(self.trainer), msg.version), root=0)
+
+    def pull_shard(self, handles: ShardHandles) -> None:
+        """This rank's shard of a new version, from the same rank of the core."""
+        own = handles.shards[self.cp.cell_comm.Get_rank()]
+        load_local_shard(self.trainer, self.weights.pull(own, reuse_buffer=True).state)
 
     def save(self, path: str) -> None:
         self.trainer.save(path)

@@ -97,24 +97,28 @@ class TrainPlane:
         self.handle = acks[core.rank].detail["handle"]
         t1 = time.monotonic()
         self.version = step + 1
-        self.sync_weights()
+        synced = self.sync_weights()
         return {
             **{f"train/{k}": v for k, v in acks[core.rank].detail["metrics"].items()},
             "contributors": {str(c): n for c, n in sorted(reduced.items())},
             "mb_reassigned": self.ledger.reassigned.get(step, 0),
             "reduce_s": round(t1 - t0, 4),
             "sync_s": round(time.monotonic() - t1, 4),
+            # bytes each rank of each cell pulled through the weight transport for this version
+            "sync_pulled_bytes": {
+                str(self.table.by_rank(r).index): a.detail.get("pulled_bytes", []) for r, a in synced.items()
+            },
         }
 
-    def sync_weights(self) -> None:
-        """Every living cell loads the newest version (redone for the survivors if a cell dies meanwhile)."""
+    def sync_weights(self) -> dict[int, Ack]:
+        """Every living cell loads the newest version (redone for the survivors if a cell dies meanwhile);
+        returns their acks."""
         while True:
             alive = self.table.alive()
             peers = tuple(c.rank for c in alive if c.index != 0)
             msgs = {c.rank: WeightVersion(str(self.version), self.handle, peers) for c in alive}
             try:
-                self.outbox.call(msgs, self.on_ack, self._dead_ranks)
-                return
+                return self.outbox.call(msgs, self.on_ack, self._dead_ranks)
             except CellDied as e:
                 self.on_death(e.ranks)
 
