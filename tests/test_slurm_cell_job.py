@@ -175,7 +175,11 @@ def test_cells_of_two_ranks_with_tensor_parallel_run_as_a_het_job(tmp_path: Path
     cells = json.loads((out / "cells.json").read_text())
     assert [c["cell"] for c in cells] == [0, 1] and len({c["slurm_node"] for c in cells}) == 2
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert all(set(r["contributors"]) == {"0", "1"} for r in steps if r["event"] == "step")
+    steps = [r for r in steps if r["event"] == "step"]
+    assert all(set(r["contributors"]) == {"0", "1"} for r in steps)
+    # each satellite rank pulled its own shard of each version from the core's rank (across hosts), about half
+    pulled = [r["sync_pulled_bytes"]["1"] for r in steps]
+    assert all(len(p) == 2 and 0.45 < p[0] / sum(p) < 0.55 for p in pulled), pulled
     assert {p.name for p in (out / "checkpoint").glob("trainer.pt*")} == {"trainer.pt", "trainer.pt.rank1"}
 
 
@@ -185,7 +189,8 @@ def test_a_cell_spanning_two_hosts_runs_its_tensor_parallel_world_across_them(
 ) -> None:
     """cluster=slurm_cpu_tp2_nodes on the multi-host cluster: the core cell is 2 nodes x 1 task, its TP=2 world
     over gloo between two hosts' own addresses (the controller beside its rank 0), the satellite 1 node x 2
-    tasks; each rank found its place from Slurm's variables, both cells train each step, each rank checkpoints."""
+    tasks; each rank found its place from Slurm's variables, both cells train each step, the satellite's ranks
+    pull their shards of each version through Mooncake, and each rank checkpoints its own."""
     out = tmp_path / "run"
     args = ["--via", "sbatch", "--out", str(out), "cluster=slurm_cpu_tp2_nodes", f"cluster.python={sys.executable}"]
     workload = [*CELL_WORKLOAD, "scheduler=colocate_cells", "train.micro_batch_tokens=512"]
@@ -201,5 +206,9 @@ def test_a_cell_spanning_two_hosts_runs_its_tensor_parallel_world_across_them(
         [(3, "node3", "10.200.0.13"), (4, "node3", "10.200.0.13")],
     ], where
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert all(set(r["contributors"]) == {"0", "1"} for r in steps if r["event"] == "step")
+    steps = [r for r in steps if r["event"] == "step"]
+    assert all(set(r["contributors"]) == {"0", "1"} for r in steps)
+    # each satellite rank pulled its own shard of each version from the core's rank (across hosts), about half
+    pulled = [r["sync_pulled_bytes"]["1"] for r in steps]
+    assert all(len(p) == 2 and 0.45 < p[0] / sum(p) < 0.55 for p in pulled), pulled
     assert {p.name for p in (out / "checkpoint").glob("trainer.pt*")} == {"trainer.pt", "trainer.pt.rank1"}
