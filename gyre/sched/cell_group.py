@@ -145,11 +145,15 @@ class CellFollower:
             try:
                 os.kill(self.leader_pid, 0)
             except ProcessLookupError:
-                return _GONE
+                return self._leave("its leader's process has exited")
         told = self.cp.comm.improbe(source=self.cp.layout.controller, tag=CONTROL_TAG)
         if told is not None and isinstance(told.recv().body, Shutdown):
-            return _GONE
+            return self._leave("the controller declared the cell dead")
         return None
+
+    def _leave(self, why: str) -> object:
+        print(f"gyre: cell {self.cp.cell} rank {self.cp.cell_comm.Get_rank()}: {why}; leaving", flush=True)
+        return _GONE
 
     def gather(self) -> None:
         self.trainer.hf_state_dict()
