@@ -94,10 +94,10 @@ def test_save_load_round_trip_resumes_identically(tmp_path):
     a = MegatronTrainer(CFG, TRAIN)
     for _ in range(2):
         a.train_step(batches, cross_entropy(0.5))
-    a.save(tmp_path / "ckpt" / "trainer.pt")
+    a.save(tmp_path / "ckpt" / "trainer")
 
     b = MegatronTrainer(ModelConfig(**{**CFG.__dict__, "seed": 99}), TRAIN)
-    b.load(tmp_path / "ckpt" / "trainer.pt")
+    b.load(tmp_path / "ckpt" / "trainer")
     assert b.step == 2
     tokens = batches[0].tokens
     with torch.no_grad():
@@ -115,10 +115,10 @@ def test_save_load_round_trip_resumes_identically(tmp_path):
 
 def test_load_rejects_other_architecture(tmp_path):
     a = MegatronTrainer(CFG, TRAIN)
-    a.save(tmp_path / "trainer.pt")
+    a.save(tmp_path / "trainer")
     other = MegatronTrainer(ModelConfig(**{**CFG.__dict__, "num_layers": 1}), TRAIN)
     with pytest.raises(ValueError, match="num_layers"):
-        other.load(tmp_path / "trainer.pt")
+        other.load(tmp_path / "trainer")
 
 
 def test_right_padding_leaves_real_token_logprobs_unchanged():

@@ -60,7 +60,7 @@ def test_embedded_rl_run_as_a_het_job_across_three_nodes(tmp_path: Path, via: st
     cells = json.loads((out / "cells.json").read_text())
     assert [c["cell"] for c in cells] == [0, 1, 2] and len({c["slurm_node"] for c in cells}) == 3
     assert_every_cell_served_and_trained(out, cells, slurm_hosts)
-    assert (out / "checkpoint" / "trainer.pt").stat().st_size > 0
+    assert (out / "checkpoint" / "trainer" / ".metadata").stat().st_size > 0
     shards = sorted((out / "shards").glob("step*-group*.h5"))
     assert len(shards) == 4  # one per group
     ids = []
@@ -176,4 +176,4 @@ def test_cells_of_two_ranks_with_tensor_parallel_run_as_a_het_job(tmp_path: Path
     assert [c["cell"] for c in cells] == [0, 1] and len({c["slurm_node"] for c in cells}) == 2
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(set(r["contributors"]) == {"0", "1"} for r in steps if r["event"] == "step")
-    assert {p.name for p in (out / "checkpoint").glob("trainer.pt*")} == {"trainer.pt", "trainer.pt.rank1"}
+    assert {p.name for p in (out / "checkpoint" / "trainer").glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
