@@ -239,8 +239,13 @@ def check_run(cfg: RunConfig) -> None:
     check_rl(cfg.rl)
     check_sandbox(cfg.sandbox)
     check_task_sandbox(cfg)
-    check_model(cfg.model)
-    check_engine_for_model(cfg.engine, cfg.model)
-    check_train(cfg.train, cfg.model)
+    if cfg.model.path:  # the directory's config.json is the architecture (and its files are checked)
+        from gyre.model.pretrained import check_pretrained
+
+        check_pretrained(cfg)
+    else:
+        check_model(cfg.model)
+        check_engine_for_model(cfg.engine, cfg.model)
+        check_train(cfg.train, cfg.model)
     if cfg.scheduler != "colocate":
         check_cells(cfg)
