@@ -31,6 +31,9 @@ class ModelConfig:
     # a local HF-format Qwen3/Qwen2/Llama directory to start from (gyre/model/pretrained.py): its config.json
     # replaces the architecture keys above, its tokenizer the trained one; no warm start
     path: str = ""
+    # with model.path: "directory" checks that the directory's chat template renders as gyre's proxy does (the
+    # proxy renders gyre/model/chat_template.py's, token in / token out); "gyre" accepts that it differs
+    chat_template: str = "directory"
 
 
 @dataclass

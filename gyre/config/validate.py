@@ -142,7 +142,12 @@ def check_engine_for_model(e: EngineConfig, m: ModelConfig) -> None:
               f"exceeds model.max_position_embeddings={m.max_position_embeddings}")  # fmt: skip
 
 
+CHAT_TEMPLATES = ("directory", "gyre")
+
+
 def check_model(m: ModelConfig) -> None:
+    if m.chat_template not in CHAT_TEMPLATES:
+        _fail("model.chat_template", m.chat_template, f"choose one of {', '.join(CHAT_TEMPLATES)}")
     if m.num_attention_heads % m.num_query_groups:
         _fail("model.num_query_groups", m.num_query_groups,
               f"must divide model.num_attention_heads={m.num_attention_heads}")  # fmt: skip

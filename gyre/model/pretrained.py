@@ -9,7 +9,8 @@ are not used), its weights the starting policy, its tokenizer the proxy's and th
 What the code cannot honour fails here, naming the file or key: another architecture, RoPE scaling,
 sliding windows, biases, weights that do not fit the config, a tokenizer without gyre's chat tokens or with
 more tokens than the model's vocabulary, a chat template missing or rendering otherwise than gyre's (the
-proxy renders gyre/model/chat_template.py's ChatML, token in / token out), a context longer than
+proxy renders gyre/model/chat_template.py's ChatML, token in / token out; model.chat_template=gyre accepts
+the difference: the model is then prompted in gyre's format, not its own), a context longer than
 max_position_embeddings, a tensor-parallel size that does not divide the heads or vocabulary.
 
 Imports no torch (the launcher checks a config before starting anything heavy).
@@ -104,7 +105,8 @@ def pretrained_model_config(model: ModelConfig) -> ModelConfig:
         cfg = model_config_from_hf(config)
     except (ValueError, KeyError) as e:
         _fail(path, f"{config_file}: {e}")
-    return dataclasses.replace(cfg, seed=model.seed, init_std=model.init_std, path=str(path.resolve()))
+    run_keys = {"seed": model.seed, "init_std": model.init_std, "chat_template": model.chat_template}
+    return dataclasses.replace(cfg, path=str(path.resolve()), **run_keys)
 
 
 def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -206,8 +208,8 @@ def check_chat_template(path: Path) -> None:
         _fail(path, f"its chat template renders a conversation otherwise than gyre's proxy does (ChatML with "
                     f"compact tool signatures, gyre/model/chat_template.py), from character {first}: "
                     f"{got[first:first + 60]!r} where gyre renders {want[first:first + 60]!r}. Replace the "
-                    "chat_template in tokenizer_config.json (and chat_template.jinja) by gyre's CHAT_TEMPLATE_JINJA "
-                    "to train the model on gyre's format")  # fmt: skip
+                    "chat_template in tokenizer_config.json (and chat_template.jinja) by gyre's CHAT_TEMPLATE_JINJA, "
+                    "or set model.chat_template=gyre to train the model on gyre's format anyway")  # fmt: skip
 
 
 def load_tokenizer(path: Path, cfg: ModelConfig) -> Tokenizer:
@@ -233,7 +235,8 @@ def check_pretrained(cfg: RunConfig) -> ModelConfig:
     path = Path(model.path)
     check_weights(path, model)
     load_tokenizer(path, model)
-    check_chat_template(path)
+    if model.chat_template == "directory":
+        check_chat_template(path)
     try:
         check_model(model)
         check_engine_for_model(cfg.engine, model)

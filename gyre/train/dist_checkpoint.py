@@ -141,15 +141,16 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     return json.loads(header[META])
 
 
-def _architecture(model_config: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in model_config.items() if k not in ("seed", "init_std", "init", "path")}
+def architecture(model_config: dict[str, Any]) -> dict[str, Any]:
+    """A ModelConfig dict without the keys that do not change the weights' shapes or meaning."""
+    return {k: v for k, v in model_config.items() if k not in ("seed", "init_std", "init", "path", "chat_template")}
 
 
 def load_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: ModelConfig) -> int:
     """Load what save_sharded wrote, with whatever layout it was written, into this rank's shards; returns
     the step counter. Every rank of the trainer world calls it."""
     meta = read_meta(path)
-    if _architecture(meta["model_config"]) != _architecture(asdict(cfg)):
+    if architecture(meta["model_config"]) != architecture(asdict(cfg)):
         raise ValueError(
             f"checkpoint {path} was written for model config {meta['model_config']}, this trainer has "
             f"{asdict(cfg)}; build the trainer from the checkpoint's config"

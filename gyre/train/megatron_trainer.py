@@ -20,7 +20,7 @@ import torch
 from gyre.config.schema import ModelConfig, TrainConfig
 from gyre.config.validate import check_train
 from gyre.model.weights import hf_to_megatron, megatron_to_hf
-from gyre.train.dist_checkpoint import METADATA, is_dcp_checkpoint, load_sharded, save_sharded
+from gyre.train.dist_checkpoint import METADATA, architecture, is_dcp_checkpoint, load_sharded, save_sharded
 from gyre.train.logprobs import target_logprobs
 from gyre.train.megatron_cuda import MegatronOptimizerStep, transformer_engine_enabled
 from gyre.train.megatron_gpt import build_gpt_model, parallel_state
@@ -44,10 +44,6 @@ def causal_mask(seq_len: int) -> torch.Tensor:
 class PaddedBatch:
     tokens: torch.Tensor  # [B, T]
     attention_mask: torch.Tensor | None = None  # [B or 1, 1, T, T] bool, True = masked; causal when None
-
-
-def _architecture(model_config: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in model_config.items() if k not in ("seed", "init_std", "init", "path")}
 
 
 class MegatronTrainer:
@@ -340,7 +336,7 @@ class MegatronTrainer:
                 f"is {list(self.layout)}: megatron's CUDA optimizer state resumes only with the "
                 "train.tensor_parallel and pipeline_parallel it was written with"
             )
-        if _architecture(payload["model_config"]) != _architecture(asdict(self.model_cfg)):
+        if architecture(payload["model_config"]) != architecture(asdict(self.model_cfg)):
             raise ValueError(
                 f"checkpoint {path} was written for model config {payload['model_config']}, "
                 f"this trainer has {asdict(self.model_cfg)}; build the trainer from the checkpoint's config"
