@@ -203,3 +203,16 @@ def test_main_job_trains_a_step_from_a_model_directory(qwen3_dir: Path, tmp_path
     synced = out / "weights" / "current"
     assert json.loads((synced / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
     transformers_logits(synced, TOKENS)  # loads in transformers: every HF name present, none unexpected
+
+
+@pytest.mark.integration
+def test_the_cell_job_refuses_a_directory_before_anything_starts(qwen3_dir: Path, tmp_path: Path) -> None:
+    """`scheduler=elastic model.path=DIR`: the launcher checks the directory before it starts mpirun."""
+    d = tmp_path / "model"
+    shutil.copytree(qwen3_dir, d)
+    (d / "tokenizer_config.json").write_text("{}")
+    args = [f"model.path={d}", "scheduler=elastic", f"output_dir={tmp_path / 'run'}", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run([sys.executable, "-m", "launch.run", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 1 and f"gyre: model.path={str(d)!r}: no chat template" in proc.stderr
+    assert not (tmp_path / "run").exists()

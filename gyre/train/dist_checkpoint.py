@@ -96,9 +96,15 @@ def _named_parameters(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, tor
 
 
 def _state_items(
-    params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer, mesh: DeviceMesh | None, empty: bool
+    params: dict[str, torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    mesh: DeviceMesh | None,
+    *,
+    empty: bool,
+    with_optimizer: bool,
 ) -> dict[str, Any]:
-    """What this rank stores (empty=True: buffers of the same shapes to load into)."""
+    """What this rank stores (empty=True: buffers of the same shapes to load into). A parameter AdamW has no
+    state for (it never had a gradient) is stored with AdamW's initial state: zero moments, step 0."""
 
     def like(t: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(t) if empty else t.detach()
@@ -106,11 +112,14 @@ def _state_items(
     items: dict[str, Any] = {}
     for name, p in params.items():
         items |= _pieces(name, like(p), mesh)
-        state = optimizer.state.get(p, {})
-        if empty or state:
-            for key in _ADAM:
-                items |= _pieces(name, like(state.get(key, p)), mesh, prefix=f"optimizer.{key}.")
-            items[f"optimizer.step.{name}"] = torch.zeros((), dtype=torch.float32) if empty else state["step"]
+        if not with_optimizer:
+            continue
+        state = {} if empty else optimizer.state.get(p, {})
+        for key in _ADAM:
+            moment = like(p) if empty else state.get(key, torch.zeros_like(p)).detach()
+            items |= _pieces(name, moment, mesh, prefix=f"optimizer.{key}.")
+        step = state.get("step", torch.tensor(0.0))
+        items[f"optimizer.step.{name}"] = torch.zeros((), dtype=torch.float32) if empty else step
     return items
 
 
@@ -123,12 +132,12 @@ def save_sharded(
 ) -> None:
     """Every rank of the trainer world calls it: this rank's shards of the weights and AdamW's state."""
     params = _named_parameters(model, cfg)
-    items = _state_items(params, optimizer, _tp_mesh(), empty=False)
-    has_optimizer = any(optimizer.state.get(p) for p in params.values())
-    flags = torch.tensor([int(has_optimizer)])
-    if dist.get_world_size() > 1:  # an optimizer that has stepped on one rank has on all
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-    meta = {"step": step, "model_config": asdict(cfg), "optimizer_state": bool(flags.item())}
+    flags = torch.tensor([int(any(optimizer.state.get(p) for p in params.values()))])
+    if dist.get_world_size() > 1:  # AdamW has state on some rank: every rank stores its part of it
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    with_optimizer = bool(flags.item())
+    items = _state_items(params, optimizer, _tp_mesh(), empty=False, with_optimizer=with_optimizer)
+    meta = {"step": step, "model_config": asdict(cfg), "optimizer_state": with_optimizer}
     meta["param_groups"] = _hyperparameters(optimizer)
     items[META] = json.dumps(meta)  # a string: DCP would flatten a dict into keys of its own
     dcp.save(items, checkpoint_id=str(path))
@@ -157,9 +166,7 @@ def load_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.opti
         )
     params = _named_parameters(model, cfg)
     with_optimizer = bool(meta["optimizer_state"])
-    items = _state_items(params, optimizer if with_optimizer else _NoState(), _tp_mesh(), empty=True)
-    if not with_optimizer:
-        items = {k: v for k, v in items.items() if not k.startswith("optimizer.")}
+    items = _state_items(params, optimizer, _tp_mesh(), empty=True, with_optimizer=with_optimizer)
     dcp.load(items, checkpoint_id=str(path))
     with torch.no_grad():
         for name, p in params.items():
@@ -172,12 +179,6 @@ def load_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.opti
     for group, saved in zip(optimizer.param_groups, meta["param_groups"], strict=True):
         group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})  # betas
     return int(meta["step"])
-
-
-class _NoState:
-    """An optimizer with no state yet (buffers for weights only)."""
-
-    state: dict = {}
 
 
 def read_whole(path: str | Path) -> dict[str, Any]:
