@@ -113,6 +113,7 @@ CASES = {
         "renders a conversation otherwise than gyre's proxy"),
     "other chat template accepted": (lambda d: (d / "chat_template.jinja").write_text("{{ messages }}"),
                                      ["model.chat_template=gyre"], None),
+    "unknown chat_template choice": (lambda d: None, ["model.chat_template=jinja"], "model.chat_template='jinja'"),
     "tokenizer without chat tokens": (_other_tokenizer, [], "tokenizer.json: tokenizer lacks special tokens"),
     "no tokenizer": (lambda d: (d / "tokenizer.json").unlink(), [], "tokenizer.json (a tokenizers-format"),
     "longer context": (lambda d: None, ["engine.max_context_tokens=8192"],
