@@ -140,14 +140,35 @@ def test_what_the_run_cannot_honour_fails_naming_the_file_or_key(qwen3_dir: Path
 
 @pytest.mark.unit
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_the_engine_s_model_has_transformers_logits(tmp_path: Path, arch: str) -> None:
-    """The embedded engine's loader and model (gyre.model.hf_io.load_llama) against transformers' own."""
-    from gyre.model.hf_io import load_llama
+def test_the_engine_serves_the_directory_with_transformers_logprobs(tmp_path: Path, arch: str) -> None:
+    """The embedded engine started on the directory (its loader, tokenizer, prefill and cached decode): the
+    logprobs of the tokens it samples from a chat prompt are transformers' on the same sequence."""
+    import asyncio
+
+    from gyre.engine.batcher import BatcherConfig
+    from gyre.engine.client import EngineClient, SamplingParams
+    from gyre.engine.server import EngineServer, running
+    from gyre.model.chat_template import render_text
+    from gyre.model.tokenizer import Tokenizer
 
     d = save_model_dir(tmp_path / arch, arch, tied=arch == "qwen3")
-    with torch.no_grad():
-        ours, _ = load_llama(d)(TOKENS, torch.arange(TOKENS.shape[1]).expand_as(TOKENS))
-    torch.testing.assert_close(ours, transformers_logits(d, TOKENS), rtol=1e-5, atol=1e-5)
+    prompt = Tokenizer.load(d).encode(render_text([{"role": "user", "content": "Write 42 to answer.txt"}]))
+
+    async def generate() -> tuple[list[int], list[float]]:
+        server = EngineServer(str(d), BatcherConfig(max_context_tokens=512))
+        async with running(server) as url:
+            client = EngineClient(url, timeout_s=60)
+            try:
+                out = await client.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=12, seed=3))
+            finally:
+                await client.close()
+        return out.output_ids, out.output_logprobs
+
+    ids, logprobs = asyncio.run(asyncio.wait_for(generate(), 60))
+    seq = torch.tensor([prompt + ids])
+    ref = torch.log_softmax(transformers_logits(d, seq[:, :-1])[0], -1).gather(1, seq[0, 1:, None])[:, 0]
+    assert ids  # seeded: the same tokens every run (12 unless <|im_end|> comes first)
+    torch.testing.assert_close(torch.tensor(logprobs), ref[len(prompt) - 1 :], rtol=0, atol=1e-4)
 
 
 @pytest.mark.unit
