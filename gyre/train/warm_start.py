@@ -61,7 +61,8 @@ def cache_key(cfg: RunConfig) -> str:
     ws.pop("cache_dir")
     blob = {
         "v": WARM_START_VERSION,
-        "model": dataclasses.asdict(cfg.model),
+        # model.path / chat_template: no warm start at all (prepare_policy); left out, earlier keys stay valid
+        "model": {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in ("path", "chat_template")},
         "tokenizer": dataclasses.asdict(cfg.tokenizer),
         "families": list(cfg.tasks.families),
         "warm_start": ws,
