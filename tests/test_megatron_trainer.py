@@ -113,6 +113,23 @@ def test_save_load_round_trip_resumes_identically(tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters(), strict=True))
 
 
+def test_a_checkpoint_of_the_earlier_one_file_format_still_loads(tmp_path):
+    """Before the sharded format a trainer checkpoint was one torch.save file, trainer.pt (layout-bound)."""
+    from dataclasses import asdict
+
+    a = MegatronTrainer(CFG, TRAIN)
+    a.train_step(fixed_batches(), cross_entropy(0.5))
+    weights = {k: v for k, v in a.model.state_dict().items() if not k.endswith("._extra_state")}
+    payload = {"model": weights, "optimizer": a.optimizer.state_dict(), "step": a.step, "model_config": asdict(CFG)}
+    torch.save(payload | {"layout": [0, 1, 0, 1]}, tmp_path / "trainer.pt")
+    b = MegatronTrainer(ModelConfig(**{**CFG.__dict__, "seed": 99}), TRAIN)
+    b.load(tmp_path / "trainer.pt")
+    assert b.step == 1
+    assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters(), strict=True))
+    assert all(torch.equal(a.optimizer.state[p]["exp_avg"], b.optimizer.state[q]["exp_avg"])
+               for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True))  # fmt: skip
+
+
 def test_load_rejects_other_architecture(tmp_path):
     a = MegatronTrainer(CFG, TRAIN)
     a.save(tmp_path / "trainer")
