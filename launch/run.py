@@ -31,6 +31,13 @@ def main(dict_cfg: DictConfig) -> None:
         cfg.output_dir = HydraConfig.get().runtime.output_dir
     if not cfg.tracking.run_name:  # one tracker run per Hydra (multirun) job, named by its overrides
         cfg.tracking.run_name = HydraConfig.get().job.override_dirname
+    if cfg.model.path:  # a model directory the run cannot start from fails here, before anything starts
+        from gyre.model.pretrained import check_pretrained
+
+        try:
+            check_pretrained(cfg)
+        except ConfigValueError as e:
+            sys.exit(f"gyre: {e}")
     if cfg.scheduler in CELL_SCHEDULERS:  # cells as an MPI job: re-executes under mpirun
         from gyre.sched.launch import DEAD_CELLS_EXIT_CODE, DeadCellsError, run_cells
 

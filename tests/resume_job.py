@@ -13,10 +13,9 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from gyre.metrics import read_metrics
 from gyre.store.reader import read_shard
+from gyre.train.dist_checkpoint import read_whole
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -74,8 +73,8 @@ def state(out: Path) -> dict:
 
 def adam_steps(out: Path) -> int:
     """AdamW's own step count in the checkpoint (one per optimizer update since the run began)."""
-    payload = torch.load(out / "checkpoint" / "trainer.pt", map_location="cpu", weights_only=True)
-    counts = {int(s["step"]) for s in payload["optimizer"]["state"].values()}
+    stored = read_whole(out / "checkpoint" / "trainer")
+    counts = {int(v) for k, v in stored.items() if k.startswith("optimizer.step.")}
     assert len(counts) <= 1, counts
     return counts.pop() if counts else 0
 

@@ -40,7 +40,7 @@ def check_common(out: Path, rows: list[dict], summary: dict, max_lag: int) -> li
     steps = [r for r in rows if r["event"] == "step"]
     assert [r["step"] for r in steps] == [0, 1] and summary["steps"] == 2
     assert len(list((out / "shards").glob("step*-group*.h5"))) == 4  # one shard per group
-    assert (out / "checkpoint" / "trainer.pt").stat().st_size > 0
+    assert (out / "checkpoint" / "trainer" / ".metadata").stat().st_size > 0
     assert (out / "timeline.png").stat().st_size > 1000 and (out / "learning_curve.png").exists()
     for r in steps:
         assert r["n_rollouts"] == 16 and r["wall_s"] > 0 and r["behaviour_lag_max"] <= max_lag
@@ -169,7 +169,7 @@ def test_cells_of_two_ranks_train_tensor_parallel_and_resume(tmp_path: Path) -> 
     finally:
         proc.kill()
     assert proc.returncode == 75, first[-3000:]
-    assert {p.name for p in (out / "checkpoint").glob("trainer.pt*")} == {"trainer.pt", "trainer.pt.rank1"}
+    assert {p.name for p in (out / "checkpoint" / "trainer").glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
     stopped = json.loads((out / "checkpoint" / "state.json").read_text())
     second = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=800)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]

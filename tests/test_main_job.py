@@ -47,7 +47,7 @@ def test_main_job_runs_end_to_end(tmp_path):
         assert 0.0 <= r["success_rate"] <= 1.0
     assert (out / "learning_curve.png").stat().st_size > 1000
     check_trackers(out, rows)
-    assert (out / "checkpoint" / "trainer.pt").exists()
+    assert (out / "checkpoint" / "trainer" / ".metadata").exists()
     calls = [json.loads(line) for line in (out / "calls.jsonl").read_text().splitlines()]
     assert calls and all(len(c["output_ids"]) == len(c["output_logprobs"]) for c in calls)
     assert {c["temperature"] for c in calls} == {0.7}

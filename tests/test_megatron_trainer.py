@@ -94,10 +94,10 @@ def test_save_load_round_trip_resumes_identically(tmp_path):
     a = MegatronTrainer(CFG, TRAIN)
     for _ in range(2):
         a.train_step(batches, cross_entropy(0.5))
-    a.save(tmp_path / "ckpt" / "trainer.pt")
+    a.save(tmp_path / "ckpt" / "trainer")
 
     b = MegatronTrainer(ModelConfig(**{**CFG.__dict__, "seed": 99}), TRAIN)
-    b.load(tmp_path / "ckpt" / "trainer.pt")
+    b.load(tmp_path / "ckpt" / "trainer")
     assert b.step == 2
     tokens = batches[0].tokens
     with torch.no_grad():
@@ -113,12 +113,29 @@ def test_save_load_round_trip_resumes_identically(tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters(), strict=True))
 
 
+def test_a_checkpoint_of_the_earlier_one_file_format_still_loads(tmp_path):
+    """Before the sharded format a trainer checkpoint was one torch.save file, trainer.pt (layout-bound)."""
+    from dataclasses import asdict
+
+    a = MegatronTrainer(CFG, TRAIN)
+    a.train_step(fixed_batches(), cross_entropy(0.5))
+    weights = {k: v for k, v in a.model.state_dict().items() if not k.endswith("._extra_state")}
+    payload = {"model": weights, "optimizer": a.optimizer.state_dict(), "step": a.step, "model_config": asdict(CFG)}
+    torch.save(payload | {"layout": [0, 1, 0, 1]}, tmp_path / "trainer.pt")
+    b = MegatronTrainer(ModelConfig(**{**CFG.__dict__, "seed": 99}), TRAIN)
+    b.load(tmp_path / "trainer.pt")
+    assert b.step == 1
+    assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters(), strict=True))
+    assert all(torch.equal(a.optimizer.state[p]["exp_avg"], b.optimizer.state[q]["exp_avg"])
+               for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True))  # fmt: skip
+
+
 def test_load_rejects_other_architecture(tmp_path):
     a = MegatronTrainer(CFG, TRAIN)
-    a.save(tmp_path / "trainer.pt")
+    a.save(tmp_path / "trainer")
     other = MegatronTrainer(ModelConfig(**{**CFG.__dict__, "num_layers": 1}), TRAIN)
     with pytest.raises(ValueError, match="num_layers"):
-        other.load(tmp_path / "trainer.pt")
+        other.load(tmp_path / "trainer")
 
 
 def test_right_padding_leaves_real_token_logprobs_unchanged():

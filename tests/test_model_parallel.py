@@ -91,6 +91,60 @@ def test_a_step_of_two_cells_of_two_ranks_equals_the_one_process_update(tmp_path
     assert len(got["pulled_bytes"]) == 2 and max(got["pulled_bytes"]) < 0.75 * got["whole_bytes"]
 
 
+def run_reshard_job(mode: str, directory: Path, tp: int, pp: int) -> dict:
+    mpirun = Path(sys.executable).parent / "mpirun"
+    proc = subprocess.run(
+        [str(mpirun), "-n", "2", sys.executable, "-m", "mpi4py", str(JOB.with_name("reshard_job.py")), mode,
+         str(directory), str(tp), str(pp)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(directory / f"{mode}.pt", weights_only=False)
+
+
+def assert_same_state(got: dict, want: dict) -> None:
+    assert got["step"] == want["step"] == 1 and got["adam_steps"] == want["adam_steps"] == [1.0]
+    for part in ("weights", "exp_avg", "exp_avg_sq"):
+        assert set(got[part]) == set(want[part])
+        for name, tensor in want[part].items():
+            assert torch.equal(got[part][name], tensor), f"{part} of {name} differs"
+
+
+@pytest.mark.integration
+def test_a_checkpoint_of_tensor_parallel_2_resumes_with_1_and_back(tmp_path) -> None:
+    """The sharded checkpoint (torch.distributed.checkpoint) of a TP=2 world after an update: read whole in one
+    process it is the world's gathered state; a one-process trainer (TP=1) loads exactly that state, weights and
+    AdamW's moments; its own checkpoint loads back into TP=1 x PP=2 shards with the same whole state."""
+    import reshard_job
+
+    from gyre.model.weights import megatron_to_hf
+    from gyre.train.dist_checkpoint import read_whole
+    from gyre.train.megatron_trainer import MegatronTrainer
+
+    tp2, tp1 = tmp_path / "tp2", tmp_path / "tp1"
+    tp2.mkdir(), tp1.mkdir()
+    written = run_reshard_job("save", tp2, 2, 1)
+    assert {p.name for p in (tp2 / "trainer").iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    stored = read_whole(tp2 / "trainer")  # the checkpoint as one process reads it, no trainer world
+    for name, tensor in megatron_to_hf(_unsplit(stored), job.CFG).items():
+        assert torch.equal(tensor, written["weights"][name]), name
+
+    trainer = MegatronTrainer(job.CFG, job.train_config())
+    trainer.load(tp2 / "trainer")
+    assert_same_state(reshard_job.whole_state(trainer), written)
+    trainer.save(tp1 / "trainer")
+    assert_same_state(run_reshard_job("load", tp1, 1, 2), written)
+
+
+def _unsplit(stored: dict) -> dict:
+    """read_whole's model weights in megatron's whole-model layout (linear_fc1's halves stacked)."""
+    weights = {k: v for k, v in stored.items() if not k.startswith(("optimizer.", "trainer."))}
+    for gate in [k for k in weights if k.endswith(".gate")]:
+        base = gate.removesuffix(".gate")
+        weights[base] = torch.cat([weights.pop(gate), weights.pop(base + ".up")])
+    return weights
+
+
 @pytest.mark.unit
 def test_shards_of_each_rank_make_up_the_whole_model() -> None:
     """Tensor-parallel shards of the GLU weight are gate and up blocks of the same rows; stages renumber layers."""

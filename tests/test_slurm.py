@@ -104,7 +104,7 @@ def test_hydra_multirun_sweep_of_the_main_job_through_submitit_launcher(tmp_path
     for run in runs:
         steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in steps if "reward_mean" in r] == [0]
-        assert (run / "checkpoint" / "trainer.pt").stat().st_size > 0
+        assert (run / "checkpoint" / "trainer" / ".metadata").stat().st_size > 0
         assert len(list((run / "shards").glob("step*-group*.h5"))) == 1
         seeds.append(int(OmegaConf.load(run / "config.yaml").seed))
     assert sorted(seeds) == [1, 2]

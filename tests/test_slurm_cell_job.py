@@ -60,7 +60,7 @@ def test_embedded_rl_run_as_a_het_job_across_three_nodes(tmp_path: Path, via: st
     cells = json.loads((out / "cells.json").read_text())
     assert [c["cell"] for c in cells] == [0, 1, 2] and len({c["slurm_node"] for c in cells}) == 3
     assert_every_cell_served_and_trained(out, cells, slurm_hosts)
-    assert (out / "checkpoint" / "trainer.pt").stat().st_size > 0
+    assert (out / "checkpoint" / "trainer" / ".metadata").stat().st_size > 0
     shards = sorted((out / "shards").glob("step*-group*.h5"))
     assert len(shards) == 4  # one per group
     ids = []
@@ -180,7 +180,7 @@ def test_cells_of_two_ranks_with_tensor_parallel_run_as_a_het_job(tmp_path: Path
     # each satellite rank pulled its own shard of each version from the core's rank (across hosts), about half
     pulled = [r["sync_pulled_bytes"]["1"] for r in steps]
     assert all(len(p) == 2 and 0.45 < p[0] / sum(p) < 0.55 for p in pulled), pulled
-    assert {p.name for p in (out / "checkpoint").glob("trainer.pt*")} == {"trainer.pt", "trainer.pt.rank1"}
+    assert {p.name for p in (out / "checkpoint" / "trainer").glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
 
 
 @pytest.mark.parametrize("slurm_hosts", slurm_host_modes("netns"), indirect=True)
@@ -211,4 +211,4 @@ def test_a_cell_spanning_two_hosts_runs_its_tensor_parallel_world_across_them(
     # each satellite rank pulled its own shard of each version from the core's rank (across hosts), about half
     pulled = [r["sync_pulled_bytes"]["1"] for r in steps]
     assert all(len(p) == 2 and 0.45 < p[0] / sum(p) < 0.55 for p in pulled), pulled
-    assert {p.name for p in (out / "checkpoint").glob("trainer.pt*")} == {"trainer.pt", "trainer.pt.rank1"}
+    assert {p.name for p in (out / "checkpoint" / "trainer").glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}

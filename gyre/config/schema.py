@@ -28,6 +28,12 @@ class ModelConfig:
     seed: int = 1234
     head_dim: int = 0  # 0: hidden_size // heads; Qwen3 decouples it (0.6B: hidden 1024, 16 heads of 128)
     qk_layernorm: bool = False  # Qwen3: RMSNorm over each query and key head before RoPE (HF q_norm/k_norm)
+    # a local HF-format Qwen3/Qwen2/Llama directory to start from (gyre/model/pretrained.py): its config.json
+    # replaces the architecture keys above, its tokenizer the trained one; no warm start
+    path: str = ""
+    # with model.path: "directory" checks that the directory's chat template renders as gyre's proxy does (the
+    # proxy renders gyre/model/chat_template.py's, token in / token out); "gyre" accepts that it differs
+    chat_template: str = "directory"
 
 
 @dataclass

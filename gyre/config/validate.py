@@ -142,7 +142,12 @@ def check_engine_for_model(e: EngineConfig, m: ModelConfig) -> None:
               f"exceeds model.max_position_embeddings={m.max_position_embeddings}")  # fmt: skip
 
 
+CHAT_TEMPLATES = ("directory", "gyre")
+
+
 def check_model(m: ModelConfig) -> None:
+    if m.chat_template not in CHAT_TEMPLATES:
+        _fail("model.chat_template", m.chat_template, f"choose one of {', '.join(CHAT_TEMPLATES)}")
     if m.num_attention_heads % m.num_query_groups:
         _fail("model.num_query_groups", m.num_query_groups,
               f"must divide model.num_attention_heads={m.num_attention_heads}")  # fmt: skip
@@ -239,8 +244,13 @@ def check_run(cfg: RunConfig) -> None:
     check_rl(cfg.rl)
     check_sandbox(cfg.sandbox)
     check_task_sandbox(cfg)
-    check_model(cfg.model)
-    check_engine_for_model(cfg.engine, cfg.model)
-    check_train(cfg.train, cfg.model)
+    if cfg.model.path:  # the directory's config.json is the architecture (and its files are checked)
+        from gyre.model.pretrained import check_pretrained
+
+        check_pretrained(cfg)
+    else:
+        check_model(cfg.model)
+        check_engine_for_model(cfg.engine, cfg.model)
+        check_train(cfg.train, cfg.model)
     if cfg.scheduler != "colocate":
         check_cells(cfg)

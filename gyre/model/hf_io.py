@@ -16,6 +16,9 @@ from safetensors.torch import load_file, save_file
 
 from gyre.config.schema import ModelConfig
 from gyre.model.llama import LlamaForCausalLM, head_dim_of
+from gyre.model.pretrained import TOKENIZER_FILES, model_config_from_hf
+
+__all__ = ["hf_config", "load_hf_state", "load_llama", "model_config_from_hf", "save_hf_checkpoint"]
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"  # sharded checkpoints (transformers' save_pretrained)
@@ -50,31 +53,6 @@ def hf_config(cfg: ModelConfig, torch_dtype: str = "float32", eos_token_id: int 
     return out
 
 
-def model_config_from_hf(config: dict) -> ModelConfig:
-    """Qwen2/Qwen3/Llama-style config.json -> ModelConfig; refuses features the models here lack."""
-    if config.get("attention_bias") or config.get("qkv_bias"):
-        raise ValueError("config.json asks for attention biases (Qwen2.5 style); gyre's models have none")
-    rope = config.get("rope_parameters") or {}  # transformers 5 moved rope_theta here
-    if config.get("use_sliding_window") or config.get("rope_scaling") or rope.get("rope_type", "default") != "default":
-        raise ValueError("config.json uses sliding-window attention or scaled RoPE, which gyre's models lack")
-    heads = config["num_attention_heads"]
-    head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
-    return ModelConfig(
-        vocab_size=config["vocab_size"],
-        hidden_size=config["hidden_size"],
-        num_layers=config["num_hidden_layers"],
-        num_attention_heads=config["num_attention_heads"],
-        num_query_groups=config.get("num_key_value_heads", config["num_attention_heads"]),
-        ffn_hidden_size=config["intermediate_size"],
-        max_position_embeddings=config.get("max_position_embeddings", 4096),
-        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        head_dim=0 if head_dim * heads == config["hidden_size"] else head_dim,
-        qk_layernorm=config.get("model_type") == "qwen3",
-    )
-
-
 def save_hf_checkpoint(
     directory: str | Path,
     state: dict[str, torch.Tensor],
@@ -90,11 +68,18 @@ def save_hf_checkpoint(
     save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(tmp / WEIGHTS_FILE))
     dtypes = {str(v.dtype).removeprefix("torch.") for v in state.values()}
     eos = _tokenizer_eos_id(tokenizer_dir)
-    config = hf_config(cfg, dtypes.pop() if len(dtypes) == 1 else "float32", eos)
+    dtype = dtypes.pop() if len(dtypes) == 1 else "float32"
+    source = Path(cfg.path) / "config.json" if cfg.path else None
+    if source is not None and source.is_file():  # a model from disk keeps its own config (architecture, ids)
+        config = json.loads(source.read_text()) | {"torch_dtype": dtype}
+        config |= {"dtype": dtype} if "dtype" in config else {}  # transformers 5's name
+    else:
+        config = hf_config(cfg, dtype, eos)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     if tokenizer_dir is not None:
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy2(Path(tokenizer_dir) / name, tmp / name)
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / name).is_file():
+                shutil.copy2(Path(tokenizer_dir) / name, tmp / name)
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)

@@ -20,12 +20,13 @@ import torch
 from gyre.fsutil import fsync_path
 from gyre.resume.state import RunState, checkpoint_paths, read_state, write_state
 
-TRAINER_FILE = "trainer.pt"
+TRAINER_FILE = "trainer"  # a directory: sharded (gyre.train.dist_checkpoint)
 RNG_FILE = "rng.pt"
+LEGACY_TRAINER_FILE = "trainer.pt"  # before the sharded format: one torch.save file per rank
 
 
 class Checkpointable(Protocol):
-    """A trainer that saves and restores its weights, optimizer state and step counter in one file."""
+    """A trainer that saves and restores its weights, optimizer state and step counter under one path."""
 
     def save(self, path: str | os.PathLike) -> None: ...
 
@@ -60,7 +61,10 @@ def load_checkpoint(directory: Path, trainer: Checkpointable, restore_random: bo
     state = read_state(directory)
     if state is None:
         raise FileNotFoundError(f"{directory} holds no complete checkpoint ({directory / 'state.json'} missing)")
-    trainer.load(directory / TRAINER_FILE)
+    trainer_path = directory / TRAINER_FILE
+    if not trainer_path.exists() and (directory / LEGACY_TRAINER_FILE).exists():
+        trainer_path = directory / LEGACY_TRAINER_FILE
+    trainer.load(trainer_path)
     if restore_random:
         restore_rng(torch.load(directory / RNG_FILE, weights_only=True))
     return state

@@ -100,7 +100,7 @@ def read_state(directory: Path) -> RunState | None:
     except (OSError, json.JSONDecodeError):
         return None
     state = RunState.from_json(blob)
-    return state if all((directory / name).is_file() for name in state.files) else None
+    return state if all((directory / name).exists() for name in state.files) else None
 
 
 def checkpoint_paths(output_dir: Path) -> tuple[Path, Path, Path]:

@@ -20,6 +20,7 @@ import torch
 from gyre.config.schema import ModelConfig, TrainConfig
 from gyre.config.validate import check_train
 from gyre.model.weights import hf_to_megatron, megatron_to_hf
+from gyre.train.dist_checkpoint import METADATA, architecture, is_dcp_checkpoint, load_sharded, save_sharded
 from gyre.train.logprobs import target_logprobs
 from gyre.train.megatron_cuda import MegatronOptimizerStep, transformer_engine_enabled
 from gyre.train.megatron_gpt import build_gpt_model, parallel_state
@@ -43,10 +44,6 @@ def causal_mask(seq_len: int) -> torch.Tensor:
 class PaddedBatch:
     tokens: torch.Tensor  # [B, T]
     attention_mask: torch.Tensor | None = None  # [B or 1, 1, T, T] bool, True = masked; causal when None
-
-
-def _architecture(model_config: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in model_config.items() if k not in ("seed", "init_std")}
 
 
 class MegatronTrainer:
@@ -286,16 +283,16 @@ class MegatronTrainer:
             parallel_state.get_pipeline_model_parallel_world_size(),
         )
 
-    def _shard_path(self, path: Path) -> Path:
-        """Rank 0 of the trainer's world writes `path`, rank r `path`.rank{r}: each its own shard."""
-        rank = torch.distributed.get_rank() if self.parallel else 0
-        return path if rank == 0 else path.with_name(f"{path.name}.rank{rank}")
-
     def save(self, path: str | os.PathLike) -> None:
-        """Model, optimizer and step counter in one torch.save file, written atomically. With model
-        parallelism every rank of the trainer's world calls it and writes its shard beside it."""
+        """Model, optimizer state and step counter into the directory `path`. Every rank of the trainer world
+        calls it. On CPU (torch AdamW) a torch.distributed.checkpoint that any layout loads (see
+        gyre.train.dist_checkpoint); with megatron's CUDA optimizer one file per rank, `rank{r}.pt`, which
+        only the same layout loads."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if self._mcore is None:
+            save_sharded(path, self.model, self.optimizer, self.model_cfg, self.step)
+            return
+        path.mkdir(parents=True, exist_ok=True)
         weights = {k: v for k, v in self.model.state_dict().items() if not k.endswith("._extra_state")}
         payload = {
             "model": weights,
@@ -304,7 +301,7 @@ class MegatronTrainer:
             "model_config": asdict(self.model_cfg),
             "layout": list(self.layout),
         }
-        target = self._shard_path(path)
+        target = path / f"rank{torch.distributed.get_rank() if self.parallel else 0}.pt"
         tmp = target.with_name(target.name + ".tmp")
         torch.save(payload, tmp)
         os.replace(tmp, target)
@@ -312,15 +309,34 @@ class MegatronTrainer:
             torch.distributed.barrier()
 
     def load(self, path: str | os.PathLike) -> None:
-        """Restore what save() wrote; the checkpoint must come from the same ModelConfig and layout."""
-        payload = torch.load(self._shard_path(Path(path)), map_location="cpu", weights_only=True)
+        """Restore what save() wrote; the checkpoint must come from the same model architecture. A sharded
+        checkpoint loads into any layout; the per-rank files of megatron's CUDA optimizer into their own."""
+        path = Path(path)
+        if is_dcp_checkpoint(path):
+            if self._mcore is not None:
+                raise ValueError(
+                    f"checkpoint {path} holds torch AdamW's state (a CPU run); megatron's CUDA optimizer cannot "
+                    "load it: resume it on CPU, or start the CUDA run from its weights (model.path)"
+                )
+            self.step = load_sharded(path, self.model, self.optimizer, self.model_cfg)
+            return
+        rank = torch.distributed.get_rank() if self.parallel else 0
+        # a directory of megatron's per-rank files, or (checkpoints of gyre before the sharded format)
+        # trainer.pt with trainer.pt.rank{r} beside it
+        rank_file = (
+            path / f"rank{rank}.pt" if path.is_dir() else path.with_name(path.name + f".rank{rank}" * (rank > 0))
+        )
+        if not rank_file.exists():
+            raise FileNotFoundError(f"{path} holds no trainer checkpoint (neither {METADATA} nor {rank_file.name})")
+        payload = torch.load(rank_file, map_location="cpu", weights_only=True)
         layout = list(payload.get("layout", [0, 1, 0, 1]))
         if layout != list(self.layout):
             raise ValueError(
                 f"checkpoint {path} holds the shard (tensor rank, size, pipeline rank, size) = {layout}, this rank "
-                f"is {list(self.layout)}: resume with the train.tensor_parallel and pipeline_parallel it was written with"
+                f"is {list(self.layout)}: megatron's CUDA optimizer state resumes only with the "
+                "train.tensor_parallel and pipeline_parallel it was written with"
             )
-        if _architecture(payload["model_config"]) != _architecture(asdict(self.model_cfg)):
+        if architecture(payload["model_config"]) != architecture(asdict(self.model_cfg)):
             raise ValueError(
                 f"checkpoint {path} was written for model config {payload['model_config']}, "
                 f"this trainer has {asdict(self.model_cfg)}; build the trainer from the checkpoint's config"

@@ -23,12 +23,12 @@ from gyre.config.schema import ModelConfig
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _ROWS = ("embedding.word_embeddings.weight", "output_layer.weight", "self_attention.linear_qkv.weight")
 _COLUMNS = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
-_GLU = "mlp.linear_fc1.weight"
+GLU = "mlp.linear_fc1.weight"
 _FIRST_STAGE = ("embedding.",)
 _LAST_STAGE = ("decoder.final_layernorm.", "output_layer.")
 
 
-def _split_dim(name: str) -> int | None:
+def split_dim(name: str) -> int | None:
     suffix = _LAYER.sub(r"\2", name)
     if name in _ROWS or suffix in _ROWS:
         return 0
@@ -40,20 +40,20 @@ def _split_dim(name: str) -> int | None:
 def _tp_shard(name: str, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     if size == 1:
         return tensor
-    if name.endswith(_GLU):
+    if name.endswith(GLU):
         gate, up = torch.chunk(tensor, 2, dim=0)
         return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
-    dim = _split_dim(name)
+    dim = split_dim(name)
     return tensor if dim is None else tensor.chunk(size, dim=dim)[rank]
 
 
 def _tp_merge(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
     if len(shards) == 1:
         return shards[0]
-    if name.endswith(_GLU):
+    if name.endswith(GLU):
         halves = [torch.chunk(s, 2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    dim = _split_dim(name)
+    dim = split_dim(name)
     return shards[0] if dim is None else torch.cat(shards, dim=dim)
 
 

@@ -24,6 +24,7 @@ from gyre.harness.formats import demonstration
 from gyre.model.chat_template import AssistantTurn, assistant_body, render_segments, render_text
 from gyre.model.hf_io import load_hf_state, save_hf_checkpoint
 from gyre.model.llama import LlamaForCausalLM
+from gyre.model.pretrained import check_pretrained
 from gyre.model.tokenizer import Tokenizer
 from gyre.tasks.demos import Demonstration, tokenizer_corpus
 from gyre.tasks.suite import sample_tasks
@@ -60,7 +61,8 @@ def cache_key(cfg: RunConfig) -> str:
     ws.pop("cache_dir")
     blob = {
         "v": WARM_START_VERSION,
-        "model": dataclasses.asdict(cfg.model),
+        # model.path / chat_template: no warm start at all (prepare_policy); left out, earlier keys stay valid
+        "model": {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in ("path", "chat_template")},
         "tokenizer": dataclasses.asdict(cfg.tokenizer),
         "families": list(cfg.tasks.families),
         "warm_start": ws,
@@ -100,7 +102,10 @@ def harness_corpus(cfg: RunConfig) -> list[str]:
 def prepare_policy(
     cfg: RunConfig, log: Callable[[str], None] = print, check: Callable[[Tokenizer], object] | None = None
 ) -> Policy:
-    """The cached warm start, or a new one; `check` sees the tokenizer before any training (a preflight)."""
+    """The cached warm start, or a new one; `check` sees the tokenizer before any training (a preflight).
+    With model.path the directory is the policy as it is: no tokenizer training, no init, no SFT."""
+    if cfg.model.path:
+        return pretrained_policy(cfg, log, check)
     root = Path(os.path.expanduser(cfg.warm_start.cache_dir)) / f"policy-{cache_key(cfg)}"
     if (root / "meta.json").exists():
         log(f"gyre: reusing cached warm start {root}")
@@ -134,6 +139,18 @@ def prepare_policy(
     shutil.rmtree(root, ignore_errors=True)
     tmp.rename(root)
     return _policy_at(root)
+
+
+def pretrained_policy(
+    cfg: RunConfig, log: Callable[[str], None], check: Callable[[Tokenizer], object] | None
+) -> Policy:
+    """model.path, checked against the run before anything starts (gyre.model.pretrained)."""
+    model_cfg = check_pretrained(cfg)
+    policy = Policy(model_cfg, Path(model_cfg.path), Path(model_cfg.path))
+    if check is not None:
+        check(policy.tokenizer())
+    log(f"gyre: starting from the model in {model_cfg.path} (no warm start)")
+    return policy
 
 
 def torch_default_init(model_cfg: ModelConfig) -> dict[str, torch.Tensor]:
