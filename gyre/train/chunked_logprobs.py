@@ -4,7 +4,7 @@ A micro-batch of n tokens would otherwise hold its [n, V] logits several times o
 read at each target's parent, the tempered copy log-softmax saves, and in the backward pass the gradient
 of each): about 5 x n x V floats, 2.4 GB per copy at n = 4,096 and a 150K vocabulary. Here the output
 layer and the logprob of each target (gyre.train.sampling_logprobs, tempered or truncated) run on at
-most LOGIT_CHUNK_ELEMENTS logits at a time; with gradient each chunk is checkpointed (torch.utils.checkpoint:
+most max(LOGIT_CHUNK_ELEMENTS, MIN_CHUNK_ROWS x V) logits at a time; with gradient each chunk is checkpointed (torch.utils.checkpoint:
 its logits are recomputed in the backward pass, not kept), so the logits cost a few copies of one chunk
 whatever the budget. Everything after the output layer is row-wise, so the logprobs and gradients are
 those of the whole logits up to floating-point summation order. The price is one more output-layer
@@ -26,7 +26,10 @@ from torch.utils.checkpoint import checkpoint
 
 from gyre.train.sampling_logprobs import TokenSampling, sampled_token_logprobs
 
-LOGIT_CHUNK_ELEMENTS = 1 << 22  # logits of one chunk (16 MiB in fp32); its rows: this // vocabulary
+# Rows of one chunk: LOGIT_CHUNK_ELEMENTS // vocabulary (4 MiB of fp32 logits), but at least MIN_CHUNK_ROWS, as
+# each chunk reads the whole output weight: fewer rows would make the output layer's matmul memory-bound.
+LOGIT_CHUNK_ELEMENTS = 1 << 20
+MIN_CHUNK_ROWS = 64
 
 
 @contextmanager
@@ -46,7 +49,7 @@ class TargetLogprobs:
     def __init__(self, model: Any, chunk_elements: int = LOGIT_CHUNK_ELEMENTS) -> None:
         self.layer = model.output_layer
         self.weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
-        self.rows = max(1, chunk_elements // int(model.vocab_size))
+        self.rows = max(MIN_CHUNK_ROWS, chunk_elements // int(model.vocab_size))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[R, H] hidden rows -> [R, V] fp32 logits (megatron's output layer takes [S, B, H])."""

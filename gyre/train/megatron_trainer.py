@@ -146,11 +146,6 @@ class MegatronTrainer:
     )
 
     def _check_tree_spec(self) -> None:
-        if self.train_cfg.context_parallel > 1:  # each rank would run the whole tree: no split of its tokens yet
-            raise ValueError(
-                "tree micro-batches are not split over context-parallel ranks yet; set train.context_parallel=1 "
-                "(trees over train.micro_batch_tokens are trained in segments instead)"
-            )
         if not accepts_tree_plans(self.model):
             raise ValueError(
                 "tree micro-batches need the tree-aware local layer spec; this model was built with another "
