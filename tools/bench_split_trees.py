@@ -14,6 +14,17 @@ high-water mark minus the RSS just before the first timed pass.
         [--context N]     # override the (scaled) context limit, e.g. 1M tokens with shallower paths
         [--fixed-malloc]  # glibc mmap/trim thresholds fixed at 64 KiB: freed temporaries leave the RSS
         [--progress]      # each segment of the backward sweep: a JSON line on stderr (CPU s, peak RSS so far)
+        [--vocab 1024 --hidden 64 --layers 2 --heads 2]  # the model (one key/value head, ffn 2 x hidden)
+
+The 1M-token run of the README (hidden 32, 1 layer, 1 head: 18-27 ns per attention pair on this CPU):
+
+    python -m tools.bench_split_trees --scales 100 10 1 --repeats 1 --fixed-malloc --hidden 32 --layers 1 \
+        --heads 1 --progress
+
+Memory: a split run holds one segment's activations (logits in row chunks, gyre/train/chunked_logprobs.py),
+the cached root path (keys, values and their gradients, 4 x layers x depth x key/value width floats: 83 MB
+at the 1M rollout's 162,663-deep path with one layer of width 32) and a few int64 index arrays per tree
+token. The path is the floor of exact one-sweep training; it follows the deepest path, not the tree.
 
 A row also has `peak_rss_mb`, the process's absolute RSS high-water mark during the timed passes, and
 `wall_s`, the median wall-clock seconds of a pass.

@@ -21,12 +21,15 @@ Any other loss gets a second pass with its exact g.
 
 The sum over segments of each segment's direct gradient plus the gradient through the keys/values later
 segments read is the whole tree's gradient: logprobs and gradients equal whole-tree training up to
-floating-point summation order. Peak memory: one segment's activations plus the path, 4 x layers x
-depth x key/value width floats (keys, values and their gradients), whatever the tree's size; beyond
-that only index arrays of the tree (a few int64 per token) and per-segment index arrays of the path's
-length. A segment's k, v (kept for the path and its gradient) are dropped after its backward pass:
-they are views of its key/value projection, which the attention's autograd context would otherwise keep
-alive for every segment (a cycle through the autograd graph that Python's garbage collector cannot see).
+floating-point summation order. Peak memory: one segment's activations (its logits in row chunks,
+gyre/train/chunked_logprobs.py, never [segment x vocab]) plus the path, 4 x layers x depth x key/value width
+floats (keys, values and their gradients), whatever the tree's size; beyond that only index arrays of the
+tree (a few int64 per token) and per-segment index arrays of the path's length. The path is a floor of
+exact training in one sweep: every cached key/value is read by later segments' queries, and its gradient
+collects over all of them until the segment that made it is reached. It grows with the deepest path (the
+context), not with the tree's tokens. A segment's k, v (kept for the path and its gradient) are dropped
+after its backward pass: they are views of its key/value projection, which the attention's autograd
+context would otherwise keep alive for every segment (a cycle through the autograd graph that Python's garbage collector cannot see).
 """
 
 from __future__ import annotations
