@@ -60,6 +60,8 @@ def test_model_dependent_checks():
     cells.cluster.core.gpus_per_node = 2  # multi-rank cells train on CPU (gloo) only: refused before start
     with pytest.raises(ConfigValueError, match=r"train.tensor_parallel/pipeline_parallel=\(2, 1\): .* gloo on CPU"):
         check_run(cells)
+    with pytest.raises(ConfigValueError, match="train.context_parallel=2: Gyre trains on token trees"):
+        check_run(compose(["train.context_parallel=2"]))  # refused before anything starts, not at the first step
     with pytest.raises(ConfigValueError, match="train.transformer_engine='yes'"):
         check_train(TrainConfig(transformer_engine="yes"), ModelConfig())
     assert EngineConfig(backend="sglang", tp_size=8).tp_size == 8  # valid alone; the model decides

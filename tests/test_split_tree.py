@@ -17,8 +17,10 @@ import torch.nn.functional as F
 from gyre.config.schema import ModelConfig, TrainConfig
 from gyre.pipeline import RLMicroBatch, tree_gspo_loss_fn
 from gyre.proxy.call_log import read_call_log
+from gyre.train import chunked_logprobs
 from gyre.train import tree_attention as tree_attention_module
 from gyre.train.megatron_trainer import MegatronTrainer
+from gyre.train.sampling_logprobs import TokenSampling, sampled_token_logprobs
 from gyre.train.split_tree import _Layout
 from gyre.train.tree_attention import dense_tree_mask, plan_from_parents, tree_attention
 from gyre.train.tree_pack import SplitTreeBatch, pack_forest, pack_trees, split_tree, weighted_token_loss
@@ -217,3 +219,36 @@ def test_a_split_forward_backward_keeps_no_segment_tensor_alive(trainer):
     trainer.zero_grad()
     new = [shape for i, shape in live_tensors().items() if i not in before]
     assert not new, new
+
+
+@pytest.mark.parametrize("truncated", [False, True], ids=["tempered", "truncated"])
+def test_logprobs_in_row_chunks_equal_those_of_the_whole_logits(trainer, monkeypatch, truncated):
+    """TargetLogprobs (the logits made 7 rows at a time, checkpointed) gives the logprobs, and the gradients of
+    the hidden states and the output weight, of sampled_token_logprobs on the whole [T, V] logits."""
+    monkeypatch.setattr(chunked_logprobs, "MIN_CHUNK_ROWS", 1)
+    model, rng = trainer.model, torch.Generator().manual_seed(3)
+    n, t = 60, 50
+    hidden = torch.randn(n, CFG.hidden_size, generator=rng)
+    rows = torch.randint(0, n, (t,), generator=rng)
+    targets = torch.randint(0, CFG.vocab_size, (t,), generator=rng)
+    sampling = TokenSampling(
+        torch.rand(t, generator=rng) + 0.5, torch.full((t,), 0.9), torch.full((t,), 20), torch.full((t,), 0.01),
+        truncated,
+    )  # fmt: skip
+    g = torch.randn(t, generator=rng)
+
+    def run(chunked: bool) -> tuple[torch.Tensor, ...]:
+        h = hidden.clone().requires_grad_()
+        model.zero_grad(set_to_none=True)
+        head = chunked_logprobs.TargetLogprobs(model, chunk_elements=7 * CFG.vocab_size)
+        logp = (
+            head(h, rows, targets, sampling)
+            if chunked
+            else sampled_token_logprobs(head.logits(h)[rows], targets, sampling)
+        )
+        (g * logp).sum().backward()
+        return logp.detach(), h.grad, model.output_layer.weight.grad.clone()
+
+    for got, want in zip(run(True), run(False), strict=True):
+        assert float((got - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max()))
+    model.zero_grad(set_to_none=True)

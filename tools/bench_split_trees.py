@@ -14,6 +14,17 @@ high-water mark minus the RSS just before the first timed pass.
         [--context N]     # override the (scaled) context limit, e.g. 1M tokens with shallower paths
         [--fixed-malloc]  # glibc mmap/trim thresholds fixed at 64 KiB: freed temporaries leave the RSS
         [--progress]      # each segment of the backward sweep: a JSON line on stderr (CPU s, peak RSS so far)
+        [--vocab 1024 --hidden 64 --layers 2 --heads 2]  # the model (one key/value head, ffn 2 x hidden)
+
+The 1M-token run of the README (hidden 32, 1 layer, 1 head: 18-27 ns per attention pair on this CPU):
+
+    python -m tools.bench_split_trees --scales 100 10 1 --repeats 1 --fixed-malloc --hidden 32 --layers 1 \
+        --heads 1 --progress
+
+Memory: a split run holds one segment's activations (logits in row chunks, gyre/train/chunked_logprobs.py),
+the cached root path (keys, values and their gradients, 4 x layers x depth x key/value width floats: 83 MB
+at the 1M rollout's 162,663-deep path with one layer of width 32) and a few int64 index arrays per tree
+token. The path is the floor of exact one-sweep training; it follows the deepest path, not the tree.
 
 A row also has `peak_rss_mb`, the process's absolute RSS high-water mark during the timed passes, and
 `wall_s`, the median wall-clock seconds of a pass.
@@ -42,11 +53,11 @@ from gyre.train.tree_pack import pack_forest, split_tree, weighted_token_loss
 from tools.bench_tree_training import current_rss_mb, peak_rss_mb, rollout_tree, scaled_shape
 
 
-def model_cfg() -> ModelConfig:
+def model_cfg(args: argparse.Namespace) -> ModelConfig:
     """A small model of the default architecture, with positions for a 1M-token rollout's deepest path."""
     return ModelConfig(
-        vocab_size=1024, hidden_size=64, num_layers=2, num_attention_heads=2, num_query_groups=1,
-        ffn_hidden_size=128, max_position_embeddings=1 << 18,
+        vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_attention_heads=args.heads,
+        num_query_groups=1, ffn_hidden_size=2 * args.hidden, max_position_embeddings=1 << 18,
     )  # fmt: skip
 
 
@@ -78,7 +89,7 @@ def child(args: argparse.Namespace) -> None:
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    trainer = MegatronTrainer(model_cfg(), TrainConfig(num_threads=1))
+    trainer = MegatronTrainer(model_cfg(args), TrainConfig(num_threads=1))
     vocab = trainer.model_cfg.vocab_size
     shape = scaled_shape(args.scale, args.calls, 0.02, vocab)
     if args.context:
@@ -124,10 +135,12 @@ def run(args: argparse.Namespace, scale: int, mode: str) -> dict:
     cmd = [sys.executable, "-m", "tools.bench_split_trees", "--child", "--mode", mode, "--scale", str(scale)]
     cmd += ["--budget", str(args.budget), "--repeats", str(args.repeats), "--calls", str(args.calls)]
     cmd += ["--seed", str(args.seed), "--context", str(args.context)]
+    cmd += ["--vocab", str(args.vocab), "--hidden", str(args.hidden), "--layers", str(args.layers)]
+    cmd += ["--heads", str(args.heads)] + (["--progress"] if args.progress else [])
     env = dict(os.environ)
     if args.fixed_malloc:  # glibc otherwise keeps freed per-block temporaries of varying size resident
         env |= {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, env=env).stdout  # stderr: progress
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -144,6 +157,10 @@ def main() -> None:
     )
     parser.add_argument("--whole-max", type=int, default=120_000, help="run the whole tree only up to this size")
     parser.add_argument("--progress", action="store_true", help="per-segment progress of split runs on stderr")
+    parser.add_argument("--vocab", type=int, default=1024, help="the model's vocabulary (logits are budget x vocab)")
+    parser.add_argument("--hidden", type=int, default=64, help="the model's hidden size (ffn: twice that)")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=2, help="query heads (one key/value head)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="split", help=argparse.SUPPRESS)
     parser.add_argument("--scale", type=int, default=100, help=argparse.SUPPRESS)
@@ -151,7 +168,7 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    cfg = model_cfg()
+    cfg = model_cfg(args)
     print(
         f"model: hidden {cfg.hidden_size}, {cfg.num_layers} layers, {cfg.num_attention_heads} heads "
         f"({cfg.num_query_groups} kv), vocab {cfg.vocab_size}; 1 thread; budget {args.budget}; {args.calls} calls; "

@@ -162,6 +162,11 @@ def check_train(t: TrainConfig, m: ModelConfig) -> None:
     for key in ("tensor_parallel", "pipeline_parallel", "context_parallel"):
         if getattr(t, key) < 1:
             _fail(f"train.{key}", getattr(t, key), "must be at least 1")
+    if t.context_parallel > 1:  # every training micro-batch is a token tree (gyre/train/tree_pack.py)
+        _fail("train.context_parallel", t.context_parallel,
+              "Gyre trains on token trees (whole, or split into segments of train.micro_batch_tokens), which are "
+              "not split over context-parallel ranks yet; set it to 1 (a tree over the budget is trained in "
+              "segments instead, gyre/train/split_tree.py)")  # fmt: skip
     if m.num_attention_heads % t.tensor_parallel or m.num_query_groups % t.tensor_parallel:
         _fail("train.tensor_parallel", t.tensor_parallel,
               f"must divide model.num_attention_heads={m.num_attention_heads} and "

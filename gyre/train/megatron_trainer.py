@@ -20,6 +20,7 @@ import torch
 from gyre.config.schema import ModelConfig, TrainConfig
 from gyre.config.validate import check_train
 from gyre.model.weights import hf_to_megatron, megatron_to_hf
+from gyre.train.chunked_logprobs import TargetLogprobs, hidden_states
 from gyre.train.dist_checkpoint import METADATA, architecture, is_dcp_checkpoint, load_sharded, save_sharded
 from gyre.train.logprobs import target_logprobs
 from gyre.train.megatron_cuda import MegatronOptimizerStep, transformer_engine_enabled
@@ -142,11 +143,6 @@ class MegatronTrainer:
     )
 
     def _check_tree_spec(self) -> None:
-        if self.train_cfg.context_parallel > 1:  # each rank would run the whole tree: no split of its tokens yet
-            raise ValueError(
-                "tree micro-batches are not split over context-parallel ranks yet; set train.context_parallel=1 "
-                "(trees over train.micro_batch_tokens are trained in segments instead)"
-            )
         if not accepts_tree_plans(self.model):
             raise ValueError(
                 "tree micro-batches need the tree-aware local layer spec; this model was built with another "
@@ -164,7 +160,20 @@ class MegatronTrainer:
             return split_logprobs(self.model, tree, self.device)
         if self.pipelined:
             return self._pipelined_outputs(mb, self._logprobs_of)
+        if isinstance(tree, TreeMicroBatch):
+            return self._tree_logprobs(tree)
         return self._logprobs_of(self._stage_forward(mb), mb)
+
+    def _tree_logprobs(self, tree: TreeMicroBatch) -> torch.Tensor:
+        """[N] logprobs of a tree micro-batch on one stage, its logits made in row chunks (no [N, V] tensor):
+        the same values as _logprobs_of on the logits (gyre/train/chunked_logprobs.py)."""
+        head = TargetLogprobs(self.model)
+        with hidden_states(self.model):
+            hidden = self._stage_forward(tree)[:, 0]  # [N, 1, H] -> [N, H]
+        parent, tokens = tree.parent.to(self.device), tree.tokens[0].to(self.device)
+        t = torch.nonzero(parent >= 0).squeeze(-1)
+        logp_t = head(hidden, parent[t], tokens[t], tree.sampling.to(self.device).take(t))
+        return hidden.new_zeros(tokens.shape[0], dtype=torch.float32).index_put((t,), logp_t)
 
     def _finish_gradients(self) -> None:
         """Once per step: the data-parallel sum and the tensor-parallel sums (gyre.train.model_parallel)."""

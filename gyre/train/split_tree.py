@@ -21,12 +21,15 @@ Any other loss gets a second pass with its exact g.
 
 The sum over segments of each segment's direct gradient plus the gradient through the keys/values later
 segments read is the whole tree's gradient: logprobs and gradients equal whole-tree training up to
-floating-point summation order. Peak memory: one segment's activations plus the path, 4 x layers x
-depth x key/value width floats (keys, values and their gradients), whatever the tree's size; beyond
-that only index arrays of the tree (a few int64 per token) and per-segment index arrays of the path's
-length. A segment's k, v (kept for the path and its gradient) are dropped after its backward pass:
-they are views of its key/value projection, which the attention's autograd context would otherwise keep
-alive for every segment (a cycle through the autograd graph that Python's garbage collector cannot see).
+floating-point summation order. Peak memory: one segment's activations (its logits in row chunks,
+gyre/train/chunked_logprobs.py, never [segment x vocab]) plus the path, 4 x layers x depth x key/value width
+floats (keys, values and their gradients), whatever the tree's size; beyond that only index arrays of the
+tree (a few int64 per token) and per-segment index arrays of the path's length. The path is a floor of
+exact training in one sweep: every cached key/value is read by later segments' queries, and its gradient
+collects over all of them until the segment that made it is reached. It grows with the deepest path (the
+context), not with the tree's tokens. A segment's k, v (kept for the path and its gradient) are dropped
+after its backward pass: they are views of its key/value projection, which the attention's autograd
+context would otherwise keep alive for every segment (a cycle through the autograd graph that Python's garbage collector cannot see).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gyre.train.sampling_logprobs import sampled_token_logprobs
+from gyre.train.chunked_logprobs import TargetLogprobs, hidden_states
 from gyre.train.tree_attention import Prefix, plan_from_parents
 from gyre.train.tree_pack import SplitTreeBatch
 
@@ -133,13 +136,15 @@ def _forward(
     depth: int,
     grad: bool,
 ) -> tuple[torch.Tensor, SegmentKV]:
-    """fp32 logits [n, V] of the tokens after the first `depth` of local_parent, which come from the path."""
+    """Final hidden states [n, H] of the tokens after the first `depth` of local_parent, which come from the
+    path (no logits: a segment's logprobs are made in row chunks, gyre/train/chunked_logprobs.py)."""
     ctx = SegmentKV(path, depth, grad)
     plan = plan_from_parents(local_parent, query_start=depth)
     lo, hi = int(plan.positions.min()), int(plan.positions.max()) + 1
     rope = model.rotary_pos_emb.get_emb(hi - lo, lo)  # the rows of this forward's depths (megatron's, uncached)
     plan = dataclasses.replace(plan, prefix=ctx, rope_table=rope, rope_offset=lo).to(tokens.device)
-    return model(tokens[None], None, plan).float()[0], ctx
+    with hidden_states(model):
+        return model(tokens[None], None, plan)[:, 0], ctx
 
 
 def _logprobs_pass(model: torch.nn.Module, batch: SplitTreeBatch, lay: _Layout, device: torch.device) -> torch.Tensor:
@@ -148,12 +153,13 @@ def _logprobs_pass(model: torch.nn.Module, batch: SplitTreeBatch, lay: _Layout, 
     sampling = batch.sampling.to(device)
     logp = torch.zeros(batch.n_tokens, dtype=torch.float32, device=device)
     path = PathKV(int(batch.positions.max()) + 1)
+    head = TargetLogprobs(model)
     with torch.no_grad():
         for j, (a, b) in enumerate(lay.segments):
             d = int(lay.depth[a])
-            logits, ctx = _forward(model, tokens[a:b], lay.segment_parents(a, b, d), path, d, False)
+            hidden, ctx = _forward(model, tokens[a:b], lay.segment_parents(a, b, d), path, d, False)
             t = torch.from_numpy(lay.targets[j]).to(device)
-            logp[t] = sampled_token_logprobs(logits[parent[t] - a], tokens[t], sampling.take(t))
+            logp[t] = head(hidden, parent[t] - a, tokens[t], sampling.take(t))
             if b < batch.n_tokens:
                 nxt = lay.root_path(b)
                 on = np.flatnonzero(nxt >= a)  # the next segment's ancestors in this one, by depth
@@ -212,6 +218,7 @@ def _backward_pass(
     size = batch.segment_tokens
     logp = torch.zeros(batch.n_tokens, dtype=torch.float32, device=device)
     path = PathKV(int(batch.positions.max()) + 1, gradients=True)
+    head = TargetLogprobs(model)
     later = np.zeros(0, dtype=np.int64)  # root path of the segment processed before (the next one in tree order)
     for j in range(len(lay.segments) - 1, -1, -1):
         a, b = lay.segments[j]
@@ -227,9 +234,9 @@ def _backward_pass(
             path.gv[i][:, shared:].zero_()
         _recompute_path(model, tokens, here, shared, size, path)
         d = int(lay.depth[a])
-        logits, ctx = _forward(model, tokens[a:b], lay.segment_parents(a, b, d), path, d, True)
+        hidden, ctx = _forward(model, tokens[a:b], lay.segment_parents(a, b, d), path, d, True)
         t = torch.from_numpy(lay.targets[j]).to(device)
-        logp_t = sampled_token_logprobs(logits[parent[t] - a], tokens[t], sampling.take(t))
+        logp_t = head(hidden, parent[t] - a, tokens[t], sampling.take(t))
         logp[t] = logp_t.detach()
         objective = (g[t] * logp_t).sum()
         ql = torch.from_numpy(q_local).to(device)
