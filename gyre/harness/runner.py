@@ -357,11 +357,14 @@ async def run_rollout(
     _copy_out_trace(harness_cfg.kind, harness_dir)
     result = _read_result(harness_dir / "result.json")
     stop_reason = "timeout" if run.timed_out else (result or {}).get("stop_reason", "no_result")
+    if endpoint.context_overflows and not run.timed_out:
+        stop_reason = "context_limit"
     errors = [str(e) for e in (result or {}).get("errors", [])] if isinstance(result, dict) else []
     stderr_tail = _tail(log_path)
     grade = harness_failure(
         started=run.started, returncode=run.returncode, timed_out=run.timed_out, result=result,
-        endpoint_failures=endpoint.failures, stderr_tail=stderr_tail,
+        endpoint_failures=endpoint.failures, stderr_tail=stderr_tail, context_overflows=endpoint.context_overflows,
+        overflow_before_any_answer=endpoint.overflow_before_any_answer,
     )  # fmt: skip
     if grade is None:
         grade = await asyncio.to_thread(
