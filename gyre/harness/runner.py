@@ -57,7 +57,7 @@ class HarnessLaunch:
     tool_time: float = 0.0
     tool_time_sigma: float = 1.0
     python: str = "python3"
-    bare: bool = False  # claude_code --bare
+    bare: bool = False  # claude_code --bare; mini_swe_agent's compact prompt templates
 
 
 def harness_argv(module: str, launch: HarnessLaunch) -> list[str]:
@@ -95,6 +95,7 @@ def mini_swe_agent_command(launch: HarnessLaunch) -> list[str]:
         *harness_argv("gyre.harness.mini_swe_agent", launch),
         "--max-tokens", str(launch.max_tokens),
         "--temperature", str(launch.temperature),
+        *(["--bare"] if launch.bare else []),
     ]  # fmt: skip
 
 
