@@ -264,6 +264,7 @@ def test_forced_context_limit_answers_prompt_too_long(proxy):
             "type": "error",
             "error": {"type": "invalid_request_error", "message": f"prompt is too long: {n} tokens > {n - 1} maximum"},
         }
+        assert info.value.response.headers["x-gyre-context-limit"] == f"{n} > {n - 1}"  # the endpoint's record
         other = client_for(f"{proxy.url}/rollout/other")  # the limit is per rollout
         other.messages.create(model="m", system=A_SYSTEM, messages=A_MESSAGES, tools=A_TOOLS, max_tokens=2)
     finally:

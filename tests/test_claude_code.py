@@ -47,7 +47,7 @@ def test_result_lines_become_the_runner_result():
     assert result_summary(text(ok, ok), 0) | {"claude": None} == {
         "turns": 6, "stop_reason": "end_turn", "errors": [], "claude": None,
     }  # fmt: skip
-    assert result_summary(text(ok, api), 1)["stop_reason"] == "api_error"  # excluded, not scored
+    assert result_summary(text(ok, api), 1)["stop_reason"] == "api_error"  # attributed from the endpoint's record
     assert result_summary(text(turns), 1)["stop_reason"] == "error_max_turns"  # the policy's doing: graded
     assert result_summary("", 1)["stop_reason"] == "api_error"
 

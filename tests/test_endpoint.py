@@ -109,3 +109,42 @@ def test_a_harness_resetting_its_own_connection_is_not_a_proxy_failure() -> None
 def test_the_proxy_dropping_an_answer_is_recorded_as_its_failure() -> None:
     failures = asyncio.run(_proxy_dies_mid_answer())
     assert len(failures) == 1 and failures[0].startswith("proxy unreachable"), failures
+
+
+async def _overflow_after(answers_first: int) -> ProxyEndpoint:
+    """An upstream answering /v1/ok with 200 and /v1/long as the proxy answers a context overflow."""
+    from gyre.proxy.errors import context_length_exceeded, error_response
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    async def long(request: web.Request) -> web.Response:
+        return error_response(context_length_exceeded(4096, 5000), request)
+
+    app = web.Application()
+    app.router.add_post("/v1/ok", ok)
+    app.router.add_post("/v1/messages", long)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    endpoint = ProxyEndpoint(f"http://127.0.0.1:{runner.addresses[0][1]}/v1")
+    await endpoint.start()
+    try:
+        import aiohttp
+
+        async with aiohttp.ClientSession() as s:
+            for path in ["/v1/ok"] * answers_first + ["/v1/messages"]:
+                async with s.post(endpoint.url + path, json={}, headers={"anthropic-version": "2023-06-01"}) as r:
+                    body = await r.json()
+            assert r.status == 400 and body["error"]["message"] == "prompt is too long: 5000 tokens > 4096 maximum"
+        return endpoint
+    finally:
+        await endpoint.close()
+        await runner.cleanup()
+
+
+def test_the_endpoint_notes_context_overflows_and_whether_any_call_was_answered_before() -> None:
+    first = asyncio.run(_overflow_after(0))
+    assert (first.context_overflows, first.overflow_before_any_answer, first.failures) == (["5000 > 4096"], True, [])
+    later = asyncio.run(_overflow_after(2))
+    assert (later.context_overflows, later.overflow_before_any_answer, later.answered) == (["5000 > 4096"], False, 2)

@@ -3,6 +3,7 @@ the model cannot serve fails before the first step; demonstrations render as the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -40,8 +41,9 @@ def test_presets_compose():
         assert cfg.harness.kind == name
     cc = compose(["harness=claude_code"])
     assert cc.harness.bare and cc.proxy.max_output_tokens and cc.engine.max_context_tokens == 4096
+    assert compose(["harness=mini_swe_agent"]).harness.bare
     with pytest.raises(ConfigValueError, match="harness.bare"):
-        compose(["harness=mini_swe_agent", "harness.bare=true"])
+        compose(["harness=builtin", "harness.bare=true"])
 
 
 @pytest.mark.unit
@@ -131,7 +133,7 @@ def test_mini_swe_agent_preset_runs_a_step_through_its_bash_blocks(tmp_path):
     tok = Tokenizer.load(policy / "tokenizer")
     cfg = compose(["harness=mini_swe_agent"])
     (task,) = TaskPool(cfg.tasks.families, cfg.tasks.pool_size, seed=cfg.seed).for_step(0, 1)
-    ids, _ = encode_conversation(*first_request("mini_swe_agent", task), tok)
+    ids, _ = encode_conversation(*first_request("mini_swe_agent", task, bare=cfg.harness.bare), tok)
     ids += tok.encode(GENERATION_PROMPT)
     for rollout in ("s0-g0-r0", "s0-g0-r1"):
         first = min((c for c in calls if c["rollout_id"] == rollout), key=lambda c: c["call_id"])
@@ -139,9 +141,10 @@ def test_mini_swe_agent_preset_runs_a_step_through_its_bash_blocks(tmp_path):
 
 
 @pytest.mark.unit
-def test_mini_swe_agent_demonstration_is_bash_blocks_then_submit():
+@pytest.mark.parametrize("bare", [True, False])
+def test_mini_swe_agent_demonstration_is_bash_blocks_then_submit(bare):
     (task,) = sample_tasks(["echo_files"], 1, seed=5)
-    demo = demonstration("mini_swe_agent", task)
+    demo = demonstration("mini_swe_agent", task, bare=bare)
     writes = [c["arguments"] for c in task.solution if c["name"] == "write_file"]
     assert demo.tools == [] and [m["role"] for m in demo.messages[:2]] == ["system", "user"]
     assert task.prompt in demo.messages[1]["content"]
@@ -151,6 +154,10 @@ def test_mini_swe_agent_demonstration_is_bash_blocks_then_submit():
         assert f"```mswea_bash_command\nprintf %s {args['content']} > {args['path']}\n```" in reply
     assert replies[-1].endswith("```mswea_bash_command\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n```")
     assert demo.messages[3]["content"] == "<returncode>0</returncode>\n<output>\n</output>"
+    # the compact templates: the task first, the submit command named, several times shorter than the stock's
+    prompt = len(demo.messages[0]["content"] + demo.messages[1]["content"])
+    assert (prompt < 400 and demo.messages[1]["content"].startswith(task.prompt)) if bare else prompt > 2500
+    assert "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT" in demo.messages[1]["content"]
     with pytest.raises(ValueError, match="warm_start.families"):
         demonstration("mini_swe_agent", sample_tasks(["fix_value"], 1, seed=0)[0])
 
@@ -173,6 +180,7 @@ def test_mini_swe_agent_runs_under_its_own_venv(tmp_path):
         "--temperature",
         "0.7",
     ]
+    assert mini_swe_agent_command(dataclasses.replace(launch, bare=True))[-5:] == [*argv[-4:], "--bare"]
 
 
 @pytest.mark.unit
@@ -181,4 +189,5 @@ def test_each_harness_has_its_own_warm_start():
 
     keys = {cache_key(compose([f"harness={name}"])) for name in ("builtin", "claude_code", "mini_swe_agent")}
     keys.add(cache_key(compose(["harness=claude_code", "harness.bare=false"])))
-    assert len(keys) == 4
+    keys.add(cache_key(compose(["harness=mini_swe_agent", "harness.bare=false"])))
+    assert len(keys) == 5

@@ -652,6 +652,7 @@ def test_context_limit_rejects_long_prompts_and_caps_max_tokens(tokenizer, engin
         with pytest.raises(openai.BadRequestError) as info:
             client_for(small.url).chat.completions.create(model="m", messages=MEMO_MESSAGES, tools=TOOLS)
         assert info.value.code == "context_length_exceeded"
+        assert info.value.response.headers["x-gyre-context-limit"] == f"{prompt_len} > {prompt_len - 1}"
         assert info.value.body["message"] == (
             f"This model's maximum context length is {prompt_len - 1} tokens. "
             f"However, your messages resulted in {prompt_len} tokens."

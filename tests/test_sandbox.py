@@ -124,6 +124,14 @@ def test_failure_attribution():
     down = harness_failure(returncode=1, result=None, endpoint_failures=[], started=False, timed_out=False,
                            stderr_tail="bwrap: No permissions")  # fmt: skip
     assert down.status == "failed" and "sandbox could not start: bwrap: No permissions" in down.reason
+    # a context overflow: the harness's first request over the limit is the run's config (excluded, naming the
+    # keys); once the policy has spoken, its grown context ends the rollout and the workspace is graded
+    first = harness_failure(returncode=1, result={"stop_reason": "api_error"}, endpoint_failures=[],
+                            context_overflows=["5000 > 4096"], overflow_before_any_answer=True, **common)  # fmt: skip
+    assert first.status == "failed" and first.score is None and "proxy.max_context_tokens" in first.reason
+    grown = {"returncode": 1, "result": {"stop_reason": "api_error"}, "context_overflows": ["5000 > 4096"]}
+    assert harness_failure(endpoint_failures=[], **grown, **common) is None
+    assert harness_failure(endpoint_failures=["HTTP 503"], **grown, **common).status == "failed"  # infra first
 
 
 @pytest.mark.integration

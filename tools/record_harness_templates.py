@@ -1,4 +1,4 @@
-"""Record the requests the pinned Claude Code CLI sends (gyre/harness/templates/claude_code*.json).
+"""Record the requests the pinned Claude Code CLI and mini-swe-agent send (gyre/harness/templates/*.json).
 
 The CLI runs once per mode (`--bare` and full) on a placeholder task against a loopback capture server
 that answers each request as the Messages API would (one Bash tool_use, then end_turn), and the
@@ -113,8 +113,9 @@ MINI_REPLIES = [
 ]
 
 
-def capture_mini(timeout_s: float = 300.0) -> list[dict[str, Any]]:
-    """The chat completion requests of one mini-swe-agent run (gyre.harness.mini_swe_agent, no sandbox)."""
+def capture_mini(bare: bool, timeout_s: float = 300.0) -> list[dict[str, Any]]:
+    """The chat completion requests of one mini-swe-agent run (gyre.harness.mini_swe_agent, no sandbox;
+    `bare`: its compact templates)."""
     bodies: list[dict[str, Any]] = []
 
     class Handler(BaseHTTPRequestHandler):
@@ -142,7 +143,7 @@ def capture_mini(timeout_s: float = 300.0) -> list[dict[str, Any]]:
             (io / "task.json").write_text(json.dumps({"prompt": PROMPT}))
             cmd = [venv_python(), "-m", "gyre.harness.mini_swe_agent", "--base-url", f"http://127.0.0.1:{server.server_port}/v1",
                    "--rollout-id", "rec", "--workspace", str(ws), "--task-file", str(io / "task.json"),
-                   "--result-file", str(io / "result.json"), "--max-turns", "4"]  # fmt: skip
+                   "--result-file", str(io / "result.json"), "--max-turns", "4", *(["--bare"] if bare else [])]  # fmt: skip
             env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
             if (ws / "gyre_probe.txt").read_text() != "gyreprobe":
@@ -167,10 +168,12 @@ def main() -> None:
         print(f"{path}: {len(bodies)} requests, tools {[t['name'] for t in first['tools']]}")
     if args.only == "claude_code":
         return
-    bodies = capture_mini()
-    template = {"first": bodies[0], "after_command": bodies[1], "replies": MINI_REPLIES, "command": COMMAND}
-    (args.out / "mini_swe_agent.json").write_text(json.dumps(template, indent=1) + "\n")
-    print(f"{args.out / 'mini_swe_agent.json'}: {len(bodies)} requests")
+    for bare in (False, True):
+        bodies = capture_mini(bare)
+        template = {"first": bodies[0], "after_command": bodies[1], "replies": MINI_REPLIES, "command": COMMAND}
+        path = args.out / ("mini_swe_agent_bare.json" if bare else "mini_swe_agent.json")
+        path.write_text(json.dumps(template, indent=1) + "\n")
+        print(f"{path}: {len(bodies)} requests")
 
 
 if __name__ == "__main__":

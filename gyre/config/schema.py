@@ -140,7 +140,9 @@ class HarnessConfig:
     max_tokens: int = 64  # builtin and mini_swe_agent; Claude Code asks for 64000 (cap it: proxy.max_output_tokens)
     concurrency: int = 16
     keep_workspaces: bool = False
-    bare: bool = False  # claude_code: `claude --bare` (a one-line system prompt, tools Bash/Edit/Read: ~300 tokens)
+    # the short prompt: claude_code `claude --bare` (a one-line system prompt, tools Bash/Edit/Read: ~300 tokens);
+    # mini_swe_agent compact system/instance templates (gyre/harness/mini_swe_agent.py: ~60 tokens, not ~850)
+    bare: bool = False
 
     def __post_init__(self) -> None:
         from gyre.config.validate import check_harness

@@ -81,8 +81,8 @@ def check_task_sandbox(cfg: RunConfig) -> None:
 def check_harness(h: HarnessConfig) -> None:
     if h.kind not in HARNESS_KINDS:
         _fail("harness.kind", h.kind, f"unknown harness; choose one of {', '.join(HARNESS_KINDS)}")
-    if h.bare and h.kind != "claude_code":
-        _fail("harness.bare", h.bare, "only Claude Code has a --bare mode (harness.kind=claude_code)")
+    if h.bare and h.kind not in ("claude_code", "mini_swe_agent"):
+        _fail("harness.bare", h.bare, "a short prompt exists for harness.kind=claude_code|mini_swe_agent only")
     if h.max_turns < 1 or h.timeout_s <= 0:
         _fail("harness.max_turns/timeout_s", (h.max_turns, h.timeout_s), "must be at least 1 and positive")
 

@@ -92,8 +92,9 @@ def _results(stdout: str) -> list[dict[str, Any]]:
 def result_summary(stdout: str, returncode: int) -> dict[str, Any]:
     """The runner's result file from Claude Code's stream-json result lines (one per user message).
 
-    An API error that survived Claude Code's retries is "api_error" (the rollout is excluded, not
-    scored); running out of turns or output budget is the policy's doing and is graded."""
+    An API error that survived Claude Code's retries is "api_error", which gyre.harness.attribution
+    judges from the endpoint's record (a proxy failure: excluded; a context overflow: excluded before any
+    answer, graded after); running out of turns or output budget is the policy's doing and is graded."""
     results = _results(stdout)
     if not results:
         return {"turns": 0, "stop_reason": "api_error", "errors": [f"claude exited {returncode} without a result"]}

@@ -4,7 +4,9 @@ Isolated sandboxes reach it through a Unix socket bound into them (and the launc
 sandbox's 127.0.0.1); backend none gets a loopback port. It forwards requests unchanged, streams
 answers back, and remembers every failure on the proxy's side (a 5xx answer, or the proxy not
 answering): that record, not the harness's own report, is what lets a failed rollout be excluded as
-an infrastructure failure rather than scored 0 (gyre/harness/attribution.py).
+an infrastructure failure rather than scored 0 (gyre/harness/attribution.py). It also counts the
+answers and notes each context overflow the proxy answered (its X-Gyre-Context-Limit header), and
+whether one came before any answer: the harness's first request alone over the limit.
 
 Every endpoint is served from one event loop in its own thread, never the caller's: a stop signal
 (gyre.resume.preemption) raises `Preempted` in the main thread wherever it runs, and aiohttp turns an
@@ -23,6 +25,8 @@ from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
+
+from gyre.proxy.errors import CONTEXT_LIMIT_HEADER
 
 MAX_BODY_BYTES = 256 << 20
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade"}
@@ -51,6 +55,9 @@ class ProxyEndpoint:
         self.url = ""  # http://127.0.0.1:PORT without a Unix socket
         self.failures: list[str] = []
         self.requests = 0
+        self.answered = 0  # 2xx answers
+        self.context_overflows: list[str] = []  # "<prompt tokens> > <limit>", one per overflow answered
+        self.overflow_before_any_answer = False  # the first request(s) alone were over the limit
         self._closing = False
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -94,6 +101,11 @@ class ProxyEndpoint:
             ) as up:
                 if up.status >= 500:
                     self.failures.append(f"proxy answered HTTP {up.status} to {request.method} {request.path}")
+                elif up.status < 300:
+                    self.answered += 1
+                elif CONTEXT_LIMIT_HEADER in up.headers:
+                    self.context_overflows.append(up.headers[CONTEXT_LIMIT_HEADER])
+                    self.overflow_before_any_answer |= self.answered == 0
                 out = {k: v for k, v in up.headers.items() if k.lower() not in HOP_HEADERS}
                 resp = web.StreamResponse(status=up.status, reason=up.reason, headers=out)
                 if up.content_length is not None:

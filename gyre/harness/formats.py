@@ -7,7 +7,8 @@ workspace and the date as placeholders; a demonstration fills them in, answers w
 blocks for Claude Code's Bash tool (the one tool `--bare` and the full tool set share that writes a
 file), and goes through the proxy's own request conversion (gyre/proxy/anthropic_api.py), so the
 warm start trains on the token ids the proxy renders for those requests. mini-swe-agent's chat requests
-are recorded the same way; its replies are a THOUGHT and one bash block.
+are recorded the same way (mini_swe_agent.json: the stock config; mini_swe_agent_bare.json: harness.bare's
+compact templates); its replies are a THOUGHT and one bash block.
 """
 
 from __future__ import annotations
@@ -132,29 +133,29 @@ def claude_code_first_request(task: Task, bare: bool) -> Demonstration:
 
 
 @functools.cache
-def mini_template() -> dict[str, Any]:
-    path = TEMPLATE_DIR / "mini_swe_agent.json"
+def mini_template(bare: bool = False) -> dict[str, Any]:
+    path = TEMPLATE_DIR / ("mini_swe_agent_bare.json" if bare else "mini_swe_agent.json")
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing: run `python -m tools.record_harness_templates`")
     return json.loads(path.read_text())
 
 
-def mini_first_request(task: Task) -> Demonstration:
+def mini_first_request(task: Task, bare: bool = False) -> Demonstration:
     """mini-swe-agent's first chat request: its system prompt and its instance prompt around the task."""
-    return Demonstration(fill(copy.deepcopy(mini_template()["first"]["messages"]), task.prompt), [])
+    return Demonstration(fill(copy.deepcopy(mini_template(bare)["first"]["messages"]), task.prompt), [])
 
 
-def mini_demonstration(task: Task) -> Demonstration:
+def mini_demonstration(task: Task, bare: bool = False) -> Demonstration:
     """The reference solution as mini-swe-agent replies: per file written a THOUGHT and one bash block,
     answered with the observation of a command without output, then the submit command."""
-    template = mini_template()
+    template = mini_template(bare)
     write, submit = template["replies"]
     observation = template["after_command"]["messages"][-1]
     steps = [c for c in task.solution if c["name"] == "write_file"]
     if not steps or any(c["name"] not in ("write_file", "finish", "run_checks") for c in task.solution):
         raise ValueError(f"task {task.task_id} ({task.family}): mini-swe-agent demonstrations cover tasks that "
                          f"only write files (write_value, echo_files); set warm_start.families")  # fmt: skip
-    messages = list(mini_first_request(task).messages)
+    messages = list(mini_first_request(task, bare).messages)
     for call in steps:
         messages.append({"role": "assistant", "content": write.replace(template["command"], bash_command(call))})
         messages.append(dict(observation))
@@ -163,14 +164,14 @@ def mini_demonstration(task: Task) -> Demonstration:
 
 
 def demonstration(kind: str, task: Task, *, bare: bool = True, date: str | None = None) -> Demonstration:
-    """The task's reference solution in harness `kind`'s own request format (`date`: the day Claude Code's
-    prompt names; default today)."""
+    """The task's reference solution in harness `kind`'s own request format (`bare`: Claude Code's --bare,
+    mini-swe-agent's compact templates; `date`: the day Claude Code's prompt names; default today)."""
     if kind == "builtin":
         return builtin_demonstration(task)
     if kind == "claude_code":
         return claude_code_demonstration(task, bare, date)
     if kind == "mini_swe_agent":
-        return mini_demonstration(task)
+        return mini_demonstration(task, bare)
     raise ValueError(f"harness.kind={kind!r} has no demonstration format")
 
 
@@ -182,5 +183,5 @@ def first_request(kind: str, task: Task, *, bare: bool = True) -> Demonstration:
     if kind == "claude_code":
         return claude_code_first_request(task, bare)
     if kind == "mini_swe_agent":
-        return mini_first_request(task)
+        return mini_first_request(task, bare)
     raise ValueError(f"harness.kind={kind!r} has no request format")

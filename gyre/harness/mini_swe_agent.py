@@ -8,6 +8,11 @@ COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT) through litellm's OpenAI path against the
 runner's result file. Offline: litellm reads its bundled cost map (LITELLM_LOCAL_MODEL_COST_MAP) and sends
 no telemetry, mini-swe-agent's global config lives beside the result file, costs are not tracked.
 
+`--bare` (harness.bare=true) swaps the config's two prompt templates, which mini-swe-agent leaves to the user,
+for compact ones (COMPACT_TEMPLATES: the task text and one paragraph of rules, ~60 tokens instead of ~850);
+the reply format, its parser (action regex), the observation and format-error templates, the step loop and
+the submit command stay the stock config's.
+
 Only the standard library is imported at module level: gyre's warm start reads MINI_SWE_AGENT_VERSION and
 OFFLINE_ENV from the trainer's environment, where mini-swe-agent is not installed.
 """
@@ -25,6 +30,13 @@ from typing import Any
 MINI_SWE_AGENT_VERSION = "2.4.6"  # what tools/setup_env.sh installs and the tests ran against
 CONFIG_NAME = "mini_textbased.yaml"
 MODEL_NAME = "openai/gyre-policy"  # litellm's OpenAI path; the proxy serves any model name as the policy
+COMPACT_TEMPLATES = {  # harness.bare: the same reply format and submit command, stated in one paragraph
+    "system_template": "Reply with a THOUGHT line, then exactly ONE ```mswea_bash_command block holding ONE command.",
+    "instance_template": (
+        "{{task}}\n\nEach command runs in a new shell in the working directory. When the task is done, run "
+        "`echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT` on its own."
+    ),
+}
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VENV = ".gyre/mini-swe-agent"  # relative to the checkout (and to /opt/gyre in the sandbox)
 OFFLINE_ENV = {
@@ -40,14 +52,17 @@ def venv_python(root: Path | str = REPO_ROOT) -> str:
     return f"{root}/{VENV}/bin/python"
 
 
-def agent_config(max_turns: int) -> dict[str, Any]:
-    """The stock text-based config, with the step limit from the task and no cost limit."""
+def agent_config(max_turns: int, bare: bool = False) -> dict[str, Any]:
+    """The stock text-based config, with the step limit from the task and no cost limit (`bare`: the compact
+    system and instance templates)."""
     import yaml
     from minisweagent.config import builtin_config_dir
 
     config = yaml.safe_load((builtin_config_dir / CONFIG_NAME).read_text())
     config["agent"] |= {"step_limit": max_turns, "cost_limit": 0.0}
     config["agent"].pop("mode", None)  # interactive agents only
+    if bare:
+        config["agent"] |= COMPACT_TEMPLATES
     return config
 
 
@@ -56,7 +71,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from minisweagent.environments.local import LocalEnvironment
     from minisweagent.models.litellm_textbased_model import LitellmTextbasedModel
 
-    config = agent_config(args.max_turns)
+    config = agent_config(args.max_turns, args.bare)
     model_kwargs = {
         **config["model"].get("model_kwargs", {}),
         "api_base": args.base_url,
@@ -84,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-turns", type=int, default=10)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--bare", action="store_true", help="compact system and instance templates (COMPACT_TEMPLATES)")
     args = p.parse_args(argv)
     result_file = Path(args.result_file)
     config_dir = result_file.parent / "mswea"

@@ -57,7 +57,7 @@ class HarnessLaunch:
     tool_time: float = 0.0
     tool_time_sigma: float = 1.0
     python: str = "python3"
-    bare: bool = False  # claude_code --bare
+    bare: bool = False  # claude_code --bare; mini_swe_agent's compact prompt templates
 
 
 def harness_argv(module: str, launch: HarnessLaunch) -> list[str]:
@@ -95,6 +95,7 @@ def mini_swe_agent_command(launch: HarnessLaunch) -> list[str]:
         *harness_argv("gyre.harness.mini_swe_agent", launch),
         "--max-tokens", str(launch.max_tokens),
         "--temperature", str(launch.temperature),
+        *(["--bare"] if launch.bare else []),
     ]  # fmt: skip
 
 
@@ -357,11 +358,14 @@ async def run_rollout(
     _copy_out_trace(harness_cfg.kind, harness_dir)
     result = _read_result(harness_dir / "result.json")
     stop_reason = "timeout" if run.timed_out else (result or {}).get("stop_reason", "no_result")
+    if endpoint.context_overflows and not run.timed_out:
+        stop_reason = "context_limit"
     errors = [str(e) for e in (result or {}).get("errors", [])] if isinstance(result, dict) else []
     stderr_tail = _tail(log_path)
     grade = harness_failure(
         started=run.started, returncode=run.returncode, timed_out=run.timed_out, result=result,
-        endpoint_failures=endpoint.failures, stderr_tail=stderr_tail,
+        endpoint_failures=endpoint.failures, stderr_tail=stderr_tail, context_overflows=endpoint.context_overflows,
+        overflow_before_any_answer=endpoint.overflow_before_any_answer,
     )  # fmt: skip
     if grade is None:
         grade = await asyncio.to_thread(

@@ -22,6 +22,9 @@ ANTHROPIC_ERROR_TYPES = {
     504: "timeout_error", 529: "overloaded_error",
 }  # fmt: skip
 OVERLOADED = 529  # Anthropic's status for "try again later"; harnesses retry it with backoff
+# on every context-overflow answer, "<prompt tokens> > <limit>": the rollout's endpoint (gyre/harness/endpoint.py)
+# records it on the proxy's side, where the agent cannot forge it, to attribute the rollout's end to the limit
+CONTEXT_LIMIT_HEADER = "X-Gyre-Context-Limit"
 
 
 class ProxyError(Exception):
@@ -141,6 +144,8 @@ def error_response(err: ProxyError, request: web.BaseRequest | None = None) -> w
         resp = web.json_response(body, status=status)
     else:
         resp = web.json_response(err.body(), status=err.status)
+    if err.code == "context_length_exceeded" and err.details:
+        resp.headers[CONTEXT_LIMIT_HEADER] = f"{err.details['prompt_tokens']} > {err.details['limit']}"
     if err.close_connection:
         resp.force_close()
     return resp
