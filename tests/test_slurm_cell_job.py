@@ -157,58 +157,51 @@ def completed_steps(out: Path) -> int:
     return sum(1 for line in text.splitlines() if '"event": "step"' in line)
 
 
-def test_cells_of_two_ranks_with_tensor_parallel_run_as_a_het_job(tmp_path: Path, capsys) -> None:
-    """cluster=slurm_cpu_tp2: a core and a satellite of 2 tasks each on their nodes (the controller beside the
-    core's), train.tensor_parallel=2; every cell trains each step (colocate_cells), and each rank checkpoints
-    its shard."""
-    out = tmp_path / "run"
-    args = ["--via", "sbatch", "--out", str(out), "cluster=slurm_cpu_tp2", f"cluster.python={sys.executable}"]
-    # micro-batches of 512 tokens: enough of them in every step for both cells to train some (one group with
-    # signal and the default budget can make one micro-batch, which only one cell then trains)
-    workload = [*CELL_WORKLOAD, "scheduler=colocate_cells", "train.micro_batch_tokens=512"]
-    submit_main([*args, f"cluster.workdir={ROOT}", *workload])
-    job_id = capsys.readouterr().out.split("submitted job ")[1].split(";")[0]
-    state = _wait_for_end(job_id, 600)
-    assert state == "COMPLETED", f"{state}\n{job_logs(out)}"
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 2 and summary["dead_cells"] == []
-    cells = json.loads((out / "cells.json").read_text())
-    assert [c["cell"] for c in cells] == [0, 1] and len({c["slurm_node"] for c in cells}) == 2
-    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in steps if r["event"] == "step"]
-    assert all(set(r["contributors"]) == {"0", "1"} for r in steps)
-    # each satellite rank pulled its own shard of each version from the core's rank (across hosts), about half
-    pulled = [r["sync_pulled_bytes"]["1"] for r in steps]
-    assert all(len(p) == 2 and 0.45 < p[0] / sum(p) < 0.55 for p in pulled), pulled
-    assert {p.name for p in (out / "checkpoint" / "trainer").glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
-
-
 @pytest.mark.parametrize("slurm_hosts", slurm_host_modes("netns"), indirect=True)
-def test_a_cell_spanning_two_hosts_runs_its_tensor_parallel_world_across_them(
+def test_cells_of_two_ranks_one_spanning_two_hosts_stopped_mid_run_resume(
     tmp_path: Path, slurm_hosts: str, capsys
 ) -> None:
-    """cluster=slurm_cpu_tp2_nodes on the multi-host cluster: the core cell is 2 nodes x 1 task, its TP=2 world
-    over gloo between two hosts' own addresses (the controller beside its rank 0), the satellite 1 node x 2
-    tasks; each rank found its place from Slurm's variables, both cells train each step, the satellite's ranks
-    pull their shards of each version through Mooncake, and each rank checkpoints its own."""
-    out = tmp_path / "run"
+    """cluster=slurm_cpu_tp2_nodes on the multi-host cluster, train.tensor_parallel=2: the core cell is 2 nodes
+    x 1 task, its TP=2 world over gloo between two hosts' own addresses (the controller beside its rank 0), the
+    satellite 1 node x 2 tasks; each rank found its place from Slurm's variables. Both cells train each step
+    (colocate_cells) and the satellite's ranks pull their shards of each version through Mooncake. Stopped by
+    the time-limit signal after a step, every rank stops, the job requeues and resumes from the sharded
+    checkpoint each rank wrote: every step once, the optimizer's steps carried over."""
+    out, steps = tmp_path / "run", 3
     args = ["--via", "sbatch", "--out", str(out), "cluster=slurm_cpu_tp2_nodes", f"cluster.python={sys.executable}"]
-    workload = [*CELL_WORKLOAD, "scheduler=colocate_cells", "train.micro_batch_tokens=512"]
-    submit_main([*args, f"cluster.workdir={ROOT}", *workload])
-    job_id = capsys.readouterr().out.split("submitted job ")[1].split(";")[0]
-    state = _wait_for_end(job_id, 600)
+    # micro-batches of 512 tokens: enough of them in every step for both cells to train some (one group with
+    # signal and the default budget can make one micro-batch, which only one cell then trains)
+    workload = [*CELL_WORKLOAD, "scheduler=colocate_cells", "train.micro_batch_tokens=512", f"steps={steps}"]
+    submit_main([*args, f"cluster.workdir={ROOT}", *workload, "tasks.tool_time_s=0.5"])
+    job = capsys.readouterr().out.split("submitted job ")[1].split(";")[0]
+    log = out / "slurm" / f"{job}_batch.out"
+    try:
+        wait_until("a completed step", lambda: completed_steps(out), 400, lambda: job_active(job))
+        subprocess.run(["scancel", "--batch", "--signal=TERM", job], check=True, timeout=30)
+        state = wait_for_end(job, 700)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True, timeout=30)
     assert state == "COMPLETED", f"{state}\n{job_logs(out)}"
-    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    assert "requeueing job" in log.read_text() and f"gyre: job {job} (restart 1)" in log.read_text()
+    controller = (out / "slurm" / f"{job}_cells_0.out").read_text()
+    resumed = re.search(rf"resuming {re.escape(str(out))} from \S+ at step (\d+) of {steps}", controller)
+    assert resumed is not None and 1 <= int(resumed[1]) < steps, controller[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["dead_cells"] == []
     cells = json.loads((out / "cells.json").read_text())
     where = [[(r["rank"], r["slurm_node"], r["address"]) for r in c["ranks"]] for c in cells]
     assert where == [  # node i is 10.200.0.(10 + i) (slurm/cluster.sh)
         [(1, "node1", "10.200.0.11"), (2, "node2", "10.200.0.12")],
         [(3, "node3", "10.200.0.13"), (4, "node3", "10.200.0.13")],
     ], where
-    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in steps if r["event"] == "step"]
-    assert all(set(r["contributors"]) == {"0", "1"} for r in steps)
+    st = json.loads((out / "checkpoint" / "state.json").read_text())
+    assert [r["step"] for r in st["ledger"]] == list(range(steps)), "a step missing or trained twice"
+    assert adam_steps(out) == sum(1 for r in st["ledger"] if r["trained"]), "optimizer state not carried over"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["event"] == "step"]
+    assert [r["step"] for r in rows] == list(range(steps))
+    assert all(set(r["contributors"]) == {"0", "1"} for r in rows)
     # each satellite rank pulled its own shard of each version from the core's rank (across hosts), about half
-    pulled = [r["sync_pulled_bytes"]["1"] for r in steps]
+    pulled = [r["sync_pulled_bytes"]["1"] for r in rows]
     assert all(len(p) == 2 and 0.45 < p[0] / sum(p) < 0.55 for p in pulled), pulled
     assert {p.name for p in (out / "checkpoint" / "trainer").glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
