@@ -19,6 +19,7 @@ import torch
 
 from gyre.config.schema import ModelConfig
 from gyre.model.llama import head_dim_of
+from gyre.model.pretrained import expected_hf_shapes  # torch-free: also checks a directory before loading
 
 _MEGATRON_GLOBAL = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
@@ -61,32 +62,6 @@ def _layer_renames(cfg: ModelConfig) -> dict[str, str]:
 def _head_dims(cfg: ModelConfig) -> tuple[int, int, int]:
     head_dim = head_dim_of(cfg)
     return cfg.num_query_groups, cfg.num_attention_heads // cfg.num_query_groups, head_dim
-
-
-def _expected_shapes_hf(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    groups, per_group, head_dim = _head_dims(cfg)
-    h, f = cfg.hidden_size, cfg.ffn_hidden_size
-    shapes = {
-        "model.embed_tokens.weight": (cfg.vocab_size, h),
-        "model.norm.weight": (h,),
-        "lm_head.weight": (cfg.vocab_size, h),
-    }
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (groups * per_group * head_dim, h),
-            p + "self_attn.k_proj.weight": (groups * head_dim, h),
-            p + "self_attn.v_proj.weight": (groups * head_dim, h),
-            p + "self_attn.o_proj.weight": (h, groups * per_group * head_dim),
-            p + "mlp.gate_proj.weight": (f, h),
-            p + "mlp.up_proj.weight": (f, h),
-            p + "mlp.down_proj.weight": (h, f),
-        }
-        if cfg.qk_layernorm:
-            shapes |= {p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,)}
-    return shapes
 
 
 def _check_keys(kind: str, got: set[str], expected: set[str], hint: str) -> None:
@@ -161,7 +136,7 @@ def megatron_to_hf(state: dict[str, torch.Tensor | None], cfg: ModelConfig) -> d
         out[dst + "mlp.gate_proj.weight"] = gate
         out[dst + "mlp.up_proj.weight"] = up
     out = {k: v.detach().contiguous() for k, v in out.items()}
-    _check_shapes(out, _expected_shapes_hf(cfg), "converted HF")
+    _check_shapes(out, expected_hf_shapes(cfg), "converted HF")
     return out
 
 
@@ -172,7 +147,7 @@ def hf_to_megatron(
 
     fused_norms=True writes the Transformer Engine spec's norm names instead of the local spec's.
     """
-    shapes = _expected_shapes_hf(cfg)
+    shapes = expected_hf_shapes(cfg)
     _check_keys(
         "HF", set(state), set(shapes), "Convert a checkpoint of gyre/model/llama.py built from the same ModelConfig."
     )
