@@ -141,7 +141,7 @@ class HarnessConfig:
     concurrency: int = 16
     keep_workspaces: bool = False
     # the short prompt: claude_code `claude --bare` (a one-line system prompt, tools Bash/Edit/Read: ~300 tokens);
-    # mini_swe_agent compact system/instance templates (gyre/harness/mini_swe_agent.py: ~60 tokens, not ~850)
+    # mini_swe_agent compact system/instance templates (gyre/harness/mini_swe_agent.py: a first request of ~80 tokens, not ~850)
     bare: bool = False
 
     def __post_init__(self) -> None:

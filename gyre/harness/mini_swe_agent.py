@@ -9,7 +9,7 @@ runner's result file. Offline: litellm reads its bundled cost map (LITELLM_LOCAL
 no telemetry, mini-swe-agent's global config lives beside the result file, costs are not tracked.
 
 `--bare` (harness.bare=true) swaps the config's two prompt templates, which mini-swe-agent leaves to the user,
-for compact ones (COMPACT_TEMPLATES: the task text and one paragraph of rules, ~60 tokens instead of ~850);
+for compact ones (COMPACT_TEMPLATES: the task text and one paragraph of rules, a first request of ~80 tokens instead of ~850);
 the reply format, its parser (action regex), the observation and format-error templates, the step loop and
 the submit command stay the stock config's.
 

@@ -38,7 +38,8 @@ def check_harness_fits(cfg: RunConfig, tasks: list[Task], tokenizer: Tokenizer) 
     prompt = max(first_request_tokens(cfg, t, tokenizer) for t in tasks)
     need, limit = prompt + reply_budget(cfg), context_limit(cfg)
     if need > limit:
-        bare = " or harness.bare=true (Claude Code's short prompt)" if cfg.harness.kind == "claude_code" else ""
+        short = cfg.harness.kind in ("claude_code", "mini_swe_agent") and not cfg.harness.bare
+        bare = " or harness.bare=true (the harness's short prompt)" if short else ""
         raise ConfigValueError(
             f"harness.kind={cfg.harness.kind!r}: its first request is {prompt} tokens, plus a reply of "
             f"{reply_budget(cfg)} (proxy.max_output_tokens), {need} > the context of {limit} tokens "
