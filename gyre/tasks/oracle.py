@@ -233,9 +233,16 @@ def test_output(task: Task, workspace: Path, sandbox: Sandbox, timeout: float) -
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def failed_checks(grade: Grade, n: int = 3) -> str:
+    """The first checks a grade failed, as 'name (detail)': which tests the oracle did not pass, and how."""
+    failed = [f"{c.get('name')} ({c.get('detail', '')})" for c in grade.checks if not c.get("passed")]
+    more = f" and {len(failed) - n} more" if len(failed) > n else ""
+    return ", ".join(failed[:n]) + more
+
+
 def _causes(oracle: Grade, nop: Grade, solve_problem: str, tests_log: str) -> list[str]:
     causes = [solve_problem] if solve_problem else []
-    said = name_cause(tests_log)
+    said = name_cause(tests_log) or (f"failed {failed_checks(oracle)}" if failed_checks(oracle) else "")
     if oracle.score is None:
         causes.append(f"the oracle's grade failed: {oracle.reason}" + (f"; the tests {said}" if said else ""))
     elif oracle.score != 1.0 and not solve_problem:
