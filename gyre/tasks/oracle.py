@@ -242,11 +242,16 @@ def failed_checks(grade: Grade, n: int = 3) -> str:
 
 def _causes(oracle: Grade, nop: Grade, solve_problem: str, tests_log: str) -> list[str]:
     causes = [solve_problem] if solve_problem else []
-    said = name_cause(tests_log) or (f"failed {failed_checks(oracle)}" if failed_checks(oracle) else "")
+    said = name_cause(tests_log)
     if oracle.score is None:
-        causes.append(f"the oracle's grade failed: {oracle.reason}" + (f"; the tests {said}" if said else ""))
+        causes.append(f"the oracle's grade failed: {oracle.reason}" + (f"; the test run {said}" if said else ""))
     elif oracle.score != 1.0 and not solve_problem:
-        how = f"the tests {said}" if said else "wrong answer (the tests ran and failed the reference solution)"
+        failed = failed_checks(oracle)
+        how = (
+            f"the test run {said}"
+            if said
+            else "wrong answer (the tests ran and failed the reference solution" + (f": {failed})" if failed else ")")
+        )
         causes.append(f"the oracle gets {oracle.score:g}, not the full reward 1: {how}")
     elif oracle.score != 1.0:
         causes.append(f"the oracle gets {oracle.score:g}, not the full reward 1")

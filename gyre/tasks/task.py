@@ -131,14 +131,20 @@ def commit_tree(root: Path, message: str = "base") -> str:
     return git("rev-parse", "HEAD").strip()
 
 
-def check_workspace_size(files: dict[str, WorkspaceFile], where: str, limit: int = MAX_WORKSPACE_BYTES) -> None:
-    """Refuse (TaskFormatError, naming the largest files) an initial workspace over `limit` bytes."""
+def _size(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
+
+
+def check_workspace_size(files: dict[str, WorkspaceFile], where: str, limit: int | None = None) -> None:
+    """Refuse (TaskFormatError, naming the largest files) an initial workspace over `limit` bytes (default
+    MAX_WORKSPACE_BYTES): every rollout copies it, so a suite reports it rather than running out of disk."""
+    limit = MAX_WORKSPACE_BYTES if limit is None else limit
     sizes = {rel: len(c.encode() if isinstance(c, str) else c) for rel, c in files.items()}
     total = sum(sizes.values())
     if total > limit:
-        largest = ", ".join(f"{rel} ({n >> 10} KiB)" for rel, n in sorted(sizes.items(), key=lambda kv: -kv[1])[:3])
+        largest = ", ".join(f"{rel} ({_size(n)})" for rel, n in sorted(sizes.items(), key=lambda kv: -kv[1])[:3])
         raise TaskFormatError(
-            f"{where}: the initial workspace is {total >> 20} MiB, over the {limit >> 20} MiB limit of a task's "
+            f"{where}: the initial workspace is {_size(total)}, over the {_size(limit)} limit of a task's "
             f"workspace (largest: {largest}); leave large data out of the task or make it at test time"
         )
 
