@@ -107,6 +107,25 @@ def test_bad_tasks_are_skipped_and_named(tmp_path):
 
 
 @pytest.mark.unit
+def test_malformed_values_and_instance_lines_skip_only_their_task(tmp_path):
+    bad_suite(tmp_path / "harbor")
+    (tmp_path / "harbor" / "copy-outside" / "task.toml").write_text("environment = 3\n")
+    causes = read_suite(cfg_for(tmp_path / "harbor")).skipped_causes()
+    assert causes["copy-outside"].startswith("AttributeError: ")
+    swe = ROOT / "examples" / "tasks" / "swebench"
+    first, *rest = (swe / "instances.jsonl").read_text().splitlines()
+    (tmp_path / "i.jsonl").write_text("\n".join([first, "{not json", first, json.dumps([1]), *rest]) + "\n")
+    suite = read_suite(TaskConfig(source="swebench", path=str(tmp_path / "i.jsonl"), repos=str(swe / "repos")))
+    assert len(suite.tasks) == 1 + len(rest)
+    causes = suite.skipped_causes()
+    assert (
+        causes["i.jsonl:2"].startswith("not JSON: Expecting property name")
+        and causes["i.jsonl:4"] == "not a JSON object"
+    )
+    assert causes["gyre-examples__calc-1"] == "instance id gyre-examples__calc-1 repeats line 1"
+
+
+@pytest.mark.unit
 def test_strict_refuses_a_suite_with_a_bad_task(tmp_path):
     bad_suite(tmp_path)
     with pytest.raises(SuiteError) as err:

@@ -30,7 +30,16 @@ from typing import Any
 
 import yaml
 
-from gyre.tasks.task import SkippedTask, Task, TaskFormatError, WorkspaceFile, as_text, check_workspace_size
+from gyre.tasks.task import (
+    LOAD_ERRORS,
+    SkippedTask,
+    Task,
+    TaskFormatError,
+    WorkspaceFile,
+    as_text,
+    check_workspace_size,
+    load_error,
+)
 
 __all__ = ["TaskFormatError", "load_harbor_suite", "load_harbor_task", "load_harbor_tasks", "workspace_from_dockerfile"]
 
@@ -219,6 +228,6 @@ def load_harbor_suite(root: Path) -> tuple[list[Task], list[SkippedTask]]:
     for task_dir in harbor_task_dirs(root):
         try:
             tasks.append(load_harbor_task(task_dir))
-        except (TaskFormatError, OSError, ValueError) as e:  # ValueError: shlex on a malformed Dockerfile line
-            skipped.append(SkippedTask(task_dir.name, str(task_dir), str(e)))
+        except LOAD_ERRORS as e:
+            skipped.append(SkippedTask(task_dir.name, str(task_dir), load_error(e)))
     return tasks, skipped

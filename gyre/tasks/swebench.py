@@ -27,7 +27,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gyre.tasks.task import SkippedTask, Task, TaskFormatError, as_text, check_workspace_size, commit_tree
+from gyre.tasks.task import (
+    LOAD_ERRORS,
+    SkippedTask,
+    Task,
+    TaskFormatError,
+    as_text,
+    check_workspace_size,
+    commit_tree,
+    load_error,
+)
 
 REQUIRED = ("instance_id", "repo", "base_commit", "problem_statement", "test_patch", "FAIL_TO_PASS", "PASS_TO_PASS")
 LOG_PARSERS = ("unittest", "pytest")
@@ -151,6 +160,13 @@ def instance_task(
     )
 
 
+def _json_line(line: str) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise TaskFormatError(f"not JSON: {e}") from None
+
+
 def load_swebench_tasks(jsonl: Path, repos: Path | None = None) -> list[Task]:
     """Every instance of `jsonl` (one JSON object a line), snapshots under `repos` (default: <jsonl dir>/repos);
     the first that cannot be read raises (load_swebench_suite skips it instead)."""
@@ -175,7 +191,7 @@ def load_swebench_suite(jsonl: Path, repos: Path | None = None) -> tuple[list[Ta
             continue
         where, name = f"{jsonl.resolve()}:{n}", f"{jsonl.name}:{n}"
         try:
-            row = json.loads(line)
+            row = _json_line(line)
             if not isinstance(row, dict):
                 raise TaskFormatError("not a JSON object")
             name = str(row.get("instance_id") or name)
@@ -183,6 +199,6 @@ def load_swebench_suite(jsonl: Path, repos: Path | None = None) -> tuple[list[Ta
                 raise TaskFormatError(f"instance id {name} repeats line {first_line[name]}")
             first_line[name] = n
             tasks.append(instance_task({**row, "_source_path": where}, repos, cache))
-        except (TaskFormatError, json.JSONDecodeError, OSError) as e:
-            skipped.append(SkippedTask(name, where, str(e)))
+        except LOAD_ERRORS as e:
+            skipped.append(SkippedTask(name, where, load_error(e)))
     return tasks, skipped

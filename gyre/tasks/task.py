@@ -21,6 +21,15 @@ class TaskFormatError(ValueError):
     """A task on disk that Gyre cannot read; the message names the file and what to change."""
 
 
+# What reading one task of a suite may raise besides TaskFormatError: a file that cannot be read, a value of
+# the wrong type in task.toml or an instance row. Each skips that task (load_error says why), never the suite.
+LOAD_ERRORS = (TaskFormatError, OSError, ValueError, KeyError, TypeError, AttributeError)
+
+
+def load_error(e: BaseException) -> str:
+    return str(e) if isinstance(e, TaskFormatError) else f"{type(e).__name__}: {e}"
+
+
 @dataclass(frozen=True)
 class SkippedTask:
     """A task of a suite on disk that cannot be used, and why (a run lists these; tools/check_tasks too)."""
