@@ -154,23 +154,25 @@ def compose_build(task_dir: Path) -> tuple[Path, Path] | None:
     Terminal-Bench-style tasks build from the task root, not environment/."""
     for base in (task_dir / "environment", task_dir):
         for name in COMPOSE_FILES:
-            path = base / name
-            if not path.is_file():
-                continue
-            try:
-                compose = yaml.safe_load(path.read_text())
-            except yaml.YAMLError as e:
-                raise TaskFormatError(f"{path}: not YAML: {e}") from None
-            services = compose.get("services") if isinstance(compose, dict) else None
-            for service in (services or {}).values() if isinstance(services, dict) else ():
-                build = (service or {}).get("build") if isinstance(service, dict) else None
-                if isinstance(build, str):
-                    build = {"context": build}
-                if isinstance(build, dict):
-                    context = (base / str(build.get("context", "."))).resolve()
-                    if not context.is_relative_to(task_dir.resolve()):
-                        raise TaskFormatError(f"{path}: build context {context} is outside the task directory")
-                    return context, context / str(build.get("dockerfile", "Dockerfile"))
+            if (base / name).is_file():
+                return _compose_build(base / name, task_dir)
+    return None
+
+
+def _compose_build(path: Path, task_dir: Path) -> tuple[Path, Path] | None:
+    try:
+        compose = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise TaskFormatError(f"{path}: not YAML: {e}") from None
+    services = compose.get("services") if isinstance(compose, dict) else None
+    for service in services.values() if isinstance(services, dict) else ():
+        build = service.get("build") if isinstance(service, dict) else None
+        build = {"context": build} if isinstance(build, str) else build
+        if isinstance(build, dict):
+            context = (path.parent / str(build.get("context", "."))).resolve()
+            if not context.is_relative_to(task_dir.resolve()):
+                raise TaskFormatError(f"{path}: build context {context} is outside the task directory")
+            return context, context / str(build.get("dockerfile", "Dockerfile"))
     return None
 
 

@@ -240,19 +240,20 @@ def failed_checks(grade: Grade, n: int = 3) -> str:
     return ", ".join(failed[:n]) + more
 
 
+def _why_tests_failed(said: str, oracle: Grade) -> str:
+    if said:
+        return f"the test run {said}"
+    failed = failed_checks(oracle)
+    return "wrong answer (the tests ran and failed the reference solution" + (f": {failed})" if failed else ")")
+
+
 def _causes(oracle: Grade, nop: Grade, solve_problem: str, tests_log: str) -> list[str]:
     causes = [solve_problem] if solve_problem else []
     said = name_cause(tests_log)
     if oracle.score is None:
         causes.append(f"the oracle's grade failed: {oracle.reason}" + (f"; the test run {said}" if said else ""))
     elif oracle.score != 1.0 and not solve_problem:
-        failed = failed_checks(oracle)
-        how = (
-            f"the test run {said}"
-            if said
-            else "wrong answer (the tests ran and failed the reference solution" + (f": {failed})" if failed else ")")
-        )
-        causes.append(f"the oracle gets {oracle.score:g}, not the full reward 1: {how}")
+        causes.append(f"the oracle gets {oracle.score:g}, not the full reward 1: {_why_tests_failed(said, oracle)}")
     elif oracle.score != 1.0:
         causes.append(f"the oracle gets {oracle.score:g}, not the full reward 1")
     if nop.score is None:
