@@ -1,17 +1,17 @@
 """Suites that survive bad tasks: an unloadable task is skipped and named (tasks.strict refuses, tasks.min_tasks
 floors the usable count, the CLI says so in one message), the skipped tasks reach the run's summary and the
 shards' provenance; the oracle check reports built/oracle/noop/verdict/cause and names why a task is broken;
-workspaces hold binary files; three real SWE-bench instances grade oracle 1 / no-op 0 under bwrap."""
+workspaces hold binary files; four real SWE-bench instances grade oracle 1 / no-op 0 under bwrap."""
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import shutil
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -35,7 +35,7 @@ from tools import check_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 BROKEN = ROOT / "tests" / "data" / "broken_tasks" / "harbor"
-FLASK = ROOT / "examples" / "tasks" / "swebench_flask" / "instances.jsonl"
+REAL = ROOT / "examples" / "tasks" / "swebench_real" / "instances.jsonl"
 # Not UTF-8: a PNG signature, a NUL and a lone 0xff
 PNG = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe" + bytes(range(256))
 TOML = '[verifier]\ntimeout_sec = 20.0\n[agent]\ntimeout_sec = 60.0\n[environment]\ndocker_image = "python:3.11-slim"\n'
@@ -302,19 +302,19 @@ def test_broken_tasks_say_why_with_the_output(tmp_path, sandbox):
 
 @pytest.mark.integration
 def test_real_swebench_instances_are_sound_under_bwrap(sandbox):
-    """pallets__flask-4992, -5014 and -5063 at their base commits (PNGs in the tree), graded with the published
-    FAIL_TO_PASS / PASS_TO_PASS lists: the reference patch gets 1, the untouched repository 0."""
-    tasks = load_swebench_tasks(FLASK)
-    assert [t.task_id for t in tasks] == ["pallets__flask-4992", "pallets__flask-5014", "pallets__flask-5063"]
-    for task in tasks:
-        assert sum(isinstance(c, bytes) for c in task.files.values()) == 9  # docs/_static/*.png, ...
-        assert task.files["docs/_static/flask-logo.png"][:8] == b"\x89PNG\r\n\x1a\n"
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(3) as pool:
+    """pallets__flask-4992, -5014, -5063 and marshmallow-code__marshmallow-1359 at their base commits (PNGs in the
+    trees), graded with their FAIL_TO_PASS / PASS_TO_PASS lists: the reference patch gets 1, the untouched
+    repository 0."""
+    rows = [json.loads(line) for line in REAL.read_text().splitlines()]
+    tasks = load_swebench_tasks(REAL)
+    assert [t.task_id for t in tasks] == ["pallets__flask-4992", "pallets__flask-5014", "pallets__flask-5063",
+                                          "marshmallow-code__marshmallow-1359"]  # fmt: skip
+    logos = ["docs/_static/flask-logo.png"] * 3 + ["docs/_static/marshmallow-logo.png"]
+    for task, logo in zip(tasks, logos, strict=True):
+        assert task.files[logo][:8] == b"\x89PNG\r\n\x1a\n"  # kept as bytes
+    with ThreadPoolExecutor(2) as pool:
         reports = list(pool.map(lambda t: check_task(t, sandbox, check_timeout_s=120.0), tasks))
-    for task, report in zip(tasks, reports, strict=True):
+    for row, report in zip(rows, reports, strict=True):
         assert (report.verdict, report.oracle.score, report.nop.score) == ("sound", 1.0, 0.0), report.line()
-        expected = len(json.loads(json.loads(FLASK.read_text().splitlines()[tasks.index(task)])["PASS_TO_PASS"]))
-        assert report.oracle.total == len(task.grading["FAIL_TO_PASS"]) + expected
-    assert dataclasses.asdict(tasks[0])["source"] == "swebench"
+        n_tests = len(json.loads(row["FAIL_TO_PASS"])) + len(json.loads(row["PASS_TO_PASS"]))
+        assert report.oracle.total == n_tests and report.oracle.passed == n_tests
