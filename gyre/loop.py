@@ -75,7 +75,7 @@ def run(cfg: RunConfig) -> Path:
                 raise
             raise Preempted(guard.signal_name or "a signal") from stop
         writer.image("learning_curve", plot_learning_curve(writer.rows, out / "learning_curve.png"))
-    print(summary(writer.rows, out))
+    print(summary(writer.rows, out, service.task_pool.skipped_causes()))
     return out
 
 
@@ -95,7 +95,8 @@ def run_step(
     rollouts = service.collect(step)
     t1 = time.perf_counter()
     service.release_engines()
-    shard_metrics, shard_paths = write_shards(rollouts, cfg, out / "shards", step)
+    skipped = service.task_pool.skipped_causes()
+    shard_metrics, shard_paths = write_shards(rollouts, cfg, out / "shards", step, skipped)
     with guard.deferred():
         shards = [read_shard(p) for p in shard_paths]
         train_metrics, trained = train_step(trainer, shards, cfg)
@@ -144,10 +145,14 @@ def check_supported(cfg: RunConfig) -> None:
             raise ValueError(f"{key}={value!r} is not available yet; supported: {', '.join(supported[key])}")
 
 
-def write_shards(rollouts: StepRollouts, cfg: RunConfig, shard_dir: Path, step: int) -> tuple[dict, list[Path]]:
-    """One shard per group; returns token metrics and the shard paths."""
+def write_shards(
+    rollouts: StepRollouts, cfg: RunConfig, shard_dir: Path, step: int, skipped: dict[str, str] | None = None
+) -> tuple[dict, list[Path]]:
+    """One shard per group (`skipped`: the suite's unusable tasks, for provenance); returns token metrics and
+    the shard paths."""
     shard_dir.mkdir(parents=True, exist_ok=True)
-    shards = [write_group_shard(cfg, shard_dir, step, g, members) for g, members in sorted(rollouts.groups().items())]
+    groups = sorted(rollouts.groups().items())
+    shards = [write_group_shard(cfg, shard_dir, step, g, members, skipped) for g, members in groups]
     tokens, path_tokens = sum(s.tokens for s in shards), sum(s.path_tokens for s in shards)
     metrics = {
         "tree_tokens": float(tokens),
@@ -201,8 +206,9 @@ def progress(row: dict) -> dict[str, str]:
     }
 
 
-def summary(rows: list[dict], out: Path) -> str:
+def summary(rows: list[dict], out: Path, skipped: dict[str, str] | None = None) -> str:
     k = max(1, len(rows) // 4)
+    skipped_text = "".join(f"gyre: task {name} skipped: {cause}\n" for name, cause in sorted((skipped or {}).items()))
 
     def rate(rs: list[dict]) -> str:
         value, n = success_over(rs)
@@ -212,5 +218,5 @@ def summary(rows: list[dict], out: Path) -> str:
 
     return (
         f"gyre: success rate {rate(rows[:k]).format('first')} -> {rate(rows[-k:]).format('last')}\n"
-        f"gyre: outputs in {out}"
+        f"{skipped_text}gyre: outputs in {out}"
     )

@@ -11,7 +11,7 @@ Exclusions, never silent: a failed evaluation (score None), a call log the tree 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -53,16 +53,22 @@ class GroupShard:
 
 
 def write_group_shard(
-    cfg: RunConfig, shard_dir: Path, step: int, group: int, rollouts: Sequence[FinishedRollout]
+    cfg: RunConfig,
+    shard_dir: Path,
+    step: int,
+    group: int,
+    rollouts: Sequence[FinishedRollout],
+    skipped: Mapping[str, str] | None = None,
 ) -> GroupShard:
-    """Score one finished group and write it as one shard (atomic: temp file + rename)."""
+    """Score one finished group and write it as one shard (atomic: temp file + rename). `skipped`: the
+    suite's tasks that could not be loaded (name -> cause), kept in the shard's provenance."""
     scores = [r.outcome.grade.score for r in rollouts]
     rewards = torch.tensor([[math.nan if s is None else s for s in scores]], dtype=torch.float64)
     advantages = group_advantages(rewards)[0].tolist()
     path = shard_dir / f"step{step:05d}-group{group:04d}.h5"
     result = GroupShard(path, step, group, len(rollouts), 0, 0, 0, 0)
     producer = {"harness": cfg.harness.kind, "sandbox": cfg.sandbox.backend,  # "none" is on record in every shard
-                "tasks": task_provenance(cfg, rollouts)}  # fmt: skip
+                "tasks": task_provenance(cfg, rollouts, skipped)}  # fmt: skip
     with ShardWriter(path, run_id=cfg.output_dir or "gyre", step=step, producer=producer) as w:
         for r, adv in zip(rollouts, advantages, strict=True):
             rid, grade = r.outcome.rollout_id, r.outcome.grade
@@ -99,13 +105,19 @@ def write_group_shard(
     return result
 
 
-def task_provenance(cfg: RunConfig, rollouts: Sequence[FinishedRollout]) -> dict[str, Any]:
-    """Where the group's task came from: the source, its path and split, and each instance's own path."""
+def task_provenance(
+    cfg: RunConfig, rollouts: Sequence[FinishedRollout], skipped: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """Where the group's task came from: the source, its path and split, each instance's own path, and (when
+    there are any) the suite's tasks that were skipped, with their causes."""
     tasks = {r.outcome.task.task_id: r.outcome.task for r in rollouts}
-    return {
+    out = {
         "source": cfg.tasks.source, "path": cfg.tasks.path, "split": cfg.tasks.split,
         "instances": {tid: t.source_path or t.family for tid, t in sorted(tasks.items())},
     }  # fmt: skip
+    if skipped:
+        out["skipped"] = dict(sorted(skipped.items()))
+    return out
 
 
 def with_signal(rollouts: Iterable[ShardRollout]) -> list[ShardRollout]:

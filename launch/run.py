@@ -31,6 +31,14 @@ def main(dict_cfg: DictConfig) -> None:
         cfg.output_dir = HydraConfig.get().runtime.output_dir
     if not cfg.tracking.run_name:  # one tracker run per Hydra (multirun) job, named by its overrides
         cfg.tracking.run_name = HydraConfig.get().job.override_dirname
+    from gyre.tasks.source import preflight_suite
+
+    try:  # a suite the run cannot use fails here with its causes, before anything starts
+        report = preflight_suite(cfg.tasks)
+    except ConfigValueError as e:
+        sys.exit(f"gyre: {e}")
+    if report:
+        print(report, flush=True)
     if cfg.model.path:  # a model directory the run cannot start from fails here, before anything starts
         from gyre.model.pretrained import check_pretrained
 

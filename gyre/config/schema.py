@@ -112,6 +112,10 @@ class TaskConfig:
     repos: str = ""  # swebench: directory of repository snapshots (owner__name); empty: <path's dir>/repos
     split: str = "train"  # train | eval (held out) | all: which instances of a suite on disk the run uses
     eval_fraction: float = 0.25  # share of a suite's instances held out for eval (by a hash of the instance id)
+    # a suite on disk: a task that cannot be loaded is skipped and listed (summary, shard provenance);
+    # strict refuses the suite instead; fewer usable tasks than min_tasks refuses to start, naming the causes
+    strict: bool = False
+    min_tasks: int = 1
     families: list[str] = field(default_factory=lambda: ["write_value"])
     # the RL training set: this many instances (families in equal shares, or a seeded sample of the split),
     # revisited in shuffled epochs; 0 = fresh instances every step (builtin) or the whole split (suites on disk)

@@ -70,6 +70,8 @@ def check_tasks(t: TaskConfig) -> None:
         _fail("tasks.eval_fraction", t.eval_fraction, "must be in [0, 1)")
     if t.pool_size < 0:
         _fail("tasks.pool_size", t.pool_size, "must be >= 0")
+    if t.min_tasks < 1:
+        _fail("tasks.min_tasks", t.min_tasks, "must be >= 1 (a run needs a task)")
 
 
 def check_task_sandbox(cfg: RunConfig) -> None:

@@ -352,4 +352,5 @@ class Controller:
             "engine_failures": dict(self.proxy.dispatcher.engine_failures),
             "faults": self.faults.log,
             "role_seconds": self.timeline.role_seconds(),
+            "skipped_tasks": self.book.pool.skipped_causes(),  # the suite's tasks that could not be loaded
         }

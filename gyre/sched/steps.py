@@ -82,7 +82,8 @@ class StepBook:
         if len(members) < rec.group_size:
             return None
         members.sort(key=lambda r: r.outcome.rollout_id)
-        shard = write_group_shard(self.cfg, self.shard_dir, rec.step, done.job.group, members)
+        shard = write_group_shard(self.cfg, self.shard_dir, rec.step, done.job.group, members,
+                                  self.pool.skipped_causes())  # fmt: skip
         rec.shards.append(shard)
         refs, trained, n_loss = plan_group(shard.path, self.cfg)
         rec.trainable += len(trained)

@@ -6,11 +6,16 @@
                                  cpus/memory_mb are not enforced (the sandbox's rlimits apply)
     <task>/environment/Dockerfile  WORKDIR is the working directory; its COPY/ADD of build-context files
                                  into the working directory make the initial workspace (RUN steps are the
-                                 image's: apptainer runs the converted image, bwrap the host's /usr)
+                                 image's: apptainer runs the converted image, bwrap the host's /usr); files
+                                 that are not UTF-8 are kept as bytes
+    docker-compose.yaml          (in environment/ or the task root) its service's `build` context and
+                                 Dockerfile replace environment/ (recorded as Task.build_context/dockerfile)
     <task>/tests/test.sh         the verifier: writes /logs/verifier/reward.txt or reward.json
     <task>/solution/solve.sh     the reference solution (tools/check_tasks.py runs it)
 
 tests/ reaches the grading sandbox only (gyre/tasks/grading.py); the agent never sees it.
+A suite loads task by task: one that cannot be read is skipped with its cause (load_harbor_suite), and
+multi-step tasks ([[steps]] in task.toml, no instruction.md) are named as unsupported, never passed over.
 """
 
 from __future__ import annotations
@@ -23,17 +28,28 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from gyre.tasks.task import Task
+import yaml
+
+from gyre.tasks.task import (
+    LOAD_ERRORS,
+    SkippedTask,
+    Task,
+    TaskFormatError,
+    WorkspaceFile,
+    as_text,
+    check_workspace_size,
+    load_error,
+)
+
+__all__ = ["TaskFormatError", "load_harbor_suite", "load_harbor_task", "load_harbor_tasks", "workspace_from_dockerfile"]
 
 DEFAULT_VERIFIER_TIMEOUT_S = 600.0  # harbor's VerifierConfig.timeout_sec
-
-
-class TaskFormatError(ValueError):
-    """A task on disk that Gyre cannot read; the message names the file and what to change."""
+COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
 
 
 def is_harbor_task(path: Path) -> bool:
-    return (path / "task.toml").is_file() and (path / "instruction.md").is_file()
+    """A directory with task.toml: a task (one without instruction.md is reported, as multi-step or incomplete)."""
+    return (path / "task.toml").is_file()
 
 
 def harbor_task_dirs(root: Path) -> list[Path]:
@@ -54,7 +70,11 @@ def _text(path: Path) -> str:
     try:
         return path.read_text()
     except UnicodeDecodeError:
-        raise TaskFormatError(f"{path} is not UTF-8 text; workspace files must be text") from None
+        raise TaskFormatError(f"{path} is not UTF-8 text") from None
+
+
+def _file(path: Path) -> WorkspaceFile:
+    return as_text({"": path.read_bytes()})[""]
 
 
 def _b64(path: Path) -> str:
@@ -77,10 +97,13 @@ def _dockerfile_lines(text: str) -> list[list[str]]:
     return out
 
 
-def workspace_from_dockerfile(env_dir: Path, workdir_override: str = "") -> tuple[str, dict[str, str], list[str]]:
+def workspace_from_dockerfile(
+    env_dir: Path, workdir_override: str = "", context: Path | None = None, dockerfile: Path | None = None
+) -> tuple[str, dict[str, WorkspaceFile], list[str]]:
     """(working directory, files relative to it, the executable ones) from environment/Dockerfile's WORKDIR
-    and COPY/ADD lines."""
-    dockerfile = env_dir / "Dockerfile"
+    and COPY/ADD lines; COPY sources are read from `context` (default: environment/ itself)."""
+    dockerfile = dockerfile or env_dir / "Dockerfile"
+    context = context or env_dir
     if not dockerfile.is_file():
         return workdir_override, {}, []
     steps, workdir = _dockerfile_lines(dockerfile.read_text()), "/"
@@ -88,7 +111,7 @@ def workspace_from_dockerfile(env_dir: Path, workdir_override: str = "") -> tupl
         if words and words[0].upper() == "WORKDIR":
             workdir = posixpath.normpath(posixpath.join(workdir, words[1]))
     final = workdir_override or (workdir if workdir != "/" else "")
-    files: dict[str, str] = {}
+    files: dict[str, WorkspaceFile] = {}
     executables: list[str] = []
     workdir = "/"
     for words in steps:
@@ -109,9 +132,10 @@ def workspace_from_dockerfile(env_dir: Path, workdir_override: str = "") -> tupl
             )
         into_dir = dest.endswith("/") or len(sources) > 1
         for src in sources:
-            src_path = (env_dir / src).resolve()
-            if not src_path.is_relative_to(env_dir.resolve()) or not src_path.exists():
-                raise TaskFormatError(f"{dockerfile}: COPY source {src!r} is not in environment/")
+            src_path = (context / src).resolve()
+            if not src_path.is_relative_to(context.resolve()) or not src_path.exists():
+                where = "environment/" if context == env_dir else f"the build context {context}"
+                raise TaskFormatError(f"{dockerfile}: COPY source {src!r} is not in {where}")
             base = posixpath.relpath(dest_abs, final)
             if src_path.is_dir():
                 pairs = [(f, posixpath.join(base, f.relative_to(src_path).as_posix()))
@@ -119,10 +143,37 @@ def workspace_from_dockerfile(env_dir: Path, workdir_override: str = "") -> tupl
             else:
                 pairs = [(src_path, posixpath.join(base, src_path.name) if into_dir else base)]
             for f, rel in pairs:
-                files[posixpath.normpath(rel)] = _text(f)
+                files[posixpath.normpath(rel)] = _file(f)
                 if os.access(f, os.X_OK):
                     executables.append(posixpath.normpath(rel))
     return final, files, sorted(set(executables) & set(files))
+
+
+def compose_build(task_dir: Path) -> tuple[Path, Path] | None:
+    """(build context, Dockerfile) of the first service with a `build` in the task's compose file, if any:
+    Terminal-Bench-style tasks build from the task root, not environment/."""
+    for base in (task_dir / "environment", task_dir):
+        for name in COMPOSE_FILES:
+            if (base / name).is_file():
+                return _compose_build(base / name, task_dir)
+    return None
+
+
+def _compose_build(path: Path, task_dir: Path) -> tuple[Path, Path] | None:
+    try:
+        compose = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise TaskFormatError(f"{path}: not YAML: {e}") from None
+    services = compose.get("services") if isinstance(compose, dict) else None
+    for service in services.values() if isinstance(services, dict) else ():
+        build = service.get("build") if isinstance(service, dict) else None
+        build = {"context": build} if isinstance(build, str) else build
+        if isinstance(build, dict):
+            context = (path.parent / str(build.get("context", "."))).resolve()
+            if not context.is_relative_to(task_dir.resolve()):
+                raise TaskFormatError(f"{path}: build context {context} is outside the task directory")
+            return context, context / str(build.get("dockerfile", "Dockerfile"))
+    return None
 
 
 def load_harbor_task(task_dir: Path) -> Task:
@@ -132,12 +183,20 @@ def load_harbor_task(task_dir: Path) -> Task:
     except tomllib.TOMLDecodeError as e:
         raise TaskFormatError(f"{task_dir / 'task.toml'}: {e}") from None
     if config.get("steps"):
-        raise TaskFormatError(f"{task_dir}: multi-step Harbor tasks ([[steps]]) are not supported")
+        raise TaskFormatError(
+            f"multi-step Harbor task ({len(config['steps'])} [[steps]] in task.toml): unsupported; Gyre runs "
+            "single-instruction tasks (instruction.md)"
+        )
+    if not (task_dir / "instruction.md").is_file():
+        raise TaskFormatError(f"{task_dir}: no instruction.md (the task's prompt)")
     agent, verifier, env = config.get("agent", {}), config.get("verifier", {}), config.get("environment", {})
     tests = task_dir / "tests"
     if not (tests / "test.sh").is_file():
         raise TaskFormatError(f"{task_dir}: no tests/test.sh (the verifier that writes /logs/verifier/reward.txt)")
-    workdir, files, executables = workspace_from_dockerfile(task_dir / "environment", env.get("workdir") or "")
+    env_dir = task_dir / "environment"
+    context, dockerfile = compose_build(task_dir) or (env_dir, env_dir / "Dockerfile")
+    workdir, files, executables = workspace_from_dockerfile(env_dir, env.get("workdir") or "", context, dockerfile)
+    check_workspace_size(files, str(task_dir))
     hidden = {p.relative_to(tests).as_posix(): _b64(p) for p in sorted(tests.rglob("*")) if p.is_file()}
     return Task(
         task_id=task_dir.name,
@@ -155,8 +214,22 @@ def load_harbor_task(task_dir: Path) -> Task:
         check_timeout_s=float(verifier.get("timeout_sec", DEFAULT_VERIFIER_TIMEOUT_S)),
         source="harbor",
         source_path=str(task_dir),
+        build_context=str(context),
+        dockerfile=str(dockerfile) if dockerfile.is_file() else "",
     )
 
 
 def load_harbor_tasks(root: Path) -> list[Task]:
+    """Every task of `root`; the first that cannot be read raises (load_harbor_suite skips it instead)."""
     return [load_harbor_task(d) for d in harbor_task_dirs(root)]
+
+
+def load_harbor_suite(root: Path) -> tuple[list[Task], list[SkippedTask]]:
+    """The tasks of `root` that load, and each one that does not with its cause: one bad task never stops a suite."""
+    tasks, skipped = [], []
+    for task_dir in harbor_task_dirs(root):
+        try:
+            tasks.append(load_harbor_task(task_dir))
+        except LOAD_ERRORS as e:
+            skipped.append(SkippedTask(task_dir.name, str(task_dir), load_error(e)))
+    return tasks, skipped

@@ -5,46 +5,113 @@ The reference solution of a Harbor task is solution/solve.sh, run like an agent 
 (the workspace writable at /workspace and the working directory, solution/ read-only at /solution,
 within the task's agent timeout); of a SWE-bench instance, its `patch`, applied to the workspace. A task
 is sound when the oracle gets the full reward (1) and the do-nothing agent less; anything else, or a
-grade that fails, makes it broken.
+grade that fails, makes it broken; a task whose environment cannot be built is skipped.
+
+A broken task's report says why in words a person can act on: the tests (or the solution) need the
+network, lack pytest or another tool, or simply give the oracle a wrong answer; and the do-nothing agent
+getting the full reward is named whatever else is wrong. For that the task's tests are run once more on
+the oracle's workspace, in the same sandbox, with their output kept (grading keeps only the score).
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from gyre.sandbox import Mount, Sandbox, SandboxJob, place
 from gyre.sandbox.base import WORKSPACE, code_mounts, host_env
-from gyre.tasks.grading import Grade, grade_workspace
-from gyre.tasks.task import GIT_ENV, Task
+from gyre.tasks.grading import LOGS_DIR, TESTS_DIR, Grade, grade_workspace
+from gyre.tasks.swebench_checker import reset_and_patch
+from gyre.tasks.task import GIT_ENV, SkippedTask, Task
 
 SOLUTION_DIR = "/solution"
 DEFAULT_SOLVE_TIMEOUT_S = 600.0
+TAIL_LINES = 15
+VERDICTS = ("sound", "broken", "skipped")
+# What a test or solution log says, in the words a task's author can act on (first match wins)
+_LOG_CAUSES: list[tuple[re.Pattern[str], str]] = [
+    (re.compile(r"Could not resolve host|Temporary failure in name resolution|Name or service not known|"
+                r"Network is unreachable|getaddrinfo|Failed to establish a new connection|No address associated|"
+                r"Could not fetch URL|Failed to download|error sending request|dns error"),  # fmt: skip
+     "needs the network, which tests and solutions do not have (offline at rollout time)"),
+    (re.compile(r"No module named '?pytest'?|pytest: (?:command )?not found|uvx?: (?:command )?not found"),
+     "needs pytest (or uv), which the environment it runs in lacks"),
+    (re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'"),
+     "needs the Python module {0}, which the environment it runs in lacks"),
+    (re.compile(r"(?:^|\s)([\w.+-]+): (?:command )?not found", re.MULTILINE),
+     "needs `{0}`, which the environment it runs in lacks"),
+    (re.compile(r"Permission denied|Read-only file system|are you root"),
+     "writes where it may not (only the working directory is writable; no root)"),
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BuildOutcome:
+    """Whether the task's environment was built: None where no build applies (the host's /usr under bwrap),
+    False with the cause when it failed (the task is then skipped)."""
+
+    built: bool | None = None
+    cause: str = ""
+
+
+# The hook an environment builder plugs into (gyre/tasks/images.py): called once per task before it is checked
+EnvironmentBuilder = Callable[[Task], BuildOutcome]
+
+
+def no_build(task: Task) -> BuildOutcome:
+    return BuildOutcome(None)
 
 
 @dataclass
 class OracleReport:
     task_id: str
-    oracle: Grade
-    nop: Grade
+    oracle: Grade | None
+    nop: Grade | None
     problem: str = ""  # empty: sound
+    verdict: str = "sound"
+    built: bool | None = None
+    test_output: str = ""  # the last lines of the tests' output on the oracle's workspace (broken tasks)
+    solution_output: str = ""  # the last lines of the solution's output (broken Harbor tasks)
+    causes: list[str] = field(default_factory=list)
 
     @property
     def broken(self) -> bool:
-        return bool(self.problem)
+        return self.verdict != "sound"
 
     def line(self) -> str:
-        def g(grade: Grade) -> str:
-            return f"{grade.score:g}" if grade.score is not None else f"failed ({_short(grade.reason)})"
+        def g(grade: Grade | None) -> str:
+            if grade is None:
+                return "-"
+            return f"{grade.score:g}" if grade.score is not None else "failed"  # the cause says why
 
-        verdict = f"BROKEN: {_short(self.problem)}" if self.problem else "ok"
-        return f"{self.task_id}: oracle {g(self.oracle)}, do-nothing {g(self.nop)} -> {verdict}"
+        if self.verdict == "skipped":
+            return f"{self.task_id}: SKIPPED: {_short(self.problem, 400)}"
+        verdict = f"BROKEN: {_short(self.problem, 400)}" if self.problem else "ok"
+        text = f"{self.task_id}: oracle {g(self.oracle)}, do-nothing {g(self.nop)} -> {verdict}"
+        for name, tail in (("solution", self.solution_output), ("tests", self.test_output)):
+            if tail and self.broken:
+                text += f"\n    {name} output ends:\n" + "\n".join(f"      | {ln}" for ln in tail.splitlines())
+        return text
+
+    def to_json(self) -> dict[str, Any]:
+        """The row of `tools/check_tasks --json`: task, built, oracle, noop, verdict, cause."""
+        score = lambda g: None if g is None else g.score  # noqa: E731
+        return {"task": self.task_id, "built": self.built, "oracle": score(self.oracle), "noop": score(self.nop),
+                "verdict": self.verdict, "cause": self.problem}  # fmt: skip
+
+
+def skipped_report(skipped: SkippedTask) -> OracleReport:
+    return OracleReport(skipped.name, None, None, problem=skipped.cause, verdict="skipped")
 
 
 def _short(text: str, n: int = 240) -> str:
@@ -52,35 +119,66 @@ def _short(text: str, n: int = 240) -> str:
     return text if len(text) <= n else text[: n - 3] + "..."
 
 
-def run_solve_script(task: Task, workspace: Path, sandbox: Sandbox) -> str:
-    """Run a Harbor task's solution/solve.sh on `workspace` like an agent; '' or what went wrong."""
-    solution = Path(task.source_path) / "solution"
-    if not (solution / "solve.sh").is_file():
-        return f"no {solution / 'solve.sh'}"
-    ws = Mount(workspace, WORKSPACE, writable=True)
-    mounts = [*code_mounts(), ws, Mount(solution, SOLUTION_DIR)]
-    cwd = place(sandbox, ws)
-    if task.workdir and sandbox.isolated:
-        mounts.append(Mount(workspace, task.workdir, writable=True))
-        cwd = task.workdir
-    script = f"{SOLUTION_DIR if sandbox.isolated else solution}/solve.sh"
-    job = SandboxJob(argv=["bash", script], cwd=cwd, mounts=mounts, image=task.image)
-    timeout = task.agent_timeout_s or DEFAULT_SOLVE_TIMEOUT_S
-    proc = subprocess.Popen(sandbox.command(job), cwd=cwd if not sandbox.isolated else "/", env=host_env(sandbox, job),
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
+def tail_lines(text: str, n: int = TAIL_LINES) -> str:
+    lines = [ln.rstrip() for ln in text.strip().splitlines()]
+    return "\n".join(ln[:300] for ln in lines[-n:])
+
+
+def name_cause(log: str) -> str:
+    """What a test or solution log says went wrong, when it says so recognisably; else ''."""
+    for pattern, words in _LOG_CAUSES:
+        m = pattern.search(log)
+        if m:
+            return words.format(*m.groups())
+    return ""
+
+
+def _run_in_sandbox(sandbox: Sandbox, job: SandboxJob, timeout: float) -> tuple[int | None, str]:
+    """(exit code or None on timeout, stdout and stderr together) of `job` in a fresh sandbox."""
+    cwd = "/" if sandbox.isolated else job.cwd
+    proc = subprocess.Popen(sandbox.command(job), cwd=cwd, env=host_env(sandbox, job), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     try:
         out, _ = proc.communicate(timeout=timeout)
+        code: int | None = proc.returncode
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        return f"solve.sh ran past the task's agent timeout ({timeout:g}s)"
+        out, _ = proc.communicate()
+        code = None
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    return "" if proc.returncode == 0 else f"solve.sh exited {proc.returncode}: {out.decode(errors='replace')[-300:]}"
+    return code, out.decode(errors="replace")
+
+
+def _workspace_mounts(task: Task, sandbox: Sandbox, workspace: Path) -> tuple[list[Mount], str]:
+    ws = Mount(workspace, WORKSPACE, writable=True)
+    mounts, cwd = [*code_mounts(), ws], place(sandbox, ws)
+    if task.workdir and sandbox.isolated:
+        mounts.append(Mount(workspace, task.workdir, writable=True))
+        cwd = task.workdir
+    return mounts, cwd
+
+
+def solve(task: Task, workspace: Path, sandbox: Sandbox) -> tuple[str, str]:
+    """Run a Harbor task's solution/solve.sh on `workspace` like an agent: ('' or what went wrong, its output)."""
+    solution = Path(task.source_path) / "solution"
+    if not (solution / "solve.sh").is_file():
+        return f"no {solution / 'solve.sh'}", ""
+    mounts, cwd = _workspace_mounts(task, sandbox, workspace)
+    mounts.append(Mount(solution, SOLUTION_DIR))
+    script = f"{SOLUTION_DIR if sandbox.isolated else solution}/solve.sh"
+    job = SandboxJob(argv=["bash", script], cwd=cwd, mounts=mounts, image=task.image)
+    timeout = task.agent_timeout_s or DEFAULT_SOLVE_TIMEOUT_S
+    code, out = _run_in_sandbox(sandbox, job, timeout)
+    if code is None:
+        return f"solve.sh ran past the task's agent timeout ({timeout:g}s)", out
+    if code != 0:
+        cause = name_cause(out)
+        return f"solve.sh exited {code}" + (f": the solution {cause}" if cause else ""), out
+    return "", out
 
 
 def reference_patch(task: Task) -> str:
@@ -98,27 +196,99 @@ def apply_patch(workspace: Path, patch: str) -> str:
     return "" if proc.returncode == 0 else f"patch does not apply: {proc.stderr.strip()}"
 
 
-def check_task(task: Task, sandbox: Sandbox, check_timeout_s: float = 60.0) -> OracleReport:
+def test_output(task: Task, workspace: Path, sandbox: Sandbox, timeout: float) -> str:
+    """The tests' own output on a copy of `workspace`, run as grading runs them (what a grade does not keep)."""
+    scratch = Path(tempfile.mkdtemp(prefix="gyre-diagnose-"))
+    try:
+        copy = scratch / "workspace"
+        shutil.copytree(workspace, copy, symlinks=True)
+        mounts, cwd = _workspace_mounts(task, sandbox, copy)
+        env: dict[str, str] = {}
+        if task.checker == "harbor":
+            tests, logs = scratch / "tests", scratch / "logs"
+            for rel, content in task.hidden_files.items():
+                (tests / rel).parent.mkdir(parents=True, exist_ok=True)
+                (tests / rel).write_bytes(base64.b64decode(content))
+            for sub in ("verifier", "agent", "artifacts"):
+                (logs / sub).mkdir(parents=True)
+            mounts += [Mount(tests, TESTS_DIR), Mount(logs, LOGS_DIR, writable=True)]
+            argv, env = (
+                ["bash", f"{TESTS_DIR}/{task.grading.get('test_script', 'test.sh')}"],
+                task.grading.get("env", {}),
+            )
+        elif task.checker == "swebench":
+            reset_and_patch(copy, task.grading["reset_files"], task.grading["test_patch"])
+            argv, cwd = list(task.grading["test_cmd"]), place(sandbox, mounts[len(code_mounts())])
+        else:
+            return ""
+        code, out = _run_in_sandbox(sandbox, SandboxJob(argv=argv, cwd=cwd, env=env, mounts=mounts, image=task.image),
+                                    timeout)  # fmt: skip
+        if task.checker == "harbor":  # what the tests wrote beside the reward (pytest logs, ctrf)
+            for log in sorted((scratch / "logs" / "verifier").glob("*.txt")):
+                out += f"\n[{LOGS_DIR}/verifier/{log.name}]\n{log.read_text(errors='replace')}"
+        return out + ("\n[the tests ran past their time]" if code is None else "")
+    except (OSError, SystemExit, KeyError) as e:  # SystemExit: reset_and_patch on a test patch that does not apply
+        return f"(the tests could not be run to show their output: {type(e).__name__}: {e})"
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def failed_checks(grade: Grade, n: int = 3) -> str:
+    """The first checks a grade failed, as 'name (detail)': which tests the oracle did not pass, and how."""
+    failed = [f"{c.get('name')} ({c.get('detail', '')})" for c in grade.checks if not c.get("passed")]
+    more = f" and {len(failed) - n} more" if len(failed) > n else ""
+    return ", ".join(failed[:n]) + more
+
+
+def _why_tests_failed(said: str, oracle: Grade) -> str:
+    if said:
+        return f"the test run {said}"
+    failed = failed_checks(oracle)
+    return "wrong answer (the tests ran and failed the reference solution" + (f": {failed})" if failed else ")")
+
+
+def _causes(oracle: Grade, nop: Grade, solve_problem: str, tests_log: str) -> list[str]:
+    causes = [solve_problem] if solve_problem else []
+    said = name_cause(tests_log)
+    if oracle.score is None:
+        causes.append(f"the oracle's grade failed: {oracle.reason}" + (f"; the test run {said}" if said else ""))
+    elif oracle.score != 1.0 and not solve_problem:
+        causes.append(f"the oracle gets {oracle.score:g}, not the full reward 1: {_why_tests_failed(said, oracle)}")
+    elif oracle.score != 1.0:
+        causes.append(f"the oracle gets {oracle.score:g}, not the full reward 1")
+    if nop.score is None:
+        causes.append(f"the do-nothing agent's grade failed: {nop.reason}")
+    elif nop.score >= 1.0:
+        causes.append("the do-nothing agent gets the full reward")
+    return causes
+
+
+def check_task(
+    task: Task, sandbox: Sandbox, check_timeout_s: float = 60.0, build: EnvironmentBuilder = no_build
+) -> OracleReport:
+    built = build(task)
+    if built.built is False:
+        return OracleReport(task.task_id, None, None, problem=f"environment not built: {built.cause}",
+                            verdict="skipped", built=False)  # fmt: skip
     root = Path(tempfile.mkdtemp(prefix="gyre-oracle-"))
     try:
         nop = grade_workspace(task, task.materialize(root / "nop"), check_timeout_s=check_timeout_s, sandbox=sandbox)
         workspace = task.materialize(root / "oracle")
+        solve_out = ""
         if task.checker == "harbor":
-            why = run_solve_script(task, workspace, sandbox)
+            why, solve_out = solve(task, workspace, sandbox)
         elif task.checker == "swebench":
             why = apply_patch(workspace, reference_patch(task))
         else:
             why = f"no oracle for checker {task.checker!r}"
         oracle = grade_workspace(task, workspace, check_timeout_s=check_timeout_s, sandbox=sandbox)
+        sound = not why and oracle.score == 1.0 and nop.score is not None and nop.score < 1.0
+        tests_log = "" if sound else test_output(task, workspace, sandbox, task.check_timeout_s or check_timeout_s)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    problem = why
-    if not problem and oracle.score is None:
-        problem = f"the oracle's grade failed: {oracle.reason}"
-    elif not problem and oracle.score != 1.0:
-        problem = f"the oracle gets {oracle.score:g}, not the full reward 1"
-    elif not problem and nop.score is None:
-        problem = f"the do-nothing agent's grade failed: {nop.reason}"
-    elif not problem and nop.score is not None and nop.score >= 1.0:
-        problem = "the do-nothing agent gets the full reward"
-    return OracleReport(task.task_id, oracle, nop, problem)
+    causes = _causes(oracle, nop, why, tests_log)
+    return OracleReport(
+        task.task_id, oracle, nop, problem="; ".join(causes), verdict="broken" if causes else "sound",
+        built=built.built, test_output=tail_lines(tests_log) if causes else "",
+        solution_output=tail_lines(solve_out) if why else "", causes=causes,
+    )  # fmt: skip

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 from gyre.config.schema import TaskConfig
 from gyre.tasks.families import FAMILIES, get_family
-from gyre.tasks.source import load_instances
-from gyre.tasks.task import Task
+from gyre.tasks.source import load_suite
+from gyre.tasks.task import SkippedTask, Task
 
 
 def sample_tasks(families: Sequence[str] | None, n: int, seed: int | random.Random) -> list[Task]:
@@ -27,16 +27,23 @@ class TaskPool:
     Step s takes instances s*n .. s*n+n-1 of the endless sequence epoch 0, epoch 1, ..., so every
     instance comes back once per epoch, as in training on a dataset. `size` 0 draws fresh instances
     for every step instead (nothing repeats). With `instances` (a suite on disk), the pool is a seeded
-    sample of `size` of them (all of them when `size` is 0 or at least their number).
+    sample of `size` of them (all of them when `size` is 0 or at least their number). `skipped`: the suite's
+    tasks that could not be loaded (listed in the run's summary and every shard's provenance).
     """
 
     def __init__(
-        self, families: Sequence[str] | None, size: int, seed: int, instances: Sequence[Task] | None = None
+        self,
+        families: Sequence[str] | None,
+        size: int,
+        seed: int,
+        instances: Sequence[Task] | None = None,
+        skipped: Sequence[SkippedTask] = (),
     ) -> None:
         if size < 0:
             raise ValueError(f"tasks.pool_size must be >= 0, got {size}")
         self.families = families
         self.seed = seed
+        self.skipped = list(skipped)
         if instances is not None:
             if not instances:
                 raise ValueError("the task source has no instances")
@@ -49,8 +56,14 @@ class TaskPool:
 
     @classmethod
     def from_config(cls, cfg: TaskConfig, seed: int) -> TaskPool:
-        """The configured source's pool (gyre/tasks/source.py reads a suite on disk)."""
-        return cls(cfg.families, cfg.pool_size, seed, load_instances(cfg))
+        """The configured source's pool (gyre/tasks/source.py reads a suite on disk, skipping bad tasks)."""
+        suite = load_suite(cfg)
+        if suite is None:
+            return cls(cfg.families, cfg.pool_size, seed)
+        return cls(cfg.families, cfg.pool_size, seed, suite.tasks, suite.skipped)
+
+    def skipped_causes(self) -> dict[str, str]:
+        return {s.name: s.cause for s in self.skipped}
 
     def for_step(self, step: int, n: int) -> list[Task]:
         if not self.size:

@@ -27,8 +27,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gyre.tasks.harbor import TaskFormatError
-from gyre.tasks.task import Task, commit_tree
+from gyre.tasks.task import (
+    LOAD_ERRORS,
+    SkippedTask,
+    Task,
+    TaskFormatError,
+    as_text,
+    check_workspace_size,
+    commit_tree,
+    load_error,
+)
 
 REQUIRED = ("instance_id", "repo", "base_commit", "problem_statement", "test_patch", "FAIL_TO_PASS", "PASS_TO_PASS")
 LOG_PARSERS = ("unittest", "pytest")
@@ -120,10 +128,8 @@ def instance_task(
     if key not in cache:
         cache[key] = snapshot_files(repos / row["repo"].replace("/", "__"), row["base_commit"])
     tree, executables = cache[key]
-    try:
-        files = {rel: data.decode() for rel, data in tree.items()}
-    except UnicodeDecodeError:
-        raise TaskFormatError(f"{row['repo']}@{row['base_commit']}: workspace files must be UTF-8 text") from None
+    files = as_text(tree)  # a logo or a binary fixture stays bytes
+    check_workspace_size(files, f"{row['repo']}@{row['base_commit']}")
     log_parser = row.get("log_parser", "unittest")
     if log_parser not in LOG_PARSERS:
         raise TaskFormatError(f"instance {row['instance_id']}: log_parser {log_parser!r}; choose one of {LOG_PARSERS}")
@@ -154,22 +160,45 @@ def instance_task(
     )
 
 
+def _json_line(line: str) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise TaskFormatError(f"not JSON: {e}") from None
+
+
 def load_swebench_tasks(jsonl: Path, repos: Path | None = None) -> list[Task]:
-    """Every instance of `jsonl` (one JSON object a line), snapshots under `repos` (default: <jsonl dir>/repos)."""
+    """Every instance of `jsonl` (one JSON object a line), snapshots under `repos` (default: <jsonl dir>/repos);
+    the first that cannot be read raises (load_swebench_suite skips it instead)."""
+    tasks, skipped = load_swebench_suite(jsonl, repos)
+    if skipped:
+        raise TaskFormatError(f"{skipped[0].path}: {skipped[0].cause}")
+    return tasks
+
+
+def load_swebench_suite(jsonl: Path, repos: Path | None = None) -> tuple[list[Task], list[SkippedTask]]:
+    """The instances of `jsonl` that load, and each one that does not with its cause (a repeated instance id
+    keeps its first line)."""
     if not jsonl.is_file():
         raise TaskFormatError(f"tasks.path={str(jsonl)!r} is not a JSONL file of SWE-bench instances")
     repos = repos or jsonl.parent / "repos"
     cache: dict[tuple[str, str], tuple[dict[str, bytes], list[str]]] = {}
-    tasks = []
+    tasks: list[Task] = []
+    skipped: list[SkippedTask] = []
+    first_line: dict[str, int] = {}
     for n, line in enumerate(jsonl.read_text().splitlines(), 1):
         if not line.strip():
             continue
+        where, name = f"{jsonl.resolve()}:{n}", f"{jsonl.name}:{n}"
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise TaskFormatError(f"{jsonl}:{n}: {e}") from None
-        tasks.append(instance_task({**row, "_source_path": f"{jsonl.resolve()}:{n}"}, repos, cache))
-    ids = [t.task_id for t in tasks]
-    if len(set(ids)) != len(ids):
-        raise TaskFormatError(f"{jsonl}: instance ids repeat: {sorted({i for i in ids if ids.count(i) > 1})}")
-    return tasks
+            row = _json_line(line)
+            if not isinstance(row, dict):
+                raise TaskFormatError("not a JSON object")
+            name = str(row.get("instance_id") or name)
+            if name in first_line:
+                raise TaskFormatError(f"instance id {name} repeats line {first_line[name]}")
+            first_line[name] = n
+            tasks.append(instance_task({**row, "_source_path": where}, repos, cache))
+        except LOAD_ERRORS as e:
+            skipped.append(SkippedTask(name, where, load_error(e)))
+    return tasks, skipped

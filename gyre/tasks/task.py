@@ -12,6 +12,34 @@ from typing import Any
 
 # A check is a JSON object {"name": ..., "kind": ..., **params}; kinds live in gyre/tasks/checker.py.
 CheckSpec = dict[str, Any]
+# The initial workspace's files are text (str) or, for a file that is not UTF-8 (a PNG, a fixture), bytes
+WorkspaceFile = str | bytes
+MAX_WORKSPACE_BYTES = 256 << 20  # of one task's initial workspace: every rollout copies it
+
+
+class TaskFormatError(ValueError):
+    """A task on disk that Gyre cannot read; the message names the file and what to change."""
+
+
+# What reading one task of a suite may raise besides TaskFormatError: a file that cannot be read, a value of
+# the wrong type in task.toml or an instance row. Each skips that task (load_error says why), never the suite.
+LOAD_ERRORS = (TaskFormatError, OSError, ValueError, KeyError, TypeError, AttributeError)
+
+
+def load_error(e: BaseException) -> str:
+    return str(e) if isinstance(e, TaskFormatError) else f"{type(e).__name__}: {e}"
+
+
+@dataclass(frozen=True)
+class SkippedTask:
+    """A task of a suite on disk that cannot be used, and why (a run lists these; tools/check_tasks too)."""
+
+    name: str  # the task directory's name, or the instance id (else `<jsonl>:<line>`)
+    path: str
+    cause: str
+
+    def line(self) -> str:
+        return f"{self.name}: skipped: {self.cause}"
 
 
 @dataclass(frozen=True)
@@ -34,13 +62,15 @@ class Task:
     environment image (sandbox.apptainer_images maps it to a .sif); `agent_timeout_s` and
     `check_timeout_s`, the task's own limits (the harness gets the shorter of its own and the task's);
     `init_git`, make the workspace a git repository with one commit (a SWE-bench repo at its base
-    commit); `source` and `source_path`, where the task came from (shard provenance).
+    commit); `source` and `source_path`, where the task came from (shard provenance); `build_context` and
+    `dockerfile`, what its environment is built from (a Harbor task's environment/, or its compose file's
+    build context). `files` are text, or bytes where a file is not UTF-8 (MAX_WORKSPACE_BYTES in all).
     """
 
     task_id: str
     family: str
     prompt: str
-    files: dict[str, str] = field(default_factory=dict)
+    files: dict[str, WorkspaceFile] = field(default_factory=dict)
     checks: list[CheckSpec] = field(default_factory=list)
     visible_checks: list[CheckSpec] = field(default_factory=list)
     max_turns: int = 10
@@ -57,6 +87,8 @@ class Task:
     executables: list[str] = field(default_factory=list)  # files of `files` with the executable bit
     source: str = "builtin"
     source_path: str = ""
+    build_context: str = ""
+    dockerfile: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,7 +108,10 @@ class Task:
         for rel, content in self.files.items():
             path = root / rel
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(content)
+            if isinstance(content, bytes):
+                path.write_bytes(content)
+            else:
+                path.write_text(content)
         for rel in self.executables:
             (root / rel).chmod(0o755)
         if self.init_git:
@@ -103,6 +138,35 @@ def commit_tree(root: Path, message: str = "base") -> str:
     git("add", "-A")
     git("commit", "-q", "--allow-empty", "-m", message)
     return git("rev-parse", "HEAD").strip()
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
+
+
+def check_workspace_size(files: dict[str, WorkspaceFile], where: str, limit: int | None = None) -> None:
+    """Refuse (TaskFormatError, naming the largest files) an initial workspace over `limit` bytes (default
+    MAX_WORKSPACE_BYTES): every rollout copies it, so a suite reports it rather than running out of disk."""
+    limit = MAX_WORKSPACE_BYTES if limit is None else limit
+    sizes = {rel: len(c.encode() if isinstance(c, str) else c) for rel, c in files.items()}
+    total = sum(sizes.values())
+    if total > limit:
+        largest = ", ".join(f"{rel} ({_size(n)})" for rel, n in sorted(sizes.items(), key=lambda kv: -kv[1])[:3])
+        raise TaskFormatError(
+            f"{where}: the initial workspace is {_size(total)}, over the {_size(limit)} limit of a task's "
+            f"workspace (largest: {largest}); leave large data out of the task or make it at test time"
+        )
+
+
+def as_text(files: dict[str, bytes]) -> dict[str, WorkspaceFile]:
+    """Files as text where they are UTF-8, as bytes where not (a logo, a binary fixture)."""
+    out: dict[str, WorkspaceFile] = {}
+    for rel, data in files.items():
+        try:
+            out[rel] = data.decode()
+        except UnicodeDecodeError:
+            out[rel] = data
+    return out
 
 
 def task_id_for(family: str, prompt: str, files: dict[str, str]) -> str:
