@@ -1,7 +1,8 @@
 """Oracle check of a task suite: `python -m tools.check_tasks PATH [--source harbor|swebench]`.
 
 Runs every task's reference solution and a do-nothing agent through the real grading path
-(gyre/tasks/oracle.py) and prints one line per task; exits 1 when any task is broken. PATH is a
+(gyre/tasks/oracle.py) and prints one line per task; exits 1 when any task is broken, or (with its one
+message, no traceback unless --verbose) when the suite cannot be read or the sandbox cannot run. PATH is a
 directory of Harbor tasks (or one task) or a SWE-bench JSONL file (snapshots in --repos, default
 <PATH's dir>/repos). `--commit-id DIR` prints the base_commit a plain-directory snapshot stands for.
 """
@@ -14,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from gyre.config.schema import SandboxConfig, TaskConfig
+from gyre.errors import reported, take_verbose_flag
 from gyre.sandbox import make_sandbox
 from gyre.tasks.oracle import check_task
 from gyre.tasks.source import load_instances
@@ -29,7 +31,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-timeout", type=float, default=60.0, help="grading limit of tasks that set none")
     p.add_argument("--jobs", type=int, default=4, help="tasks checked at once (each in its own sandboxes)")
     p.add_argument("--commit-id", action="store_true", help="print PATH's commit id as a snapshot; check nothing")
-    args = p.parse_args(argv)
+    p.add_argument("--verbose", action="store_true", help="show the traceback of an expected failure too")
+    args = p.parse_args(take_verbose_flag(list(sys.argv[1:] if argv is None else argv)))
+    with reported():
+        return check_suite(args)
+
+
+def check_suite(args: argparse.Namespace) -> int:
     if args.commit_id:
         print(snapshot_commit(plain_snapshot(args.path), plain_executables(args.path)))
         return 0

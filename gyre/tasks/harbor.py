@@ -23,12 +23,13 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from gyre.errors import UserError
 from gyre.tasks.task import Task
 
 DEFAULT_VERIFIER_TIMEOUT_S = 600.0  # harbor's VerifierConfig.timeout_sec
 
 
-class TaskFormatError(ValueError):
+class TaskFormatError(UserError, ValueError):
     """A task on disk that Gyre cannot read; the message names the file and what to change."""
 
 

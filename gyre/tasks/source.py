@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gyre.config.schema import TaskConfig
+from gyre.config.validate import ConfigValueError
 from gyre.tasks.harbor import load_harbor_tasks
 from gyre.tasks.swebench import load_swebench_tasks
 from gyre.tasks.task import Task
@@ -56,7 +57,7 @@ def load_instances(cfg: TaskConfig) -> list[Task] | None:
         raise ValueError(f"tasks.source={cfg.source!r}: choose one of {', '.join(SOURCES)}")
     chosen = select_split(tasks, cfg.split, cfg.eval_fraction)
     if not chosen:
-        raise ValueError(
+        raise ConfigValueError(
             f"tasks.split={cfg.split} of {cfg.path} is empty ({len(tasks)} instances, eval_fraction "
             f"{cfg.eval_fraction}); use tasks.split=all or another eval_fraction"
         )
