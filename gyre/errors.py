@@ -48,5 +48,7 @@ def reported() -> Iterator[None]:
     except UserError as e:
         if wants_traceback():
             raise
+        if e.exit_code == USER_ERROR_EXIT_CODE:  # as sys.exit("gyre: ..."): the interpreter prints it, exits 1
+            raise SystemExit(f"gyre: {e}") from None
         report(e)
         raise SystemExit(e.exit_code) from None
