@@ -16,6 +16,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from gyre.config.domain import OneOf, fail
 from gyre.config.load import check_overrides, normalize_overrides, register_configs, to_run_config
 from gyre.config.schema import CELL_SCHEDULERS, RunConfig
 from gyre.config.validate import check_run
@@ -42,11 +43,27 @@ def main(dict_cfg: DictConfig) -> None:
 
 def check_before_start(cfg: RunConfig) -> None:
     """Everything a run can be refused for without starting anything: every config check (a model
-    directory's files included), then the task suite, which must load (gyre/tasks/source.py)."""
+    directory's files included), the task families (the registry is their domain), then the task suite,
+    which must load (gyre/tasks/source.py)."""
     check_run(cfg)
+    check_families(cfg)
     from gyre.tasks.source import load_instances
 
     load_instances(cfg.tasks)
+
+
+def check_families(cfg: RunConfig) -> None:
+    from gyre.tasks.families import FAMILIES
+
+    families = OneOf(tuple(sorted(FAMILIES)), "task family")
+    families.check("tasks.families", cfg.tasks.families)
+    families.check("warm_start.families", cfg.warm_start.families)
+    if cfg.tasks.source == "builtin" and not cfg.tasks.families:
+        fail(
+            "tasks.families",
+            [],
+            f"tasks.source=builtin needs families to draw tasks from; choose some of {', '.join(families.choices)}",
+        )
 
 
 def start(cfg: RunConfig) -> None:

@@ -168,3 +168,14 @@ def test_a_domain_says_what_it_is():
     assert Range(low=2).outside(integer=True) == [1]
     with pytest.raises(ConfigValueError, match=r"logger=\['jsonl', 'mlflow'\]: unknown \['mlflow'\]"):
         OneOf(("jsonl", "wandb")).check("logger", ["jsonl", "mlflow"])
+
+
+def test_task_families_are_the_registered_ones():
+    with pytest.raises(
+        ConfigValueError, match=r"tasks.families=\['write_value', 'bogus'\]: unknown \['bogus'\]; .*fix_value"
+    ):
+        check_before_start(compose(["tasks.families=[write_value,bogus]"]))
+    with pytest.raises(ConfigValueError, match=r"warm_start.families=\['bogus'\]"):
+        check_before_start(compose(["warm_start.families=[bogus]"]))
+    with pytest.raises(ConfigValueError, match=r"tasks.families=\[\]: tasks.source=builtin needs families"):
+        check_before_start(compose(["tasks.families=[]"]))
