@@ -15,14 +15,11 @@ import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 
-from gyre.config.schema import TaskConfig
+from gyre.config.schema import TASK_SOURCES, TaskConfig
 from gyre.config.validate import ConfigValueError
 from gyre.tasks.harbor import load_harbor_tasks
 from gyre.tasks.swebench import load_swebench_tasks
 from gyre.tasks.task import Task
-
-SOURCES = ("builtin", "harbor", "swebench")
-SPLITS = ("train", "eval", "all")
 
 
 def split_of(instance_id: str, eval_fraction: float) -> str:
@@ -54,7 +51,7 @@ def load_instances(cfg: TaskConfig) -> list[Task] | None:
     elif cfg.source == "swebench":
         tasks = load_swebench_tasks(resolve(cfg.path), resolve(cfg.repos) if cfg.repos else None)
     else:
-        raise ValueError(f"tasks.source={cfg.source!r}: choose one of {', '.join(SOURCES)}")
+        raise ValueError(f"tasks.source={cfg.source!r}: choose one of {', '.join(TASK_SOURCES)}")
     chosen = select_split(tasks, cfg.split, cfg.eval_fraction)
     if not chosen:
         raise ConfigValueError(
