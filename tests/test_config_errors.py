@@ -87,3 +87,9 @@ def test_sglang_missing_in_a_cell_job_reaches_the_user_once(tmp_path):
     assert_one_message(proc, SGLANG_MISSING)
     assert "MPI_Abort" not in proc.stderr
     assert "engine.python" in proc.stderr  # what to do about it
+
+
+def test_a_missing_mpirun_is_one_message(tmp_path):
+    args = run_args(tmp_path, "scheduler=elastic", "sched.mpirun=/nonexistent/mpirun")
+    proc = run_module("launch.run", *args, env=quiet_env())
+    assert_one_message(proc, "sched.mpirun='/nonexistent/mpirun': not found: `pip install mpi4py mpich`")

@@ -19,6 +19,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 import gyre
+from gyre.config.domain import fail
 from gyre.config.schema import RunConfig
 from gyre.config.validate import cell_ranks, check_cells
 from gyre.errors import UserError
@@ -60,7 +61,7 @@ def read_rank_error(out: Path) -> CellJobError | None:
 def mpirun_command(cfg: RunConfig, out: Path) -> list[str]:
     mpirun = cfg.sched.mpirun or str(Path(sys.executable).parent / "mpirun")
     if not Path(mpirun).exists():
-        raise FileNotFoundError(f"{mpirun} not found: `pip install mpi4py mpich` into this venv or set sched.mpirun")
+        fail("sched.mpirun", mpirun, "not found: `pip install mpi4py mpich` into this venv or set sched.mpirun")
     ranks = 1 + sum(cell_ranks(cfg))  # the controller, then each cell's ranks
     return [mpirun, "-disable-auto-cleanup", "-n", str(ranks), "sh", "-c", RANK_SHELL, sys.executable, str(out)]
 
