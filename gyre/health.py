@@ -12,10 +12,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gyre.errors import UserError
+
 _NUMBERS = re.compile(r"\d+")
 
 
-class ExcludedRunError(RuntimeError):
+class ExcludedRunError(UserError, RuntimeError):
     """Too many consecutive steps had too many excluded rollouts: the run cannot learn as configured."""
 
 

@@ -16,6 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from gyre.config.load import register_configs, to_run_config
+from gyre.errors import reported
 from launch.run import run_app
 
 register_configs()
@@ -23,7 +24,8 @@ register_configs()
 
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
 def main(dict_cfg: DictConfig) -> dict[str, object]:
-    cfg = to_run_config(dict_cfg)
+    with reported():
+        cfg = to_run_config(dict_cfg)
     out = Path(HydraConfig.get().runtime.output_dir)
     report: dict[str, object] = {
         "scheduler": cfg.scheduler,

@@ -1,8 +1,10 @@
-"""`python -m launch.run [key=value ...]`: the main job (embedded default: local colocate run).
+"""`python -m launch.run [--verbose] [key=value ...]`: the main job (embedded default: local colocate run).
 
 `scheduler=elastic|async|colocate_cells` runs the cells as an MPI job instead (gyre.sched).
 The same output_dir again continues the run from its checkpoint (`resume=auto`, gyre/resume); a run
-stopped by SIGTERM/SIGUSR1 checkpoints and exits with code 75.
+stopped by SIGTERM/SIGUSR1 checkpoints and exits with code 75. An expected failure (a refused config
+value, a runtime missing, a task suite that cannot run: gyre.errors.UserError) prints `gyre: <message>`
+and exits 1 (3: cells died), with its traceback only under `--verbose` or HYDRA_FULL_ERROR=1.
 """
 
 from __future__ import annotations
@@ -14,66 +16,74 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from gyre.config.load import ConfigKeyError, check_overrides, normalize_overrides, register_configs, to_run_config
-from gyre.config.validate import ConfigValueError
-from gyre.health import ExcludedRunError
+from gyre.config.domain import OneOf, fail
+from gyre.config.load import check_overrides, normalize_overrides, register_configs, to_run_config
+from gyre.config.schema import CELL_SCHEDULERS, RunConfig
+from gyre.config.validate import check_run
+from gyre.errors import reported, take_verbose_flag
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted
-from gyre.resume.recovery import ResumeError
-from gyre.sched.policy import SCHEDULERS as CELL_SCHEDULERS
 
 register_configs()
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
 def main(dict_cfg: DictConfig) -> None:
-    cfg = to_run_config(dict_cfg)
-    if not cfg.output_dir:
-        cfg.output_dir = HydraConfig.get().runtime.output_dir
-    if not cfg.tracking.run_name:  # one tracker run per Hydra (multirun) job, named by its overrides
-        cfg.tracking.run_name = HydraConfig.get().job.override_dirname
-    from gyre.tasks.source import preflight_suite
-
-    try:  # a suite the run cannot use fails here with its causes, before anything starts
-        report = preflight_suite(cfg.tasks)
-    except ConfigValueError as e:
-        sys.exit(f"gyre: {e}")
-    if report:
-        print(report, flush=True)
-    if cfg.model.path:  # a model directory the run cannot start from fails here, before anything starts
-        from gyre.model.pretrained import check_pretrained
-
+    with reported():
+        cfg = to_run_config(dict_cfg)
+        if not cfg.output_dir:
+            cfg.output_dir = HydraConfig.get().runtime.output_dir
+        if not cfg.tracking.run_name:  # one tracker run per Hydra (multirun) job, named by its overrides
+            cfg.tracking.run_name = HydraConfig.get().job.override_dirname
+        check_before_start(cfg)
         try:
-            check_pretrained(cfg)
-        except ConfigValueError as e:
-            sys.exit(f"gyre: {e}")
-    if cfg.scheduler in CELL_SCHEDULERS:  # cells as an MPI job: re-executes under mpirun
-        from gyre.sched.launch import DEAD_CELLS_EXIT_CODE, DeadCellsError, run_cells
-
-        try:
-            run_cells(cfg)
+            start(cfg)
         except Preempted:  # checkpointed; the same command (or the requeued job) resumes
             sys.exit(PREEMPTED_EXIT_CODE)
-        except DeadCellsError as e:
-            print(f"gyre: {e}", file=sys.stderr)
-            sys.exit(DEAD_CELLS_EXIT_CODE)
+
+
+def check_before_start(cfg: RunConfig) -> None:
+    """Everything a run can be refused for without starting anything: every config check (a model
+    directory's files included), the task families (the registry is their domain), then the task suite,
+    which must load (gyre/tasks/source.py): its usable and skipped tasks are printed."""
+    check_run(cfg)
+    check_families(cfg)
+    from gyre.tasks.source import preflight_suite
+
+    report = preflight_suite(cfg.tasks)
+    if report:
+        print(report, flush=True)
+
+
+def check_families(cfg: RunConfig) -> None:
+    from gyre.tasks.families import FAMILIES
+
+    families = OneOf(tuple(sorted(FAMILIES)), "task family")
+    families.check("tasks.families", cfg.tasks.families)
+    families.check("warm_start.families", cfg.warm_start.families)
+    if cfg.tasks.source == "builtin" and not cfg.tasks.families:
+        fail(
+            "tasks.families",
+            [],
+            f"tasks.source=builtin needs families to draw tasks from; choose some of {', '.join(families.choices)}",
+        )
+
+
+def start(cfg: RunConfig) -> None:
+    if cfg.scheduler in CELL_SCHEDULERS:  # cells as an MPI job: re-executes under mpirun
+        from gyre.sched.launch import run_cells
+
+        run_cells(cfg)
         return
     from gyre.loop import run  # heavy imports (torch, megatron) only once the config is valid
 
-    try:
-        run(cfg)
-    except Preempted:  # checkpointed; the generated sbatch script requeues the job on this exit code
-        sys.exit(PREEMPTED_EXIT_CODE)
-    except (ResumeError, ExcludedRunError, ConfigValueError) as e:
-        sys.exit(f"gyre: {e}")
+    run(cfg)
 
 
 def run_app(app: Callable[[], object]) -> None:
     """Check the command line's overrides (a mistyped key names the valid ones), then run the Hydra app."""
-    sys.argv[1:] = normalize_overrides(sys.argv[1:])
-    try:
+    sys.argv[1:] = normalize_overrides(take_verbose_flag(sys.argv[1:]))
+    with reported():
         check_overrides([a for a in sys.argv[1:] if not a.startswith("-")])
-    except ConfigKeyError as e:
-        sys.exit(f"gyre: {e}")
     app()
 
 

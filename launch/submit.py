@@ -19,11 +19,12 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from gyre.config.load import ConfigKeyError, check_overrides, compose
+from gyre.config.load import check_overrides, compose
 from gyre.config.schema import RunConfig
-from gyre.sched.launch import POLICY_FILE
+from gyre.errors import reported, take_verbose_flag
+from gyre.sched.launch import POLICY_FILE, RANK_ERROR_FILE
 from gyre.sched.policy import SCHEDULERS as CELL_SCHEDULERS
-from launch.slurm.plan import LayoutError, cells, cluster_python, job_command, plan_step
+from launch.slurm.plan import cells, cluster_python, job_command, plan_step
 from launch.slurm.preflight import SlurmPreflightError, check_addresses, check_request, read_inventory
 from launch.slurm.sbatch import ScriptLayout, render_sbatch
 
@@ -50,6 +51,7 @@ def write_job_files(cfg: RunConfig, out_dir: Path) -> tuple[Path, Path, Path]:
     config_path = out_dir / "config.yaml"
     config_path.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     (out_dir / POLICY_FILE).unlink(missing_ok=True)  # rank 0 writes it anew; the cells wait for it
+    (out_dir / RANK_ERROR_FILE).unlink(missing_ok=True)  # an earlier job's failure is not this one's
     script_path = out_dir / "gyre.sbatch"
     script_path.write_text(plain_script(cfg, str(config_path), str(log_dir)))
     return config_path, log_dir, script_path
@@ -95,16 +97,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--out", type=Path, default=None, help="job directory (default: output_dir or outputs/slurm/<time>)"
     )
+    parser.add_argument("--verbose", action="store_true", help="show the traceback of an expected failure too")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. cluster=slurm_gpu steps=10")
-    args = parser.parse_args(argv)
-    try:
+    args = parser.parse_args(take_verbose_flag(list(sys.argv[1:] if argv is None else argv)))
+    with reported():  # a refused value, layout or request: its one line, exit 1
         check_overrides(args.overrides)
         cfg = compose(args.overrides)
         stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
         out_dir = args.out or Path(cfg.output_dir or f"outputs/slurm/{stamp}")
         submit(cfg, out_dir, args.via, args.dry_run)
-    except (ConfigKeyError, LayoutError, SlurmPreflightError) as e:
-        sys.exit(f"gyre: {e}")
 
 
 if __name__ == "__main__":

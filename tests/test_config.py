@@ -6,6 +6,7 @@ import pytest
 
 from gyre.config.load import ConfigKeyError, check_key, compose
 from gyre.config.schema import RunConfig
+from gyre.config.validate import ConfigValueError
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,5 +67,10 @@ def test_unsupported_choices_fail_before_any_work():
     check_supported(compose())
     with pytest.raises(ValueError, match="scheduler='elastic' runs cells as an MPI job.*launch.run scheduler=elastic"):
         check_supported(compose(["scheduler=elastic"]))
-    with pytest.raises(ValueError, match="scheduler='bogus' is not available yet; supported: colocate"):
-        check_supported(compose(["scheduler=bogus"]))
+    # unknown choices are refused where the config is loaded, naming the key, the value and what it may be
+    with pytest.raises(ConfigValueError, match="scheduler='bogus': unknown scheduler; choose one of colocate, "):
+        compose(["scheduler=bogus"])
+    with pytest.raises(ConfigValueError, match="train.backend='fsdp': choose one of megatron"):
+        compose(["train.backend=fsdp"])
+    with pytest.raises(ConfigValueError, match="rl.algorithm='ppo': .*choose one of gspo"):
+        compose(["rl.algorithm=ppo"])

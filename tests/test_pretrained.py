@@ -113,7 +113,6 @@ CASES = {
         "renders a conversation otherwise than gyre's proxy"),
     "other chat template accepted": (lambda d: (d / "chat_template.jinja").write_text("{{ messages }}"),
                                      ["model.chat_template=gyre"], None),
-    "unknown chat_template choice": (lambda d: None, ["model.chat_template=jinja"], "model.chat_template='jinja'"),
     "tokenizer without chat tokens": (_other_tokenizer, [], "tokenizer.json: tokenizer lacks special tokens"),
     "no tokenizer": (lambda d: (d / "tokenizer.json").unlink(), [], "tokenizer.json (a tokenizers-format"),
     "longer context": (lambda d: None, ["engine.max_context_tokens=8192"],
@@ -121,6 +120,12 @@ CASES = {
     "vocab over tensor parallel": (lambda d: None, ["train.tensor_parallel=3"], "train.tensor_parallel=3"),
     "not a directory": (lambda d: shutil.rmtree(d), [], "no "),
 }  # fmt: skip
+
+
+@pytest.mark.unit
+def test_an_unknown_chat_template_choice_is_refused_where_the_config_loads() -> None:
+    with pytest.raises(ConfigValueError, match="model.chat_template='jinja': choose one of directory, gyre"):
+        compose(["model.chat_template=jinja"])  # the schema's domain, before any directory is read
 
 
 @pytest.mark.unit

@@ -5,7 +5,8 @@ Runs every task's reference solution and a do-nothing agent through the real gra
 sound, broken (with its cause in words, and the last lines of the tests' and the solution's output) or
 skipped (a task that cannot be loaded or built, with its cause). No task stops the others. `--json FILE`
 writes a list of {task, built, oracle, noop, verdict, cause} (built: null where no image build applies).
-Exits 1 when any task is broken or skipped. PATH is a directory of Harbor tasks (or one task) or a
+Exits 1 when any task is broken or skipped, or (with its one message, no traceback unless --verbose) when
+the suite cannot be read or the sandbox cannot run. PATH is a directory of Harbor tasks (or one task) or a
 SWE-bench JSONL file (snapshots in --repos, default <PATH's dir>/repos). `--commit-id DIR` prints the
 base_commit a plain-directory snapshot stands for.
 """
@@ -19,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from gyre.config.schema import SandboxConfig, TaskConfig
-from gyre.config.validate import ConfigValueError
-from gyre.sandbox import SandboxUnavailable, make_sandbox
+from gyre.errors import reported, take_verbose_flag
+from gyre.sandbox import make_sandbox
 from gyre.tasks.oracle import EnvironmentBuilder, OracleReport, check_task, no_build, skipped_report
 from gyre.tasks.source import read_suite
 from gyre.tasks.swebench import plain_executables, plain_snapshot, snapshot_commit
@@ -58,15 +59,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=4, help="tasks checked at once (each in its own sandboxes)")
     p.add_argument("--json", type=Path, help="write the per-task verdicts here as a JSON list")
     p.add_argument("--commit-id", action="store_true", help="print PATH's commit id as a snapshot; check nothing")
-    args = p.parse_args(argv)
+    p.add_argument("--verbose", action="store_true", help="show the traceback of an expected failure too")
+    args = p.parse_args(take_verbose_flag(list(sys.argv[1:] if argv is None else argv)))
+    with reported():  # no suite at the path, no sandbox here: one message, exit 1
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
     if args.commit_id:
         print(snapshot_commit(plain_snapshot(args.path), plain_executables(args.path)))
         return 0
-    try:
-        reports = check_suite(args.path, args)
-    except (ConfigValueError, SandboxUnavailable) as e:
-        print(f"check_tasks: {e}", file=sys.stderr)
-        return 2
+    reports = check_suite(args.path, args)
     if args.json:
         args.json.write_text(json.dumps([r.to_json() for r in reports], indent=1) + "\n")
     counts = {v: sum(r.verdict == v for r in reports) for v in ("sound", "broken", "skipped")}

@@ -14,12 +14,13 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from gyre.config.schema import RunConfig
+from gyre.errors import UserError
 
 SCHEMA_NAME = "gyre_schema"
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
-class ConfigKeyError(KeyError):
+class ConfigKeyError(UserError, KeyError):
     """An override names a key the schema does not have."""
 
     def __str__(self) -> str:  # KeyError quotes its message otherwise

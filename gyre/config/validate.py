@@ -1,7 +1,9 @@
 """Checks of config values that the types alone cannot express. Each error names the key, the value,
 and what to change. Imports no torch/megatron/sglang.
 
-Single-field checks run when a config is built (EngineConfig.__post_init__). Checks against the model
+Each field's own domain (a range, a choice) is declared beside it in the schema (gyre/config/domain.py) and
+checked when a config is built, with the cross-field checks of its section (EngineConfig.__post_init__
+calls check_engine). check_run is every check, the entry point launch.run calls. Checks against the model
 run where a model meets a backend (SGLang command lines, the trainer's parallel layout), because presets
 such as cluster=slurm_gpu are composed with whatever model a run brings.
 """
@@ -9,6 +11,11 @@ such as cluster=slurm_gpu are composed with whatever model a run brings.
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from gyre.config.domain import ConfigValueError as ConfigValueError  # where callers have always found it
+from gyre.config.domain import check_fields
+from gyre.config.domain import fail as _fail
+from gyre.config.schema import LOGGERS
 
 if TYPE_CHECKING:
     from gyre.config.schema import (
@@ -23,55 +30,20 @@ if TYPE_CHECKING:
         TrainConfig,
     )
 
-ENGINE_BACKENDS = ("embedded", "sglang")
-ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-# SGLang's --load-format choices that read an HF-format directory or none (server_args.py has more).
-SGLANG_LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy", "fastsafetensors", "layered")
-TRANSFORMER_ENGINE = ("auto", "on", "off")
-LOGGERS = ("jsonl", "tensorboard", "wandb")
-WEIGHT_SYNCS = ("auto", "disk", "tensor", "distributed")
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-LOSS_NORMS = ("all_rollouts", "with_signal")
-SANDBOX_BACKENDS = ("bwrap", "apptainer", "none")
-TASK_SOURCES = ("builtin", "harbor", "swebench")  # gyre/tasks/source.py
-TASK_SPLITS = ("train", "eval", "all")
-HARNESS_KINDS = ("builtin", "claude_code", "mini_swe_agent")
-
-
-class ConfigValueError(ValueError):
-    """A config value is out of range or inconsistent with another."""
-
-
-def _fail(key: str, value: object, why: str) -> None:
-    raise ConfigValueError(f"{key}={value!r}: {why}")
-
 
 def check_sandbox(s: SandboxConfig) -> None:
-    if s.backend not in SANDBOX_BACKENDS:
-        _fail("sandbox.backend", s.backend, f"unknown sandbox backend; choose one of {', '.join(SANDBOX_BACKENDS)}")
+    check_fields(s, "sandbox.")
     if s.backend == "apptainer" and not s.apptainer_image and not s.apptainer_images:
         _fail("sandbox.apptainer_image", s.apptainer_image,
               "backend=apptainer needs an image (a .sif file), or sandbox.apptainer_images per task image")  # fmt: skip
-    for key in ("file_size_mb", "open_files", "processes"):
-        if getattr(s, key) < 1:
-            _fail(f"sandbox.{key}", getattr(s, key), "must be at least 1")
 
 
 def check_tasks(t: TaskConfig) -> None:
-    if t.source not in TASK_SOURCES:
-        _fail("tasks.source", t.source, f"unknown task source; choose one of {', '.join(TASK_SOURCES)}")
+    check_fields(t, "tasks.")
     if t.source != "builtin" and not t.path:
         _fail("tasks.path", t.path, f"tasks.source={t.source} needs a path (a directory of tasks or a JSONL file)")
     if t.repos and t.source != "swebench":
         _fail("tasks.repos", t.repos, "repository snapshots are for tasks.source=swebench only")
-    if t.split not in TASK_SPLITS:
-        _fail("tasks.split", t.split, f"choose one of {', '.join(TASK_SPLITS)}")
-    if not 0.0 <= t.eval_fraction < 1.0:
-        _fail("tasks.eval_fraction", t.eval_fraction, "must be in [0, 1)")
-    if t.pool_size < 0:
-        _fail("tasks.pool_size", t.pool_size, "must be >= 0")
-    if t.min_tasks < 1:
-        _fail("tasks.min_tasks", t.min_tasks, "must be >= 1 (a run needs a task)")
 
 
 def check_task_sandbox(cfg: RunConfig) -> None:
@@ -81,39 +53,18 @@ def check_task_sandbox(cfg: RunConfig) -> None:
 
 
 def check_harness(h: HarnessConfig) -> None:
-    if h.kind not in HARNESS_KINDS:
-        _fail("harness.kind", h.kind, f"unknown harness; choose one of {', '.join(HARNESS_KINDS)}")
+    check_fields(h, "harness.")
     if h.bare and h.kind not in ("claude_code", "mini_swe_agent"):
         _fail("harness.bare", h.bare, "a short prompt exists for harness.kind=claude_code|mini_swe_agent only")
-    if h.max_turns < 1 or h.timeout_s <= 0:
-        _fail("harness.max_turns/timeout_s", (h.max_turns, h.timeout_s), "must be at least 1 and positive")
 
 
 def check_engine(e: EngineConfig) -> None:
-    if e.backend not in ENGINE_BACKENDS:
-        _fail("engine.backend", e.backend, f"unknown engine backend; choose one of {', '.join(ENGINE_BACKENDS)}")
-    if e.tp_size < 1:
-        _fail("engine.tp_size", e.tp_size, "must be at least 1")
+    check_fields(e, "engine.")
     if e.backend == "embedded" and e.tp_size != 1:
         _fail("engine.tp_size", e.tp_size, "the embedded engine runs on one device; use engine.backend=sglang for TP")
-    if not 0.0 < e.mem_fraction_static < 1.0:
-        _fail("engine.mem_fraction_static", e.mem_fraction_static, "must be in (0, 1), e.g. 0.8")
-    if e.dtype not in ENGINE_DTYPES:
-        _fail("engine.dtype", e.dtype, f"choose one of {', '.join(ENGINE_DTYPES)}")
-    if e.load_format not in SGLANG_LOAD_FORMATS:
-        _fail("engine.load_format", e.load_format, f"choose one of {', '.join(SGLANG_LOAD_FORMATS)}")
-    if e.log_level not in LOG_LEVELS:
-        _fail("engine.log_level", e.log_level, f"choose one of {', '.join(LOG_LEVELS)}")
-    if not 0 <= e.port < 65536:
-        _fail("engine.port", e.port, "must be a TCP port, or 0 to pick a free one")
-    if e.max_running_requests < 1 or e.max_context_tokens < 2:
-        _fail("engine.max_running_requests/max_context_tokens", (e.max_running_requests, e.max_context_tokens),
-              "must be at least 1 and 2")  # fmt: skip
     if e.hicache_storage_backend and not e.enable_hierarchical_cache:
         _fail("engine.hicache_storage_backend", e.hicache_storage_backend,
               "needs engine.enable_hierarchical_cache=true (SGLang's storage tier sits under HiCache)")  # fmt: skip
-    if e.weight_sync not in WEIGHT_SYNCS:
-        _fail("engine.weight_sync", e.weight_sync, f"choose one of {', '.join(WEIGHT_SYNCS)}")
     if e.backend == "embedded" and e.weight_sync in ("tensor", "distributed"):
         _fail("engine.weight_sync", e.weight_sync, "the embedded engine loads weights from disk; use disk or auto")
     if e.backend == "embedded" and e.device != "cpu" and not e.device.startswith("cuda"):
@@ -121,12 +72,7 @@ def check_engine(e: EngineConfig) -> None:
 
 
 def check_rl(r: RLConfig) -> None:
-    if r.loss_norm not in LOSS_NORMS:
-        _fail("rl.loss_norm", r.loss_norm, f"choose one of {', '.join(LOSS_NORMS)} (see the README's GSPO section)")
-    if not 0.0 <= r.max_excluded_fraction <= 1.0:
-        _fail("rl.max_excluded_fraction", r.max_excluded_fraction, "must be in [0, 1]")
-    if r.max_excluded_steps < 0:
-        _fail("rl.max_excluded_steps", r.max_excluded_steps, "must be 0 (never stop) or more")
+    check_fields(r, "rl.")
 
 
 def check_engine_for_model(e: EngineConfig, m: ModelConfig) -> None:
@@ -144,12 +90,8 @@ def check_engine_for_model(e: EngineConfig, m: ModelConfig) -> None:
               f"exceeds model.max_position_embeddings={m.max_position_embeddings}")  # fmt: skip
 
 
-CHAT_TEMPLATES = ("directory", "gyre")
-
-
 def check_model(m: ModelConfig) -> None:
-    if m.chat_template not in CHAT_TEMPLATES:
-        _fail("model.chat_template", m.chat_template, f"choose one of {', '.join(CHAT_TEMPLATES)}")
+    check_fields(m, "model.")
     if m.num_attention_heads % m.num_query_groups:
         _fail("model.num_query_groups", m.num_query_groups,
               f"must divide model.num_attention_heads={m.num_attention_heads}")  # fmt: skip
@@ -161,9 +103,7 @@ def check_model(m: ModelConfig) -> None:
 
 
 def check_train(t: TrainConfig, m: ModelConfig) -> None:
-    for key in ("tensor_parallel", "pipeline_parallel", "context_parallel"):
-        if getattr(t, key) < 1:
-            _fail(f"train.{key}", getattr(t, key), "must be at least 1")
+    check_fields(t, "train.")
     if t.context_parallel > 1:  # every training micro-batch is a token tree (gyre/train/tree_pack.py)
         _fail("train.context_parallel", t.context_parallel,
               "Gyre trains on token trees (whole, or split into segments of train.micro_batch_tokens), which are "
@@ -181,8 +121,6 @@ def check_train(t: TrainConfig, m: ModelConfig) -> None:
               "tied embeddings (model.tie_embeddings) across pipeline stages are not supported; set it to 1")  # fmt: skip
     if m.num_layers % t.pipeline_parallel:
         _fail("train.pipeline_parallel", t.pipeline_parallel, f"must divide model.num_layers={m.num_layers}")
-    if t.transformer_engine not in TRANSFORMER_ENGINE:
-        _fail("train.transformer_engine", t.transformer_engine, f"choose one of {', '.join(TRANSFORMER_ENGINE)}")
 
 
 def check_loggers(loggers: list[str]) -> None:
@@ -203,8 +141,6 @@ def check_cells(cfg: RunConfig) -> None:
     for i, ranks in enumerate(cell_ranks(cfg)):
         key = "cluster.core" if i == 0 else f"cluster.satellites.{i - 1}"
         res = cfg.cluster.core if i == 0 else cfg.cluster.satellites[i - 1]
-        if res.tasks_per_node < 1:
-            _fail(f"{key}.tasks_per_node", res.tasks_per_node, "must be at least 1")
         if ranks != model_parallel:
             _fail(f"{key}.tasks_per_node", res.tasks_per_node,
                   f"cell {i} has {res.nodes} node(s) x {res.tasks_per_node} task(s) = {ranks} rank(s), but its trainer "
@@ -240,13 +176,13 @@ def check_engine_in_cells(cfg: RunConfig) -> None:
 
 
 def check_proxy(p: ProxyConfig) -> None:
-    for key in ("max_body_mb", "body_timeout_s", "idle_timeout_s", "max_connections", "max_context_tokens"):
-        if getattr(p, key) <= 0:
-            _fail(f"proxy.{key}", getattr(p, key), "must be positive")
+    check_fields(p, "proxy.")
 
 
 def check_run(cfg: RunConfig) -> None:
-    """Every check, for a run about to start its engines and trainer with this model."""
+    """Every check, for a run about to start its engines and trainer with this model: what launch.run calls
+    before anything starts (every field in its domain, then the checks across fields and sections)."""
+    check_fields(cfg)
     check_engine(cfg.engine)
     check_rl(cfg.rl)
     check_sandbox(cfg.sandbox)

@@ -27,6 +27,7 @@ from gyre.engine.admin_key import take_run_admin_key
 from gyre.engine.client import SyncEngineClient
 from gyre.engine.engine import EngineServers, EngineSetup, EngineUnsupported, resolved_weight_sync, stop_processes
 from gyre.engine.launcher import EngineProcess, EngineStartError, _tail
+from gyre.errors import UserError
 
 if TYPE_CHECKING:
     import torch
@@ -62,7 +63,7 @@ if not torch.cuda.is_available():
 """
 
 
-class SGLangUnavailable(EngineStartError):
+class SGLangUnavailable(UserError, EngineStartError):
     """engine.backend=sglang on a node whose engine.python cannot run SGLang's server."""
 
 

@@ -25,17 +25,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gyre.config.schema import RunConfig
+from gyre.config.schema import RESUME_MODES, RunConfig
+from gyre.errors import UserError
 from gyre.resume.state import RunState, checkpoint_paths, find_checkpoint, read_state
 
-RESUME_MODES = ("auto", "never", "must")
 SET_ASIDE_DIR = "preempted"
 SHARD_STEP = re.compile(r"^\.?step(\d+)-")  # step00003-group0001.h5 and the writer's hidden temp files
 WORKSPACE_STEP = re.compile(r"^step(\d+)$")  # rollouts/step0003/
 ROLLOUT_STEP = re.compile(r"^s(\d+)-")  # rollout ids s<step>-g<group>-r<index> (gyre/rollouts.py)
 
 
-class ResumeError(RuntimeError):
+class ResumeError(UserError, RuntimeError):
     """The run cannot start as asked (resume=must without a checkpoint, an unknown mode)."""
 
 

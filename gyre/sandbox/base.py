@@ -17,6 +17,7 @@ from typing import Protocol
 
 import gyre
 from gyre.config.schema import SandboxConfig
+from gyre.errors import UserError
 
 # Fixed paths inside an isolated sandbox
 WORKSPACE = "/workspace"
@@ -34,7 +35,7 @@ ENV_ALLOWLIST = ("LANG", "LC_ALL", "LC_CTYPE", "TZ", "TERM")
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 
-class SandboxUnavailable(RuntimeError):
+class SandboxUnavailable(UserError, RuntimeError):
     """The configured sandbox cannot run here; the message says what to install or set."""
 
 

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 import uuid
 from collections.abc import Mapping
 from dataclasses import asdict
@@ -28,12 +29,18 @@ from gyre.config.load import to_run_config
 from gyre.config.schema import CellResources, ModelConfig, RunConfig
 from gyre.config.validate import cell_ranks, check_cells
 from gyre.engine.admin_key import set_run_admin_key, take_run_admin_key
-from gyre.health import ExcludedRunError
+from gyre.errors import UserError, report, wants_traceback
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted
 from gyre.sched.affinity import available_cpus, cpu_plan, pin
 from gyre.sched.faults import stalls_start
 from gyre.sched.job_preflight import run_preflight
-from gyre.sched.launch import CONTROLLER_PID_FILE, DEAD_CELLS_EXIT_CODE, DeadCellsError
+from gyre.sched.launch import (
+    CONTROLLER_PID_FILE,
+    DEAD_CELLS_EXIT_CODE,
+    LAUNCHER_REPORTS_ENV,
+    RANK_ERROR_FILE,
+    DeadCellsError,
+)
 from gyre.sched.slurm_env import (
     WORLD_UP_VAR,
     CellPlace,
@@ -81,9 +88,6 @@ def run(out: Path) -> tuple[bool, dict[str, Any], int]:
             finalize = run_controller(cfg, cp, out, start_id)
         except Preempted:
             finalize, code = True, PREEMPTED_EXIT_CODE
-        except ExcludedRunError as e:  # the world is aborted with the error; its reasons said plainly first
-            print(f"gyre: {e}", file=sys.stderr, flush=True)
-            raise
         report = json.loads((out / "summary.json").read_text())
         if report.get("dead_cells") and not cfg.sched.allow_dead_cells and code == 0:
             print(f"gyre: {dead_cells_message(report)}", file=sys.stderr, flush=True)
@@ -169,8 +173,41 @@ def leave(finalize: bool, code: int = 0) -> NoReturn:
 
 
 def main(out: Path) -> None:
-    finalize, _, code = run(out)
+    try:
+        finalize, _, code = run(out)
+    except UserError as e:
+        if wants_traceback():
+            traceback.print_exc()
+        fail_rank(out, e)
     leave(finalize, code)
+
+
+def record_rank_error(out: Path, error: UserError) -> bool:
+    """Write this rank's message to RUN_DIR/rank_error.txt unless another rank's is there; True if first."""
+    tmp = out / f".{RANK_ERROR_FILE}.{os.getpid()}"
+    try:
+        tmp.write_text(f"{error.exit_code}\n{error}")
+        os.link(tmp, out / RANK_ERROR_FILE)  # atomic, and fails when the file exists (on NFS too)
+        return True
+    except FileExistsError:
+        return False
+    except OSError:  # the run directory is not writable here: say it on this rank
+        return True
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def fail_rank(out: Path, error: UserError) -> NoReturn:
+    """Stop the whole job on an expected failure with its message said once: by gyre.sched.launch when it
+    started the job (it reads rank_error.txt), else (srun) by the first rank that failed."""
+    first = record_rank_error(out, error)
+    if os.environ.get(LAUNCHER_REPORTS_ENV) == "1":
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # MPI_Abort's own line: the launcher says what happened
+    elif first:
+        report(error)
+    sys.stdout.flush()
+    MPI.COMM_WORLD.Abort(error.exit_code)
+    os._exit(error.exit_code)  # not reached: Abort ends every rank
 
 
 def submitit_main(run_dir: str, abort_after_s: float = 30.0) -> dict[str, Any]:

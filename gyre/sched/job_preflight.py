@@ -15,6 +15,7 @@ from typing import Any
 
 from gyre.comm.address import AddressError, advertise_address, check_reachable, this_rank
 from gyre.config.schema import RunConfig
+from gyre.errors import UserError
 
 SHARED_FS_WAIT_S = 10.0  # NFS may show another node's new file only after its attribute cache expires
 
@@ -27,7 +28,7 @@ GLOO_UNSUPPORTED = (
 )
 
 
-class PreflightError(RuntimeError):
+class PreflightError(UserError, RuntimeError):
     """The job cannot work as configured on these nodes; the message says what to change."""
 
 

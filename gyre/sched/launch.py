@@ -19,8 +19,10 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 import gyre
+from gyre.config.domain import fail
 from gyre.config.schema import RunConfig
 from gyre.config.validate import cell_ranks, check_cells
+from gyre.errors import UserError
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted
 from gyre.sched.policy import SCHEDULERS
 
@@ -28,16 +30,38 @@ POLICY_FILE = "policy.json"  # the warm start the cells load, written by rank 0
 CONTROLLER_PID_FILE = "controller.pid"  # rank 0's pid, for passing stop signals on
 DEAD_CELLS_EXIT_CODE = 3  # rank 0's exit when the run lost cells and sched.allow_dead_cells is not set
 RANK_SHELL = 'trap "" USR1; "$0" -m mpi4py -m gyre.sched.job "$1"; exit $?'
+# a rank that stops on an expected failure (gyre.errors.UserError) writes "<exit code>\n<message>" here; the
+# first one wins, so the user reads the message once however many ranks fail alike (gyre.sched.job.fail_rank)
+RANK_ERROR_FILE = "rank_error.txt"
+LAUNCHER_REPORTS_ENV = "GYRE_LAUNCHER_REPORTS"  # set by run_cells: it prints that message, the ranks stay quiet
 
 
-class DeadCellsError(RuntimeError):
+class DeadCellsError(UserError, RuntimeError):
     """The run finished without some of its cells (sched.allow_dead_cells is not set)."""
+
+    exit_code = DEAD_CELLS_EXIT_CODE
+
+
+class CellJobError(UserError):
+    """A rank of the cell job stopped it with an expected failure; the message is that rank's."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def read_rank_error(out: Path) -> CellJobError | None:
+    try:
+        code, _, message = (out / RANK_ERROR_FILE).read_text().partition("\n")
+    except FileNotFoundError:
+        return None
+    return CellJobError(message, int(code) if code.isdigit() else 1)
 
 
 def mpirun_command(cfg: RunConfig, out: Path) -> list[str]:
     mpirun = cfg.sched.mpirun or str(Path(sys.executable).parent / "mpirun")
     if not Path(mpirun).exists():
-        raise FileNotFoundError(f"{mpirun} not found: `pip install mpi4py mpich` into this venv or set sched.mpirun")
+        fail("sched.mpirun", mpirun, "not found: `pip install mpi4py mpich` into this venv or set sched.mpirun")
     ranks = 1 + sum(cell_ranks(cfg))  # the controller, then each cell's ranks
     return [mpirun, "-disable-auto-cleanup", "-n", str(ranks), "sh", "-c", RANK_SHELL, sys.executable, str(out)]
 
@@ -76,12 +100,16 @@ def run_cells(cfg: RunConfig) -> Path:
     # shards are immutable once renamed into place, and cells read them while the controller reads and writes
     # others: HDF5's advisory locks only add spurious "unable to lock file" (EAGAIN) failures between ranks
     env.setdefault("HDF5_USE_FILE_LOCKING", "FALSE")
+    env[LAUNCHER_REPORTS_ENV] = "1"
     (out / POLICY_FILE).unlink(missing_ok=True)
+    (out / RANK_ERROR_FILE).unlink(missing_ok=True)
     (out / CONTROLLER_PID_FILE).unlink(missing_ok=True)
     rc = run_forwarding_stops(mpirun_command(cfg, out), env, out / CONTROLLER_PID_FILE)
     if rc == PREEMPTED_EXIT_CODE:  # stopped by a signal and checkpointed: the same command resumes
         raise Preempted("a stop signal")
     summary = out / "summary.json"
+    if rc != 0 and (error := read_rank_error(out)):
+        raise error
     if rc != 0:
         dead = json.loads(summary.read_text()).get("dead_cells") if summary.exists() else None
         if not dead:

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gyre.comm.messages import Role
+from gyre.config.schema import CELL_SCHEDULERS as SCHEDULERS  # declared with the config field
 
-SCHEDULERS = ("colocate_cells", "async", "elastic")
 # elastic: cells that keep training while sessions queue and training work waits. One cell alone would take
 # twice as long over the step whose update gates the next admission; beyond two, a cell that serves the
 # queued sessions costs the step a third of its rate or less (gyre.sim's map: tools/sim_schedulers.py)

@@ -21,14 +21,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gyre.config.schema import TaskConfig
+from gyre.config.schema import TASK_SOURCES, TaskConfig
 from gyre.config.validate import ConfigValueError
 from gyre.tasks.harbor import load_harbor_suite
 from gyre.tasks.swebench import load_swebench_suite
 from gyre.tasks.task import SkippedTask, Task, TaskFormatError
 
-SOURCES = ("builtin", "harbor", "swebench")
-SPLITS = ("train", "eval", "all")
 CAUSES_SHOWN = 20  # a refusal names this many skipped tasks, then counts the rest
 
 
@@ -75,7 +73,7 @@ def read_suite(cfg: TaskConfig) -> Suite:
         elif cfg.source == "swebench":
             tasks, skipped = load_swebench_suite(resolve(cfg.path), resolve(cfg.repos) if cfg.repos else None)
         else:
-            raise SuiteError(f"tasks.source={cfg.source!r}: choose one of {', '.join(SOURCES)}")
+            raise SuiteError(f"tasks.source={cfg.source!r}: choose one of {', '.join(TASK_SOURCES)}")
     except TaskFormatError as e:
         raise SuiteError(str(e)) from None
     return Suite(tasks, skipped)

@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gyre.errors import UserError
+
 # A check is a JSON object {"name": ..., "kind": ..., **params}; kinds live in gyre/tasks/checker.py.
 CheckSpec = dict[str, Any]
 # The initial workspace's files are text (str) or, for a file that is not UTF-8 (a PNG, a fixture), bytes
@@ -17,7 +19,7 @@ WorkspaceFile = str | bytes
 MAX_WORKSPACE_BYTES = 256 << 20  # of one task's initial workspace: every rollout copies it
 
 
-class TaskFormatError(ValueError):
+class TaskFormatError(UserError, ValueError):
     """A task on disk that Gyre cannot read; the message names the file and what to change."""
 
 

@@ -24,11 +24,12 @@ from dataclasses import dataclass
 
 from gyre.config.schema import CellResources, RunConfig
 from gyre.config.validate import ConfigValueError, check_cells
+from gyre.errors import UserError
 
 JOB_MODULE = "gyre.sched.job"
 
 
-class LayoutError(ValueError):
+class LayoutError(UserError, ValueError):
     """A layout that the cells' resources or the cell runtime cannot hold."""
 
 

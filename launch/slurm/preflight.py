@@ -15,13 +15,14 @@ from dataclasses import dataclass
 
 from gyre.comm.address import is_loopback
 from gyre.config.schema import CellResources
+from gyre.errors import UserError
 from launch.slurm.plan import cell_key
 
 UNUSABLE_STATES = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "FUTURE", "INVAL", "MAINT")
 _FIELD = re.compile(r"([A-Za-z][\w:/]*)=(.*?)(?=\s+[A-Za-z][\w:/]*=|\s*$)")
 
 
-class SlurmPreflightError(RuntimeError):
+class SlurmPreflightError(UserError, RuntimeError):
     """The request cannot run on this cluster; the message says what to change."""
 
 
