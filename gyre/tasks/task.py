@@ -57,6 +57,8 @@ class Task:
     executables: list[str] = field(default_factory=list)  # files of `files` with the executable bit
     source: str = "builtin"
     source_path: str = ""
+    # what the task's environment image is built from (gyre/tasks/images.py): {"dockerfile", "context"}
+    environment: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
