@@ -28,13 +28,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sandbox", default="bwrap", help="sandbox backend (bwrap, apptainer)")
     p.add_argument("--check-timeout", type=float, default=60.0, help="grading limit of tasks that set none")
     p.add_argument("--jobs", type=int, default=4, help="tasks checked at once (each in its own sandboxes)")
+    p.add_argument("--build-images", action="store_true", help="harbor: build each environment/Dockerfile (buildah)")
+    p.add_argument("--images", default="", help="with --build-images: directory of base image OCI archives")
     p.add_argument("--commit-id", action="store_true", help="print PATH's commit id as a snapshot; check nothing")
     args = p.parse_args(argv)
     if args.commit_id:
         print(snapshot_commit(plain_snapshot(args.path), plain_executables(args.path)))
         return 0
     source = args.source or ("swebench" if args.path.suffix == ".jsonl" else "harbor")
-    tasks = load_instances(TaskConfig(source=source, path=str(args.path.resolve()), repos=args.repos, split="all"))
+    tasks = load_instances(
+        TaskConfig(
+            source=source,
+            path=str(args.path.resolve()),
+            repos=args.repos,
+            split="all",
+            build_images=args.build_images,
+            images=args.images,
+        )
+    )
     assert tasks is not None
     sandbox = make_sandbox(SandboxConfig(backend=args.sandbox))
     broken = 0

@@ -122,6 +122,10 @@ class TaskConfig:
     # workload. Each rollout draws a factor ~ lognormal(mean 1, sigma tool_time_sigma) from its rollout id
     tool_time_s: float = 0.0
     tool_time_sigma: float = 1.0
+    # harbor: build each task's environment/Dockerfile with buildah (gyre/tasks/images.py; once per definition,
+    # cached in $GYRE_CACHE) and run its rollouts and grading in the image; false: the host's /usr
+    build_images: bool = False
+    images: str = ""  # a directory of base images FROM names (OCI archives name_tag.tar); see tools/make_base_images
 
     def __post_init__(self) -> None:
         from gyre.config.validate import check_tasks

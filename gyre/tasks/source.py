@@ -42,6 +42,14 @@ def resolve(path: str, base: Path | None = None) -> Path:
     return p if p.is_absolute() else (base or Path.cwd()) / p
 
 
+def build_environments(tasks: Sequence[Task], images: str = "") -> list[Task]:
+    """Every task in its own built environment image (gyre/tasks/images.py), bases also from `images`."""
+    from gyre.tasks.images import ImageBuilder, build_task_environment
+
+    builder = ImageBuilder(stores=[resolve(images)] if images else [])
+    return [build_task_environment(t, builder) for t in tasks]
+
+
 def load_instances(cfg: TaskConfig) -> list[Task] | None:
     """The instances of the configured split, in a stable order; None for the endless built-in source."""
     if cfg.source == "builtin":
@@ -49,7 +57,9 @@ def load_instances(cfg: TaskConfig) -> list[Task] | None:
     if not cfg.path:
         raise ValueError(f"tasks.source={cfg.source} needs tasks.path (a directory of tasks or a JSONL file)")
     if cfg.source == "harbor":
-        tasks = load_harbor_tasks(resolve(cfg.path))
+        tasks = load_harbor_tasks(resolve(cfg.path), build_images=cfg.build_images)
+        if cfg.build_images:
+            tasks = build_environments(tasks, cfg.images)
     elif cfg.source == "swebench":
         tasks = load_swebench_tasks(resolve(cfg.path), resolve(cfg.repos) if cfg.repos else None)
     else:
