@@ -8,6 +8,7 @@ machine makes the bases with mmdebstrap and builds the image (minutes); every la
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from gyre.sandbox.backends import PYTHON_ROOT, BwrapSandbox, image_env, relocate
 from gyre.sandbox.base import Mount, code_mounts
 from gyre.sandbox.rootfs import IMAGE_PREFIX, cache_root, image_root, passwd_ids
 from gyre.tasks.harbor import environment_definition, load_harbor_task
+from gyre.tasks.harbor_checker import network_hint
 from gyre.tasks.images import (
     BaseImageMissing,
     BuildSpec,
@@ -30,6 +32,7 @@ from gyre.tasks.images import (
     build_task_environment,
     qualified,
 )
+from gyre.tasks.offline_tests import uv_version, uvx_commands
 from gyre.tasks.oracle import check_task
 from gyre.tasks.source import load_instances
 from tools.make_base_images import make_base
@@ -197,6 +200,61 @@ def test_the_image_sandbox_has_no_network_and_a_read_only_root(bases, tmp_path):
 
 @pytest.mark.integration
 def test_tasks_build_images_gives_the_run_its_built_tasks(bases):
-    (task,) = load_instances(TaskConfig(source="harbor", path=str(IMAGE_TASKS), split="all", build_images=True))
+    tasks = load_instances(TaskConfig(source="harbor", path=str(IMAGE_TASKS), split="all", build_images=True))
+    task = {t.task_id: t for t in tasks}["csv-sum"]
     assert task.image.startswith(IMAGE_PREFIX) and "data/numbers.csv" in task.files
     assert image_root(task.image).uid == 1001
+
+
+TB2_TEST = """#!/bin/bash
+apt-get update
+apt-get install -y curl
+curl -LsSf https://astral.sh/uv/0.9.7/install.sh | sh
+source $HOME/.local/bin/env
+uvx \\
+  --with pytest==8.4.1 \\
+  --with pytest-json-ctrf==0.3.5 \\
+  pytest --ctrf /logs/verifier/ctrf.json /tests/test_outputs.py -rA
+uvx -p 3.11 -w pytest==8.4.1 pytest /tests/x.py  # another
+"""
+
+
+@pytest.mark.unit
+def test_the_uvx_commands_a_test_script_runs_are_what_gets_prepared():
+    assert uvx_commands(TB2_TEST) == [
+        ["--with", "pytest==8.4.1", "--with", "pytest-json-ctrf==0.3.5", "pytest", "--version"],
+        ["-p", "3.11", "-w", "pytest==8.4.1", "pytest", "--version"],
+    ]
+    assert uv_version(TB2_TEST) == "0.9.7" and uvx_commands("python3 -m pytest /tests\n") == []
+
+
+@pytest.mark.unit
+def test_network_failures_are_named_unless_the_tests_ran():
+    hint = network_hint("curl: (6) Could not resolve host: astral.sh\nbash: uvx: command not found\n")
+    assert "need the network" in hint and "astral.sh" in hint
+    assert network_hint("curl: (6) Could not resolve host: astral.sh\n===== 1 failed, 2 passed in 0.31s =====\n") == ""
+    assert network_hint("AssertionError: 3 != 4\n") == ""
+
+
+@pytest.mark.integration
+def test_a_terminal_bench_style_test_that_fetches_uv_and_pytest_runs_offline(bases):
+    """tests/test.sh curls the uv installer and runs `uvx --with pytest==8.4.1 ...`: prepared at build time, it
+    grades with no network: the oracle 1 (both pytest tests pass, per-test results from CTRF), the no-op 0."""
+    built = build_task_environment(load_harbor_task(IMAGE_TASKS / "word-count-uvx", build_images=True), ImageBuilder())
+    assert built.grading["env"]["UV_OFFLINE"] == "1" and Path(built.grading["offline_tests"], "bin", "uvx").is_file()
+    report = check_task(built, make_sandbox(SandboxConfig()), check_timeout_s=120)
+    assert (report.oracle.score, report.nop.score, report.problem) == (1.0, 0.0, ""), report.line()
+    assert {c["name"]: c["passed"] for c in report.oracle.checks}["test: test_outputs.py::test_count_is_right"]
+
+
+@pytest.mark.integration
+def test_a_test_that_still_needs_the_network_fails_the_oracle_check_saying_so(bases, tmp_path):
+    task_dir = tmp_path / "needs-net"
+    shutil.copytree(IMAGE_TASKS / "word-count-uvx", task_dir)
+    (task_dir / "tests" / "test.sh").write_text(
+        "python3 -c \"import urllib.request; urllib.request.urlopen('https://pypi.org/simple/', timeout=10)\" "
+        "&& echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n"
+    )
+    built = build_task_environment(load_harbor_task(task_dir, build_images=True), ImageBuilder())
+    report = check_task(built, make_sandbox(SandboxConfig()), check_timeout_s=60)
+    assert report.broken and "need the network" in report.problem, report.line()

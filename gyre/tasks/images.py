@@ -14,6 +14,7 @@ directories the user fills (`tasks.images`), or made here by `python -m tools.ma
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import fcntl
 import hashlib
@@ -29,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gyre.sandbox.rootfs import IMAGE_PREFIX, cache_root, image_root, images_dir, passwd_ids
+from gyre.sandbox.rootfs import IMAGE_PREFIX, ImageRoot, cache_root, image_root, images_dir, passwd_ids
+from gyre.tasks import offline_tests
 from gyre.tasks.harbor import TaskFormatError
 from gyre.tasks.task import Task
 
@@ -247,7 +249,23 @@ def build_task_environment(task: Task, builder: ImageBuilder) -> Task:
     assert root is not None
     workdir = task.workdir or (root.workdir if root.workdir != "/" else "")
     files, executables = workspace_from_rootfs(root.rootfs, workdir) if workdir else ({}, [])
-    return dataclasses.replace(task, image=image, workdir=workdir, files=files, executables=executables)
+    grading = offline_grading(task, image, root)
+    return dataclasses.replace(
+        task, image=image, workdir=workdir, files=files, executables=executables, grading=grading
+    )
+
+
+def offline_grading(task: Task, image: str, root: ImageRoot) -> dict[str, Any]:
+    """task.grading with what its tests fetch prepared for offline use (gyre/tasks/offline_tests.py), if any."""
+    script = task.hidden_files.get(task.grading.get("test_script", ""), "")
+    try:
+        prepared = offline_tests.prepare(base64.b64decode(script).decode(errors="replace"), image, root)
+    except OSError as e:
+        raise ImageBuildError(f"{task.source_path}: cannot prepare its tests to run offline: {e}") from None
+    if not prepared:
+        return task.grading
+    env = {**task.grading.get("env", {}), **offline_tests.offline_env(root.env.get("PATH", "/usr/bin:/bin"))}
+    return {**task.grading, "env": env, "offline_tests": prepared}
 
 
 def workspace_from_rootfs(rootfs: Path, workdir: str) -> tuple[dict[str, str], list[str]]:

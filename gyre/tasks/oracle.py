@@ -117,6 +117,7 @@ def check_task(task: Task, sandbox: Sandbox, check_timeout_s: float = 60.0) -> O
         problem = f"the oracle's grade failed: {oracle.reason}"
     elif not problem and oracle.score != 1.0:
         problem = f"the oracle gets {oracle.score:g}, not the full reward 1"
+        problem += "".join(f": {c['detail']}" for c in oracle.checks if c.get("name") == "network")
     elif not problem and nop.score is None:
         problem = f"the do-nothing agent's grade failed: {nop.reason}"
     elif not problem and nop.score is not None and nop.score >= 1.0:

@@ -1,0 +1,144 @@
+"""Verifiers that run offline: what a task's tests fetch at test time, fetched once at build time instead.
+
+Terminal-Bench 2 style tests install their tools when they run (`curl .../uv/0.9.7/install.sh | sh`, then
+`uvx --with pytest==8.4.1 pytest ...`); compute nodes have no network, so as written they fail there. The
+prepare step runs on the build host, where PyPI is reachable: it puts the uv those tests name (from PyPI)
+into a directory and runs their uvx commands once inside the task's own image, with the network, filling
+uv's cache for the image's interpreter. At test time that directory is mounted at UV_DIR (a fresh copy per
+grading: uv writes to its cache) with uv and uvx first on PATH and UV_OFFLINE=1, so the same commands
+resolve from the cache. Prepared once per (image, commands), in $GYRE_CACHE/offline-tests/<digest>.
+
+A test that still reaches for the network fails; gyre/tasks/harbor_checker.py's `network_hint` says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from gyre.sandbox.rootfs import ImageRoot, cache_root, ensure_mountpoint
+
+UV_DIR = "/opt/gyre/uv"  # in the grading sandbox: bin/uv, bin/uvx, cache/
+DEFAULT_UV_VERSION = "0.9.7"
+HOST_CA_BUNDLE = "/opt/gyre/host-ca.crt"  # the build host's $SSL_CERT_FILE, while preparing only
+_UV_INSTALLER = re.compile(r"astral\.sh/uv/(\d+\.\d+\.\d+)/install\.sh")
+_UVX_OPTIONS_WITH_VALUE = {"--with", "-w", "--from", "--python", "-p", "--with-requirements", "--index-url", "-i"}
+
+
+def uvx_commands(test_script: str) -> list[list[str]]:
+    """The uvx (and `uv tool run`) invocations of a test script, up to the tool's name: what to run once to
+    fill uv's cache (the tool's own arguments, test paths, are left out; `--version` is run instead)."""
+    commands = []
+    joined = test_script.replace("\\\n", " ")
+    for line in joined.splitlines():
+        try:
+            words = shlex.split(line, comments=True)
+        except ValueError:
+            continue
+        for i, word in enumerate(words):
+            rest = (
+                words[i + 1 :]
+                if word == "uvx"
+                else words[i + 3 :]
+                if words[i : i + 3] == ["uv", "tool", "run"]
+                else None
+            )
+            if rest is None:
+                continue
+            head, j = [], 0
+            while j < len(rest) and rest[j].startswith("-"):
+                head.append(rest[j])
+                if rest[j] in _UVX_OPTIONS_WITH_VALUE and j + 1 < len(rest):
+                    head.append(rest[j + 1])
+                    j += 1
+                j += 1
+            if j < len(rest):
+                commands.append([*head, rest[j], "--version"])
+            break
+    return commands
+
+
+def uv_version(test_script: str) -> str:
+    """The uv version the script installs (astral.sh/uv/<version>/install.sh), else DEFAULT_UV_VERSION."""
+    match = _UV_INSTALLER.search(test_script)
+    return match.group(1) if match else DEFAULT_UV_VERSION
+
+
+def uv_tools(version: str) -> Path:
+    """A directory with bin/uv and bin/uvx of `version`, from PyPI (made once per machine)."""
+    target = cache_root() / "tools" / f"uv-{version}"
+    if (target / "bin" / "uv").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".uv-{version}-", dir=target.parent))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                               "--no-deps", "--target", str(staging), f"uv=={version}"],
+                              capture_output=True, text=True)  # fmt: skip
+        if proc.returncode != 0:
+            raise OSError(f"pip install uv=={version} failed: {proc.stderr.strip()[-500:]}")
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def prepare(test_script: str, image: str, root: ImageRoot, bwrap: str = "bwrap") -> str:
+    """The prepared directory (under $GYRE_CACHE/offline-tests) for a test script's uvx commands in `image`;
+    '' when the script runs no uvx. Raises OSError with uv's output when a command cannot be prepared."""
+    commands = uvx_commands(test_script)
+    if not commands:
+        return ""
+    version = uv_version(test_script)
+    key = hashlib.sha256(json.dumps([image, version, commands]).encode()).hexdigest()[:24]
+    out = cache_root() / "offline-tests" / key
+    if (out / "prepared.json").is_file():
+        return str(out)
+    tools = uv_tools(version)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=out.parent))
+    try:
+        shutil.copytree(tools / "bin", staging / "bin")
+        (staging / "cache").mkdir()
+        for command in commands:
+            _run_online(bwrap, root, staging, ["uvx", *command])
+        (staging / "prepared.json").write_text(json.dumps({"image": image, "uv": version, "commands": commands}))
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return str(out)
+
+
+def _run_online(bwrap: str, root: ImageRoot, uv_dir: Path, argv: list[str]) -> None:
+    """`argv` in the image with the host's network, uv's directory writable: the build-time half of a test."""
+    for target in ("/proc", "/dev", "/tmp", UV_DIR):
+        ensure_mountpoint(root.rootfs, target)
+    host_files = ["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"] if os.path.exists("/etc/resolv.conf") else []
+    env = {**root.env, **offline_env(root.env.get("PATH", "/usr/bin:/bin")), "HOME": "/tmp", "UV_OFFLINE": "0"}
+    ca_bundle = os.environ.get("SSL_CERT_FILE", "")
+    if ca_bundle and os.path.isfile(ca_bundle):  # the build host's trust (a site's TLS proxy), not the image's
+        host_files += ["--ro-bind", ca_bundle, HOST_CA_BUNDLE]
+        env["SSL_CERT_FILE"] = HOST_CA_BUNDLE
+    for target in host_files[2::3]:
+        ensure_mountpoint(root.rootfs, target, is_file=True)
+    cmd = [bwrap, "--unshare-all", "--share-net", "--die-with-parent", "--ro-bind", str(root.rootfs), "/",
+           *host_files, "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--bind", str(uv_dir), UV_DIR,
+           "--chdir", "/tmp", "--clearenv", *(a for k, v in env.items() for a in ("--setenv", k, v)), "--", *argv]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])
+        raise OSError(f"preparing `{shlex.join(argv)}` in the image failed (exit {proc.returncode}):\n{tail}")
+
+
+def offline_env(path: str) -> dict[str, str]:
+    """What a test sees of the prepared directory: uv first on PATH, its cache, no network, no downloads."""
+    return {"PATH": f"{UV_DIR}/bin:{path}", "UV_CACHE_DIR": f"{UV_DIR}/cache", "UV_OFFLINE": "1",
+            "UV_PYTHON_DOWNLOADS": "never", "UV_NO_PROGRESS": "1"}  # fmt: skip
