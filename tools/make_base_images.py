@@ -87,15 +87,31 @@ def make_base(builder: ImageBuilder, name: str, store: Path, mirror: str = "", f
     return archive
 
 
+def stand_in(builder: ImageBuilder, name: str, base: str, store: Path) -> Path:
+    """Store `base` under another image's name (`--stand-in ubuntu:24.04=debian:bookworm`): a user's explicit
+    choice to run tasks written for an image this machine cannot get on one it can make; it is not that image."""
+    make_base(builder, base, store)
+    _ok(builder.run("tag", qualified(base), qualified(name)))
+    archive = store / f"{archive_stem(name)}.tar"
+    archive.unlink(missing_ok=True)
+    _ok(builder.run("push", "--quiet", qualified(name), f"oci-archive:{archive}:{name}"))
+    return archive
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("names", nargs="*", default=list(BASES), help=f"bases to make (default: {' '.join(BASES)})")
+    p.add_argument("names", nargs="*", help=f"bases to make (default: {' '.join(BASES)}, unless --stand-in)")
     p.add_argument("--store", type=Path, default=cache_root() / "bases", help="where the OCI archives go")
     p.add_argument("--mirror", default="", help="Debian mirror for mmdebstrap (default: the archive)")
     p.add_argument("--force", action="store_true", help="remake bases that exist")
+    p.add_argument("--stand-in", action="append", default=[], metavar="NAME=BASE",
+                   help="also store BASE under NAME (e.g. ubuntu:24.04=debian:bookworm): not NAME, a stand-in for it")  # fmt: skip
     args = p.parse_args(argv)
     builder = ImageBuilder(stores=[args.store])
-    for name in args.names:
+    for pair in args.stand_in:
+        name, _, base = pair.partition("=")
+        print(f"{name}: stand-in {stand_in(builder, name, base, args.store)} (it is {base})", flush=True)
+    for name in args.names or ([] if args.stand_in else BASES):
         started = time.monotonic()
         try:
             archive = make_base(builder, name, args.store, args.mirror, args.force)

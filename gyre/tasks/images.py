@@ -265,6 +265,8 @@ def offline_grading(task: Task, image: str, root: ImageRoot) -> dict[str, Any]:
     if not prepared:
         return task.grading
     env = {**task.grading.get("env", {}), **offline_tests.offline_env(root.env.get("PATH", "/usr/bin:/bin"))}
+    if (python := offline_tests.fallback_python(root)) is not None:
+        env["UV_PYTHON"] = python[1]
     return {**task.grading, "env": env, "offline_tests": prepared}
 
 

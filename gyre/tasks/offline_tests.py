@@ -24,6 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from gyre.sandbox.backends import relocated_python_mounts
+from gyre.sandbox.base import host_python
 from gyre.sandbox.rootfs import ImageRoot, cache_root, ensure_mountpoint
 
 UV_DIR = "/opt/gyre/uv"  # in the grading sandbox: bin/uv, bin/uvx, cache/
@@ -91,6 +93,16 @@ def uv_tools(version: str) -> Path:
     return target
 
 
+def fallback_python(root: ImageRoot) -> tuple[str, str] | None:
+    """For an image with no python3 on its PATH: (host prefix, interpreter path in the sandbox) of gyre's own
+    interpreter, which every gyre sandbox mounts (its prefix under /usr moved to PYTHON_ROOT); uvx runs the tests
+    with it (UV_PYTHON) rather than download one. None when the image has its own."""
+    if any(os.path.lexists(root.rootfs / d.lstrip("/") / "python3") for d in root.env.get("PATH", "").split(":") if d):
+        return None
+    _, relocate = relocated_python_mounts([])
+    return str(Path(sys.base_prefix).resolve()), relocate(host_python())
+
+
 def prepare(test_script: str, image: str, root: ImageRoot, bwrap: str = "bwrap") -> str:
     """The prepared directory (under $GYRE_CACHE/offline-tests) for a test script's uvx commands in `image`;
     '' when the script runs no uvx. Raises OSError with uv's output when a command cannot be prepared."""
@@ -98,7 +110,7 @@ def prepare(test_script: str, image: str, root: ImageRoot, bwrap: str = "bwrap")
     if not commands:
         return ""
     version = uv_version(test_script)
-    key = hashlib.sha256(json.dumps([image, version, commands]).encode()).hexdigest()[:24]
+    key = hashlib.sha256(json.dumps([image, version, commands, fallback_python(root)]).encode()).hexdigest()[:24]
     out = cache_root() / "offline-tests" / key
     if (out / "prepared.json").is_file():
         return str(out)
@@ -129,6 +141,11 @@ def _run_online(bwrap: str, root: ImageRoot, uv_dir: Path, argv: list[str]) -> N
         env["SSL_CERT_FILE"] = HOST_CA_BUNDLE
     for target in host_files[2::3]:
         ensure_mountpoint(root.rootfs, target, is_file=True)
+    if (python := fallback_python(root)) is not None:
+        prefix, env["UV_PYTHON"] = python
+        _, relocate = relocated_python_mounts([])
+        ensure_mountpoint(root.rootfs, relocate(prefix))
+        host_files += ["--ro-bind", prefix, relocate(prefix)]
     cmd = [bwrap, "--unshare-all", "--share-net", "--die-with-parent", "--ro-bind", str(root.rootfs), "/",
            *host_files, "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--bind", str(uv_dir), UV_DIR,
            "--chdir", "/tmp", "--clearenv", *(a for k, v in env.items() for a in ("--setenv", k, v)), "--", *argv]  # fmt: skip
