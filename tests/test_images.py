@@ -7,6 +7,7 @@ machine makes the bases with mmdebstrap and builds the image (minutes); every la
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
@@ -14,8 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
+from test_harness import ScriptedServer, tool_reply
 
-from gyre.config.schema import SandboxConfig, TaskConfig
+from gyre.config.schema import HarnessConfig, SandboxConfig, TaskConfig
+from gyre.harness.runner import run_rollout
 from gyre.sandbox import SandboxJob, make_sandbox
 from gyre.sandbox.backends import PYTHON_ROOT, BwrapSandbox, image_env, relocated_python_mounts
 from gyre.sandbox.base import Mount, code_mounts
@@ -258,3 +261,21 @@ def test_a_test_that_still_needs_the_network_fails_the_oracle_check_saying_so(ba
     built = build_task_environment(load_harbor_task(task_dir, build_images=True), ImageBuilder())
     report = check_task(built, make_sandbox(SandboxConfig()), check_timeout_s=60)
     assert report.broken and "need the network" in report.problem, report.line()
+
+
+@pytest.mark.integration
+def test_a_rollout_runs_in_the_image_and_is_graded_there(bases, tmp_path):
+    """The built-in harness runs in the task's image (its rootfs as /, /app the workspace made from the image's
+    /app), reads the RUN-made input, writes the answer; grading in the same image scores it 1."""
+    built = build_task_environment(load_harbor_task(IMAGE_TASKS / "csv-sum", build_images=True), ImageBuilder())
+    answer = str(sum(int(x) for x in built.files["data/numbers.csv"].split()))
+    script = [tool_reply("read_file", 0, path="data/numbers.csv"),
+              tool_reply("write_file", 1, path="answer.txt", content=answer), tool_reply("finish", 2)]  # fmt: skip
+
+    async def main():
+        async with ScriptedServer({"r": script}) as url:
+            return await run_rollout(built, "r", url, tmp_path / "r", HarnessConfig(timeout_s=60.0), TaskConfig())
+
+    outcome = asyncio.run(main())
+    assert (outcome.grade.status, outcome.grade.score) == ("ok", 1.0), outcome.grade
+    assert outcome.turns == 3
