@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from gyre.sandbox.rootfs import cache_root
-from gyre.tasks.images import ImageBuilder, ImageBuildError, archive_stem, qualified
+from gyre.tasks.images import ImageBuilder, ImageBuildError, archive_stem, locked, qualified
 
 DEBIAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PYTHON_SLIM = f"""FROM debian:bookworm
@@ -67,19 +67,27 @@ def _ok(proc: subprocess.CompletedProcess[str]) -> str:
 
 
 def make_base(builder: ImageBuilder, name: str, store: Path, mirror: str = "", force: bool = False) -> Path:
-    """The OCI archive of base `name` in `store`, made unless it is there."""
+    """The OCI archive of base `name` in `store`, made unless it is there (one maker at a time per store)."""
     archive = store / f"{archive_stem(name)}.tar"
     if archive.exists() and not force:
         return archive
+    store.mkdir(parents=True, exist_ok=True)
+    with locked(store / f".{archive_stem(name)}.lock"):
+        if archive.exists() and not force:
+            return archive
+        return _make_base(builder, name, archive, mirror, force)
+
+
+def _make_base(builder: ImageBuilder, name: str, archive: Path, mirror: str, force: bool) -> Path:
     if force or not builder.has_image(qualified(name)):
         if name == "debian:bookworm":
             make_debian(builder, name, mirror)
         elif name == "python:3.11-slim":
+            make_base(builder, "debian:bookworm", archive.parent, mirror)
             builder.ensure_base("debian:bookworm")
             make_from_dockerfile(builder, name, PYTHON_SLIM)
         else:
             raise ImageBuildError(f"no recipe for base {name!r}; this tool makes {', '.join(BASES)}")
-    store.mkdir(parents=True, exist_ok=True)
     partial = archive.with_suffix(".tar.partial")
     partial.unlink(missing_ok=True)
     _ok(builder.run("push", "--quiet", qualified(name), f"oci-archive:{partial}:{name}"))

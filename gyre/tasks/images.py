@@ -154,7 +154,7 @@ class ImageBuilder:
         if (out / "image.json").is_file():
             return IMAGE_PREFIX + digest
         self.cache.mkdir(parents=True, exist_ok=True)
-        with _locked(self.cache / f"{digest}.lock"):
+        with locked(self.cache / f"{digest}.lock"):
             if not (out / "image.json").is_file():
                 self._build_and_unpack(spec, digest, out, timeout)
         return IMAGE_PREFIX + digest
@@ -228,7 +228,7 @@ def apptainer_build_argv(archive: Path, sif: Path, apptainer: str = "apptainer")
 
 
 @contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def locked(path: Path) -> Iterator[None]:
     """One builder of a definition at a time on this machine (runs and rollouts share the cache)."""
     with open(path, "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
