@@ -19,7 +19,7 @@ from test_harness import ScriptedServer, tool_reply
 
 from gyre.config.schema import HarnessConfig, SandboxConfig, TaskConfig
 from gyre.harness.runner import run_rollout
-from gyre.sandbox import SandboxJob, make_sandbox
+from gyre.sandbox import ApptainerSandbox, SandboxJob, make_sandbox
 from gyre.sandbox.backends import PYTHON_ROOT, BwrapSandbox, image_env, relocated_python_mounts
 from gyre.sandbox.base import Mount, code_mounts
 from gyre.sandbox.rootfs import IMAGE_PREFIX, cache_root, image_root, passwd_ids
@@ -279,3 +279,12 @@ def test_a_rollout_runs_in_the_image_and_is_graded_there(bases, tmp_path):
     outcome = asyncio.run(main())
     assert (outcome.grade.status, outcome.grade.score) == ("ok", 1.0), outcome.grade
     assert outcome.turns == 3
+
+
+@pytest.mark.unit
+def test_apptainer_runs_a_built_image_from_its_sif_in_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("GYRE_CACHE", str(tmp_path))
+    (tmp_path / "images" / "d2").mkdir(parents=True)
+    (tmp_path / "images" / "d2" / "image.sif").write_bytes(b"")
+    sandbox = ApptainerSandbox(SandboxConfig(backend="apptainer", apptainer_image=str(tmp_path / "default.sif")))
+    assert sandbox.image_for(IMAGE_PREFIX + "d2") == str(tmp_path / "images" / "d2" / "image.sif")
