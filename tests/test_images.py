@@ -22,7 +22,7 @@ from gyre.harness.runner import run_rollout
 from gyre.sandbox import ApptainerSandbox, SandboxJob, make_sandbox
 from gyre.sandbox.backends import PYTHON_ROOT, BwrapSandbox, image_env, relocated_python_mounts
 from gyre.sandbox.base import Mount, code_mounts
-from gyre.sandbox.rootfs import IMAGE_PREFIX, cache_root, image_root, passwd_ids
+from gyre.sandbox.rootfs import IMAGE_PREFIX, cache_root, ensure_mountpoint, image_root, passwd_ids
 from gyre.tasks.harbor import environment_definition, load_harbor_task
 from gyre.tasks.harbor_checker import network_hint
 from gyre.tasks.images import (
@@ -288,3 +288,18 @@ def test_apptainer_runs_a_built_image_from_its_sif_in_the_cache(tmp_path, monkey
     (tmp_path / "images" / "d2" / "image.sif").write_bytes(b"")
     sandbox = ApptainerSandbox(SandboxConfig(backend="apptainer", apptainer_image=str(tmp_path / "default.sif")))
     assert sandbox.image_for(IMAGE_PREFIX + "d2") == str(tmp_path / "images" / "d2" / "image.sif")
+
+
+@pytest.mark.unit
+def test_mount_points_are_made_inside_the_rootfs_only(tmp_path):
+    rootfs, outside = tmp_path / "rootfs", tmp_path / "outside"
+    rootfs.mkdir()
+    outside.mkdir()
+    (rootfs / "opt").symlink_to(outside)  # an image's symlink, absolute on the host
+    ensure_mountpoint(rootfs, "/run/gyre/proxy.sock", is_file=True)
+    assert (rootfs / "run" / "gyre" / "proxy.sock").is_file()
+    with pytest.raises(ValueError, match="symlink"):
+        ensure_mountpoint(rootfs, "/opt/gyre/gyre")
+    with pytest.raises(ValueError, match="leaves"):
+        ensure_mountpoint(rootfs, "/app/../../x")
+    assert list(outside.iterdir()) == []

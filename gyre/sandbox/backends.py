@@ -101,14 +101,18 @@ class BwrapSandbox:
         argv = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--uid", str(uid),
                 "--gid", str(gid), "--hostname", "sandbox", "--ro-bind", str(root.rootfs), "/",
                 "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", HOME]  # fmt: skip
-        for target in ("/proc", "/dev", "/tmp", HOME):
-            rootfs.ensure_mountpoint(root.rootfs, target)
         for m in mounts:
-            rootfs.ensure_mountpoint(root.rootfs, m.target, is_file=m.source.is_file())
             argv += ["--bind" if m.writable else "--ro-bind", str(m.source), m.target]
         if job.proxy_socket is not None:
-            rootfs.ensure_mountpoint(root.rootfs, SOCKET_PATH, is_file=True)
             argv += ["--bind", str(job.proxy_socket), SOCKET_PATH]
+        points = [(t, False) for t in ("/proc", "/dev", "/tmp", HOME)] + [
+            (m.target, m.source.is_file()) for m in mounts
+        ]
+        try:  # what bwrap mounts on must exist in the read-only root
+            for target, is_file in [*points, *([(SOCKET_PATH, True)] if job.proxy_socket is not None else [])]:
+                rootfs.ensure_mountpoint(root.rootfs, target, is_file)
+        except (OSError, ValueError) as e:
+            raise SandboxUnavailable(f"image {job.image}: {e}") from None
         argv += ["--chdir", job.cwd, "--clearenv"]
         for key, value in image_env(root.env, self.base_env(), job.env).items():
             argv += ["--setenv", key, value]

@@ -65,9 +65,15 @@ def image_root(image: str) -> ImageRoot | None:
 def ensure_mountpoint(rootfs: Path, target: str, is_file: bool = False) -> None:
     """Create the empty directory (or file) bwrap mounts `target` on: the rootfs is read-only in the sandbox,
     so a mount point it lacks must exist before. Idempotent; never touches an existing path."""
-    path = rootfs / target.lstrip("/")
+    parts = [part for part in target.split("/") if part not in ("", ".")]
+    if ".." in parts:
+        raise ValueError(f"mount point {target!r} leaves the image's root")
+    path = rootfs.joinpath(*parts)
     if os.path.lexists(path):
         return
+    for i in range(1, len(parts)):  # the host makes it: an image's symlink must not lead it outside the rootfs
+        if os.path.islink(rootfs.joinpath(*parts[:i])):
+            raise ValueError(f"cannot mount on {target}: /{'/'.join(parts[:i])} is a symlink in the image")
     if is_file:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.touch(exist_ok=True)
