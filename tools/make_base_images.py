@@ -16,6 +16,7 @@ docker://ubuntu:24.04 oci-archive:ubuntu_24.04.tar`.
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,6 +40,8 @@ BASES = ("debian:bookworm", "python:3.11-slim")
 
 def make_debian(builder: ImageBuilder, name: str, mirror: str) -> None:
     """A minimal Debian bookworm root filesystem from the archive, committed as image `name`."""
+    if shutil.which("mmdebstrap") is None:
+        raise ImageBuildError("`mmdebstrap` is not on PATH: apt-get install mmdebstrap (tools/setup_env.sh does)")
     with tempfile.TemporaryDirectory(prefix="gyre-base-") as tmp:
         tar = Path(tmp) / "rootfs.tar"
         cmd = ["mmdebstrap", "--variant=minbase", "--format=tar", "bookworm", str(tar), *([mirror] if mirror else [])]
