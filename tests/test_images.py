@@ -23,7 +23,7 @@ from gyre.sandbox import ApptainerSandbox, SandboxJob, make_sandbox
 from gyre.sandbox.backends import PYTHON_ROOT, BwrapSandbox, image_env, relocated_python_mounts
 from gyre.sandbox.base import Mount, code_mounts
 from gyre.sandbox.rootfs import IMAGE_PREFIX, cache_root, ensure_mountpoint, image_root, passwd_ids
-from gyre.tasks.harbor import environment_definition, load_harbor_task
+from gyre.tasks.harbor import load_harbor_task
 from gyre.tasks.harbor_checker import network_hint
 from gyre.tasks.images import (
     BaseImageMissing,
@@ -90,19 +90,6 @@ def test_dockerfile_user_resolves_in_the_image_passwd(tmp_path):
     assert passwd_ids(tmp_path, "4242") == (4242, 4242)
     with pytest.raises(KeyError, match="nobody-here"):
         passwd_ids(tmp_path, "nobody-here")
-
-
-@pytest.mark.unit
-def test_compose_build_context_is_the_environment_definition(tmp_path):
-    (tmp_path / "environment").mkdir()
-    (tmp_path / "docker" / "ctx").mkdir(parents=True)
-    (tmp_path / "docker" / "ctx" / "Dockerfile.task").write_text("FROM debian:bookworm\n")
-    (tmp_path / "docker-compose.yaml").write_text(
-        "services:\n  db:\n    image: postgres\n  main:\n    build:\n      context: docker/ctx\n"
-        "      dockerfile: Dockerfile.task\n"
-    )
-    assert environment_definition(tmp_path) == {
-        "dockerfile": str(tmp_path / "docker" / "ctx" / "Dockerfile.task"), "context": str(tmp_path / "docker" / "ctx")}  # fmt: skip
 
 
 @pytest.mark.unit

@@ -125,31 +125,6 @@ def workspace_from_dockerfile(env_dir: Path, workdir_override: str = "") -> tupl
     return final, files, sorted(set(executables) & set(files))
 
 
-def environment_definition(task_dir: Path) -> dict[str, str]:
-    """{"dockerfile", "context"} of a task's environment image: the build of the compose file's service that
-    has one (`main` first; its context is relative to the compose file), else environment/Dockerfile with
-    environment/ as context; {} when the task has neither."""
-    for compose in (task_dir / "environment" / "docker-compose.yaml", task_dir / "docker-compose.yaml"):
-        if not compose.is_file():
-            continue
-        import yaml  # only for tasks that have a compose file
-
-        services = (yaml.safe_load(compose.read_text()) or {}).get("services") or {}
-        for name in sorted(services, key=lambda n: n != "main"):
-            build = (services[name] or {}).get("build")
-            if build:
-                build = {"context": build} if isinstance(build, str) else build
-                context = (compose.parent / build.get("context", ".")).resolve()
-                dockerfile = context / build.get("dockerfile", "Dockerfile")
-                if not dockerfile.is_file():
-                    raise TaskFormatError(f"{compose}: service {name!r} builds from {dockerfile}, which is missing")
-                return {"dockerfile": str(dockerfile), "context": str(context)}
-    dockerfile = task_dir / "environment" / "Dockerfile"
-    if dockerfile.is_file():
-        return {"dockerfile": str(dockerfile), "context": str(dockerfile.parent)}
-    return {}
-
-
 def load_harbor_task(task_dir: Path, build_images: bool = False) -> Task:
     """With `build_images`, the workspace comes from the built image (gyre/tasks/images.py fills it in), so the
     Dockerfile is not read here."""
@@ -164,10 +139,11 @@ def load_harbor_task(task_dir: Path, build_images: bool = False) -> Task:
     tests = task_dir / "tests"
     if not (tests / "test.sh").is_file():
         raise TaskFormatError(f"{task_dir}: no tests/test.sh (the verifier that writes /logs/verifier/reward.txt)")
+    env_dir = task_dir / "environment"
     if build_images:
         workdir, files, executables = env.get("workdir") or "", {}, []
     else:
-        workdir, files, executables = workspace_from_dockerfile(task_dir / "environment", env.get("workdir") or "")
+        workdir, files, executables = workspace_from_dockerfile(env_dir, env.get("workdir") or "")
     hidden = {p.relative_to(tests).as_posix(): _b64(p) for p in sorted(tests.rglob("*")) if p.is_file()}
     return Task(
         task_id=task_dir.name,
@@ -185,7 +161,8 @@ def load_harbor_task(task_dir: Path, build_images: bool = False) -> Task:
         check_timeout_s=float(verifier.get("timeout_sec", DEFAULT_VERIFIER_TIMEOUT_S)),
         source="harbor",
         source_path=str(task_dir),
-        environment=environment_definition(task_dir),
+        build_context=str(env_dir),
+        dockerfile=str(env_dir / "Dockerfile") if (env_dir / "Dockerfile").is_file() else "",
     )
 
 

@@ -241,9 +241,9 @@ def locked(path: Path) -> Iterator[None]:
 def build_task_environment(task: Task, builder: ImageBuilder) -> Task:
     """`task` in its built image: `image` gyre-env:<digest>, the working directory the image's WORKDIR (unless
     task.toml sets one) and the initial workspace the files the image has there (COPY'd or made by RUN)."""
-    if not task.environment:
+    if not task.dockerfile:
         raise ImageBuildError(f"{task.source_path}: no environment/Dockerfile (or compose build) to build")
-    spec = BuildSpec(Path(task.environment["dockerfile"]), Path(task.environment["context"]))
+    spec = BuildSpec(Path(task.dockerfile), Path(task.build_context or Path(task.dockerfile).parent))
     image = builder.build(spec)
     root = image_root(image)
     assert root is not None

@@ -34,7 +34,9 @@ class Task:
     environment image (sandbox.apptainer_images maps it to a .sif); `agent_timeout_s` and
     `check_timeout_s`, the task's own limits (the harness gets the shorter of its own and the task's);
     `init_git`, make the workspace a git repository with one commit (a SWE-bench repo at its base
-    commit); `source` and `source_path`, where the task came from (shard provenance).
+    commit); `source` and `source_path`, where the task came from (shard provenance); `build_context` and
+    `dockerfile`, what its environment is built from (a Harbor task's environment/, or its compose file's
+    build context).
     """
 
     task_id: str
@@ -57,8 +59,8 @@ class Task:
     executables: list[str] = field(default_factory=list)  # files of `files` with the executable bit
     source: str = "builtin"
     source_path: str = ""
-    # what the task's environment image is built from (gyre/tasks/images.py): {"dockerfile", "context"}
-    environment: dict[str, str] = field(default_factory=dict)
+    build_context: str = ""
+    dockerfile: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
