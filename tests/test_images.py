@@ -29,6 +29,7 @@ from gyre.tasks.images import (
     BaseImageMissing,
     BuildSpec,
     ImageBuilder,
+    ImageBuildError,
     apptainer_build_argv,
     archive_stem,
     base_images,
@@ -290,3 +291,22 @@ def test_mount_points_are_made_inside_the_rootfs_only(tmp_path):
     with pytest.raises(ValueError, match="leaves"):
         ensure_mountpoint(rootfs, "/app/../../x")
     assert list(outside.iterdir()) == []
+
+
+@pytest.mark.integration
+def test_uvx_asking_for_another_python_gets_the_machines_or_is_refused_by_name(bases, tmp_path):
+    """`uvx -p 3.13` (Terminal-Bench 2's usual line) in a python 3.11 image: the machine's 3.13 (pyenv) is mounted
+    and on PATH, prepared and graded offline; a machine without one refuses the task naming the version."""
+    task_dir = tmp_path / "p313"
+    shutil.copytree(IMAGE_TASKS / "word-count-uvx", task_dir)
+    script = task_dir / "tests" / "test.sh"
+    script.write_text(script.read_text().replace("uvx \\\n", "uvx -p 3.13 \\\n"))
+    task = load_harbor_task(task_dir, build_images=True)
+    if not (shutil.which("python3.13") or list((Path.home() / ".pyenv" / "versions").glob("3.13.*"))):
+        with pytest.raises(ImageBuildError, match="Python 3.13"):
+            build_task_environment(task, ImageBuilder())
+        return
+    built = build_task_environment(task, ImageBuilder())
+    assert built.grading["offline_pythons"] and "3.13" in built.grading["offline_pythons"][0]
+    report = check_task(built, make_sandbox(SandboxConfig()), check_timeout_s=120)
+    assert (report.oracle.score, report.nop.score, report.problem) == (1.0, 0.0, ""), report.line()

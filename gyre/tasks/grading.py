@@ -184,6 +184,7 @@ def _grading_mounts(task: Task, sandbox: Sandbox, scratch: Path, copy: Path) -> 
             Mount(prepared / "bin", f"{UV_DIR}/bin"),
             Mount(scratch / "uv-cache", f"{UV_DIR}/cache", writable=True),
         ]
+        mounts += [Mount(Path(prefix), prefix) for prefix in task.grading.get("offline_pythons", [])]
     if task.checker == "harbor":
         (scratch / "logs").mkdir()
         mounts.append(Mount(scratch / "logs", LOGS_DIR, writable=True))

@@ -264,10 +264,11 @@ def offline_grading(task: Task, image: str, root: ImageRoot) -> dict[str, Any]:
         raise ImageBuildError(f"{task.source_path}: cannot prepare its tests to run offline: {e}") from None
     if not prepared:
         return task.grading
-    env = {**task.grading.get("env", {}), **offline_tests.offline_env(root.env.get("PATH", "/usr/bin:/bin"))}
+    pythons = json.loads((Path(prepared) / "prepared.json").read_text()).get("pythons", [])
+    env = {**task.grading.get("env", {}), **offline_tests.offline_env(root.env.get("PATH", "/usr/bin:/bin"), pythons)}
     if (python := offline_tests.fallback_python(root)) is not None:
         env["UV_PYTHON"] = python[1]
-    return {**task.grading, "env": env, "offline_tests": prepared}
+    return {**task.grading, "env": env, "offline_tests": prepared, "offline_pythons": pythons}
 
 
 def workspace_from_rootfs(rootfs: Path, workdir: str) -> tuple[dict[str, str], list[str]]:

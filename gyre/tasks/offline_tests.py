@@ -97,10 +97,33 @@ def fallback_python(root: ImageRoot) -> tuple[str, str] | None:
     """For an image with no python3 on its PATH: (host prefix, interpreter path in the sandbox) of gyre's own
     interpreter, which every gyre sandbox mounts (its prefix under /usr moved to PYTHON_ROOT); uvx runs the tests
     with it (UV_PYTHON) rather than download one. None when the image has its own."""
-    if any(os.path.lexists(root.rootfs / d.lstrip("/") / "python3") for d in root.env.get("PATH", "").split(":") if d):
+    if _image_has(root, "python3"):
         return None
     _, relocate = relocated_python_mounts([])
     return str(Path(sys.base_prefix).resolve()), relocate(host_python())
+
+
+def _image_has(root: ImageRoot, program: str) -> bool:
+    return any(os.path.lexists(root.rootfs / d.lstrip("/") / program) for d in root.env.get("PATH", "").split(":") if d)
+
+
+def host_pythons(test_script: str, root: ImageRoot) -> list[str]:
+    """Prefixes of this machine's interpreters for the Python versions the script's uvx asks for (`-p 3.13`)
+    that the image lacks; they are mounted at their own paths and put on PATH, where uv finds them. OSError
+    names a version neither has (uv would download it, and the network is not there at test time)."""
+    versions = {c[i + 1] for c in uvx_commands(test_script) for i, w in enumerate(c[:-1]) if w in ("-p", "--python")}
+    prefixes = []
+    for version in sorted(versions):
+        if not re.fullmatch(r"\d+\.\d+", version) or _image_has(root, f"python{version}"):
+            continue
+        found = [Path(p).resolve().parent.parent for p in [shutil.which(f"python{version}")] if p]
+        found += sorted((Path.home() / ".pyenv" / "versions").glob(f"{version}.*"))
+        usable = [str(f) for f in found if (f / "bin" / f"python{version}").exists() and not str(f).startswith("/usr")]
+        if not usable:
+            raise OSError(f"uvx asks for Python {version}: the image has none and this machine has none outside "
+                          f"/usr (pyenv install {version}, or a RUN step that installs it into the image)")  # fmt: skip
+        prefixes.append(usable[0])
+    return prefixes
 
 
 def prepare(test_script: str, image: str, root: ImageRoot, bwrap: str = "bwrap") -> str:
@@ -110,7 +133,9 @@ def prepare(test_script: str, image: str, root: ImageRoot, bwrap: str = "bwrap")
     if not commands:
         return ""
     version = uv_version(test_script)
-    key = hashlib.sha256(json.dumps([image, version, commands, fallback_python(root)]).encode()).hexdigest()[:24]
+    pythons = host_pythons(test_script, root)
+    key = hashlib.sha256(json.dumps([image, version, commands, fallback_python(root), pythons]).encode()).hexdigest()
+    key = key[:24]
     out = cache_root() / "offline-tests" / key
     if (out / "prepared.json").is_file():
         return str(out)
@@ -121,20 +146,22 @@ def prepare(test_script: str, image: str, root: ImageRoot, bwrap: str = "bwrap")
         shutil.copytree(tools / "bin", staging / "bin")
         (staging / "cache").mkdir()
         for command in commands:
-            _run_online(bwrap, root, staging, ["uvx", *command])
-        (staging / "prepared.json").write_text(json.dumps({"image": image, "uv": version, "commands": commands}))
+            _run_online(bwrap, root, staging, ["uvx", *command], pythons)
+        (staging / "prepared.json").write_text(
+            json.dumps({"image": image, "uv": version, "commands": commands, "pythons": pythons})
+        )
         staging.rename(out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return str(out)
 
 
-def _run_online(bwrap: str, root: ImageRoot, uv_dir: Path, argv: list[str]) -> None:
+def _run_online(bwrap: str, root: ImageRoot, uv_dir: Path, argv: list[str], pythons: list[str]) -> None:
     """`argv` in the image with the host's network, uv's directory writable: the build-time half of a test."""
     for target in ("/proc", "/dev", "/tmp", UV_DIR):
         ensure_mountpoint(root.rootfs, target)
     host_files = ["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"] if os.path.exists("/etc/resolv.conf") else []
-    env = {**root.env, **offline_env(root.env.get("PATH", "/usr/bin:/bin")), "HOME": "/tmp", "UV_OFFLINE": "0"}
+    env = {**root.env, **offline_env(root.env.get("PATH", "/usr/bin:/bin"), pythons), "HOME": "/tmp", "UV_OFFLINE": "0"}
     ca_bundle = os.environ.get("SSL_CERT_FILE", "")
     if ca_bundle and os.path.isfile(ca_bundle):  # the build host's trust (a site's TLS proxy), not the image's
         host_files += ["--ro-bind", ca_bundle, HOST_CA_BUNDLE]
@@ -146,6 +173,9 @@ def _run_online(bwrap: str, root: ImageRoot, uv_dir: Path, argv: list[str]) -> N
         _, relocate = relocated_python_mounts([])
         ensure_mountpoint(root.rootfs, relocate(prefix))
         host_files += ["--ro-bind", prefix, relocate(prefix)]
+    for prefix in pythons:
+        ensure_mountpoint(root.rootfs, prefix)
+        host_files += ["--ro-bind", prefix, prefix]
     cmd = [bwrap, "--unshare-all", "--share-net", "--die-with-parent", "--ro-bind", str(root.rootfs), "/",
            *host_files, "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--bind", str(uv_dir), UV_DIR,
            "--chdir", "/tmp", "--clearenv", *(a for k, v in env.items() for a in ("--setenv", k, v)), "--", *argv]  # fmt: skip
@@ -155,7 +185,9 @@ def _run_online(bwrap: str, root: ImageRoot, uv_dir: Path, argv: list[str]) -> N
         raise OSError(f"preparing `{shlex.join(argv)}` in the image failed (exit {proc.returncode}):\n{tail}")
 
 
-def offline_env(path: str) -> dict[str, str]:
-    """What a test sees of the prepared directory: uv first on PATH, its cache, no network, no downloads."""
-    return {"PATH": f"{UV_DIR}/bin:{path}", "UV_CACHE_DIR": f"{UV_DIR}/cache", "UV_OFFLINE": "1",
+def offline_env(path: str, pythons: list[str] = []) -> dict[str, str]:  # noqa: B006 (never mutated)
+    """What a test sees of the prepared directory: uv first on PATH (then the host interpreters it was prepared
+    with), its cache, no network, no downloads."""
+    path = ":".join([f"{UV_DIR}/bin", *(f"{p}/bin" for p in pythons), path])
+    return {"PATH": path, "UV_CACHE_DIR": f"{UV_DIR}/cache", "UV_OFFLINE": "1",
             "UV_PYTHON_DOWNLOADS": "never", "UV_NO_PROGRESS": "1"}  # fmt: skip
