@@ -136,7 +136,8 @@ class ImageBuilder:
             f"an OCI archive {archive_stem(name)}.tar or OCI layout directory {archive_stem(name)}/ in one of "
             f"{[str(s) for s in self.stores]} (tasks.images names your own store; e.g. `skopeo copy "
             f"docker://{name} oci-archive:{archive_stem(name)}.tar` where a registry is reachable), or make the "
-            f"common bases here with `{MAKE_BASES}` (debian:bookworm, python:3.11-slim)"
+            f"common bases here with `{MAKE_BASES}` (debian:bookworm, python:3.11-slim; `--stand-in {name}=debian:bookworm` "
+            "runs the task on Debian instead)"
         )
 
     def import_base(self, source: str, full_name: str) -> None:
