@@ -11,6 +11,7 @@ import asyncio
 import json
 import shutil
 import subprocess
+import tarfile
 import time
 from pathlib import Path
 
@@ -166,6 +167,8 @@ def test_a_harbor_task_builds_and_runs_end_to_end_in_its_image(bases, capsys):
     report = check_task(built, make_sandbox(SandboxConfig()), check_timeout_s=60)
     assert (report.oracle.score, report.nop.score, report.problem) == (1.0, 0.0, ""), report.line()
     assert cached_s < 1.0
+    with tarfile.open(builder.oci_archive(built.image)) as archive:  # what `apptainer build x.sif oci-archive:` reads
+        assert {"index.json", "oci-layout"} <= set(archive.getnames())
     meta = json.loads((cache_root() / "images" / built.image[len(IMAGE_PREFIX) :] / "image.json").read_text())
     with capsys.disabled():
         print(f"\n[images] bases {', '.join(f'{k} {v:.1f}s' for k, v in bases.items())}; task image "

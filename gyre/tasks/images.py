@@ -216,6 +216,18 @@ class ImageBuilder:
             raise ImageBuildError(f"{image}: {e}") from None
         return {"env": env, "workdir": config.get("WorkingDir") or "/", "user": user, "uid": uid, "gid": gid}
 
+    def oci_archive(self, image: str) -> Path:
+        """The built image as an OCI archive in its cache directory (made once): what `apptainer build` converts
+        into the SIF a cluster runs (apptainer_build_argv; the SIF goes beside it as image.sif)."""
+        archive = self.cache / image[len(IMAGE_PREFIX) :] / "image.oci.tar"
+        if not archive.is_file():
+            partial = archive.with_suffix(".partial")
+            proc = subprocess.run(self.oci_archive_argv(image, partial), capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise ImageBuildError(f"buildah push {image}: {proc.stderr.strip()[-500:]}")
+            partial.rename(archive)
+        return archive
+
     def oci_archive_argv(self, image: str, archive: Path) -> list[str]:
         """The command line that writes a built image as an OCI archive (what `apptainer build` converts)."""
         storage = ["--root", str(self.cache / "storage"), "--runroot", str(self.cache / "run")]
