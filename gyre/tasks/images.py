@@ -107,13 +107,14 @@ class ImageBuilder:
 
     def __post_init__(self) -> None:
         self.stores = [*self.stores, cache_root() / "bases"]
-        if shutil.which(self.buildah) is None:
-            raise ImageBuildError(
-                f"`{self.buildah}` is not on PATH: install buildah (apt-get install buildah umoci, or run "
-                "tools/setup_env.sh) to build task environments"
-            )
 
     def run(self, *args: str, timeout: float = 3600.0) -> subprocess.CompletedProcess[str]:
+        """buildah on this builder's storage (needed only to build: a cached image is used without it)."""
+        if shutil.which(self.buildah) is None:
+            raise ImageBuildError(
+                f"`{self.buildah}` is not on PATH: install buildah (apt-get install buildah mmdebstrap, or run "
+                "tools/setup_env.sh) to build task environments, or point $GYRE_CACHE at a cache they were built in"
+            )
         storage = ["--root", str(self.cache / "storage"), "--runroot", str(self.cache / "run")]
         return subprocess.run([self.buildah, *storage, *args], capture_output=True, text=True, timeout=timeout)
 
@@ -290,6 +291,8 @@ def workspace_from_rootfs(rootfs: Path, workdir: str) -> tuple[dict[str, str], l
     files: dict[str, str] = {}
     if not top.is_dir():
         return files, []
+    if not top.resolve().is_relative_to(rootfs.resolve()):  # an image's symlink, resolved on the host
+        raise ImageBuildError(f"the working directory {workdir} is a symlink in the image; make it a directory")
     for path in sorted(p for p in top.rglob("*") if p.is_file() and not p.is_symlink()):
         rel = path.relative_to(top).as_posix()
         try:
