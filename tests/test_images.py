@@ -20,7 +20,7 @@ from test_harness import ScriptedServer, tool_reply
 
 from gyre.config.schema import HarnessConfig, SandboxConfig, TaskConfig
 from gyre.harness.runner import run_rollout
-from gyre.sandbox import ApptainerSandbox, SandboxJob, make_sandbox
+from gyre.sandbox import ApptainerSandbox, SandboxJob, SandboxUnavailable, make_sandbox
 from gyre.sandbox.backends import PYTHON_ROOT, BwrapSandbox, image_env, relocated_python_mounts
 from gyre.sandbox.base import Mount, code_mounts
 from gyre.sandbox.rootfs import IMAGE_PREFIX, cache_root, ensure_mountpoint, image_root, passwd_ids
@@ -279,6 +279,8 @@ def test_apptainer_runs_a_built_image_from_its_sif_in_the_cache(tmp_path, monkey
     (tmp_path / "images" / "d2" / "image.sif").write_bytes(b"")
     sandbox = ApptainerSandbox(SandboxConfig(backend="apptainer", apptainer_image=str(tmp_path / "default.sif")))
     assert sandbox.image_for(IMAGE_PREFIX + "d2") == str(tmp_path / "images" / "d2" / "image.sif")
+    with pytest.raises(SandboxUnavailable, match="apptainer build .*image.sif oci-archive:.*image.oci.tar"):
+        sandbox.image_for(IMAGE_PREFIX + "not-converted")  # never the default .sif: the task's image is its own
 
 
 @pytest.mark.unit

@@ -182,11 +182,14 @@ def image_file(cfg: SandboxConfig, image: str) -> str:
     image of tasks that name none, and of every task when no mapping is given)."""
     if image and image in cfg.apptainer_images:
         return cfg.apptainer_images[image]
-    if (
-        rootfs.is_built_image(image)
-        and (sif := rootfs.images_dir() / image[len(rootfs.IMAGE_PREFIX) :] / "image.sif").is_file()
-    ):
-        return str(sif)  # built by gyre/tasks/images.py, converted by `apptainer build` (images.apptainer_build_argv)
+    if rootfs.is_built_image(image):  # built by gyre/tasks/images.py: its SIF sits beside its OCI archive
+        sif = rootfs.images_dir() / image[len(rootfs.IMAGE_PREFIX) :] / "image.sif"
+        if not sif.is_file():
+            raise SandboxUnavailable(
+                f"no .sif for task image {image}: `apptainer build {sif} oci-archive:{sif.with_name('image.oci.tar')}` "
+                "(gyre.tasks.images: ImageBuilder.oci_archive writes the archive, apptainer_build_argv the command)"
+            )
+        return str(sif)
     if image and cfg.apptainer_images:
         raise SandboxUnavailable(
             f"task image {image!r} has no entry in sandbox.apptainer_images (known: {sorted(cfg.apptainer_images)}); "
