@@ -19,10 +19,11 @@ import pytest
 from test_harness import ScriptedServer, tool_reply
 
 from gyre.config.schema import HarnessConfig, SandboxConfig, TaskConfig
+from gyre.harness.claude_code import claude_bin
 from gyre.harness.runner import run_rollout
 from gyre.sandbox import ApptainerSandbox, SandboxJob, SandboxUnavailable, make_sandbox
 from gyre.sandbox.backends import PYTHON_ROOT, BwrapSandbox, image_env, relocated_python_mounts
-from gyre.sandbox.base import Mount, code_mounts
+from gyre.sandbox.base import GYRE_ROOT, Mount, code_mounts
 from gyre.sandbox.rootfs import IMAGE_PREFIX, cache_root, ensure_mountpoint, image_root, passwd_ids
 from gyre.tasks.harbor import load_harbor_task
 from gyre.tasks.harbor_checker import network_hint
@@ -315,3 +316,15 @@ def test_uvx_asking_for_another_python_gets_the_machines_or_is_refused_by_name(b
     assert built.grading["offline_pythons"] and "3.13" in built.grading["offline_pythons"][0]
     report = check_task(built, make_sandbox(SandboxConfig()), check_timeout_s=120)
     assert (report.oracle.score, report.nop.score, report.problem) == (1.0, 0.0, ""), report.line()
+
+
+@pytest.mark.integration
+def test_the_claude_code_cli_runs_inside_a_task_image(bases, tmp_path):
+    """Claude Code's native CLI (bound from .gyre/node, as for every rollout) starts in the image's rootfs, so its
+    Bash tool runs the image's programs; its full rollouts are tested on the host's /usr in test_claude_code*."""
+    claude_bin()  # fails with what to run when the CLI is not installed
+    built = build_task_environment(load_harbor_task(IMAGE_TASKS / "csv-sum", build_images=True), ImageBuilder())
+    cli = f"{GYRE_ROOT}/.gyre/node/node_modules/.bin/claude"
+    job = SandboxJob(argv=[cli, "--version"], cwd="/tmp", mounts=code_mounts(), image=built.image)
+    out = subprocess.run(make_sandbox(SandboxConfig()).command(job), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "(Claude Code)" in out.stdout, out.stderr
