@@ -22,21 +22,23 @@ from pathlib import Path
 from gyre.config.schema import SandboxConfig, TaskConfig
 from gyre.errors import reported, take_verbose_flag
 from gyre.sandbox import make_sandbox
-from gyre.tasks.oracle import EnvironmentBuilder, OracleReport, check_task, no_build, skipped_report
+from gyre.tasks.oracle import BuildOutcome, EnvironmentBuilder, OracleReport, check_task, no_build, skipped_report
 from gyre.tasks.source import read_suite
 from gyre.tasks.swebench import plain_executables, plain_snapshot, snapshot_commit
 
 
 def environment_builder(args: argparse.Namespace) -> EnvironmentBuilder:
-    """How each task's environment is built before it is checked: nothing to build under the host's /usr
-    (built: null). An image builder (gyre/tasks/images.py) returns BuildOutcome(True) or (False, cause)."""
-    return no_build
+    """Whether each task's environment was built before it is checked: nothing to build under the host's /usr
+    (built: null); with --build-images every loaded task was built by read_suite (gyre/tasks/images.py), and a
+    task whose image could not be built is among the skipped ones, with the builder's cause."""
+    return (lambda task: BuildOutcome(True)) if args.build_images else no_build
 
 
 def check_suite(path: Path, args: argparse.Namespace) -> list[OracleReport]:
     """One report per task of the suite at `path`, in the suite's order: skipped ones first as loaded."""
     source = args.source or ("swebench" if path.suffix == ".jsonl" else "harbor")
-    suite = read_suite(TaskConfig(source=source, path=str(path.resolve()), repos=args.repos, split="all"))
+    suite = read_suite(TaskConfig(source=source, path=str(path.resolve()), repos=args.repos, split="all",
+                                  build_images=args.build_images, images=args.images))  # fmt: skip
     reports = [skipped_report(s) for s in suite.skipped]
     for s in reports:
         print(s.line(), flush=True)
@@ -58,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-timeout", type=float, default=60.0, help="grading limit of tasks that set none")
     p.add_argument("--jobs", type=int, default=4, help="tasks checked at once (each in its own sandboxes)")
     p.add_argument("--json", type=Path, help="write the per-task verdicts here as a JSON list")
+    p.add_argument("--build-images", action="store_true", help="harbor: build each environment/Dockerfile (buildah)")
+    p.add_argument("--images", default="", help="with --build-images: directory of base image OCI archives")
     p.add_argument("--commit-id", action="store_true", help="print PATH's commit id as a snapshot; check nothing")
     p.add_argument("--verbose", action="store_true", help="show the traceback of an expected failure too")
     args = p.parse_args(take_verbose_flag(list(sys.argv[1:] if argv is None else argv)))

@@ -173,6 +173,10 @@ class TaskConfig:
     # workload. Each rollout draws a factor ~ lognormal(mean 1, sigma tool_time_sigma) from its rollout id
     tool_time_s: float = ranged(0.0, NON_NEGATIVE, why="0: no simulated tool time")
     tool_time_sigma: float = ranged(1.0, NON_NEGATIVE)
+    # harbor: build each task's environment/Dockerfile with buildah (gyre/tasks/images.py; once per definition,
+    # cached in $GYRE_CACHE) and run its rollouts and grading in the image; false: the host's /usr
+    build_images: bool = False
+    images: str = ""  # a directory of base images FROM names (OCI archives name_tag.tar); see tools/make_base_images
 
     def __post_init__(self) -> None:
         from gyre.config.validate import check_tasks

@@ -15,15 +15,17 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from gyre.config.schema import SandboxConfig
+from gyre.sandbox import rootfs
 from gyre.sandbox.base import (
     HOME,
     SANDBOX_UID,
     SOCKET_PATH,
     SOURCE_ROOT,
+    Mount,
     Sandbox,
     SandboxJob,
     SandboxUnavailable,
@@ -31,6 +33,7 @@ from gyre.sandbox.base import (
     host_python,
     launcher_argv,
 )
+from gyre.sandbox.rootfs import ImageRoot
 
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 # /etc entries programs need to start (users, libraries, certificates, time zone); never all of /etc
@@ -66,6 +69,9 @@ class BwrapSandbox:
         return args
 
     def command(self, job: SandboxJob) -> list[str]:
+        root = self.image_root(job.image)
+        if root is not None:
+            return self.image_command(job, root)
         argv = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session",
                 "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
                 *self.system_args(), "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", HOME]  # fmt: skip
@@ -77,6 +83,66 @@ class BwrapSandbox:
         for key, value in {**self.base_env(), **job.env}.items():
             argv += ["--setenv", key, value]
         return [*argv, "--", *launcher_argv(self.python, self.cfg, job)]
+
+    @staticmethod
+    def image_root(image: str) -> ImageRoot | None:
+        """The unpacked rootfs of a task image built by gyre (gyre-env:<digest>); None: the host's /usr."""
+        try:
+            return rootfs.image_root(image)
+        except (FileNotFoundError, OSError, ValueError, KeyError) as e:
+            raise SandboxUnavailable(str(e)) from None
+
+    def image_command(self, job: SandboxJob, root: ImageRoot) -> list[str]:
+        """The job in a task's own image: its rootfs as `/` (read-only, shared), its ENV, its USER's uid (root:
+        the sandbox uid, never root), the job's mounts (the workspace the only writable tree) and the host's
+        interpreter for gyre's own processes (moved to PYTHON_ROOT when it lives in /usr, which the image owns)."""
+        uid, gid = (root.uid, root.gid) if root.uid else (SANDBOX_UID, SANDBOX_UID)
+        mounts, relocate = relocated_python_mounts(job.mounts)
+        argv = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--uid", str(uid),
+                "--gid", str(gid), "--hostname", "sandbox", "--ro-bind", str(root.rootfs), "/",
+                "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", HOME]  # fmt: skip
+        for m in mounts:
+            argv += ["--bind" if m.writable else "--ro-bind", str(m.source), m.target]
+        if job.proxy_socket is not None:
+            argv += ["--bind", str(job.proxy_socket), SOCKET_PATH]
+        points = [(t, False) for t in ("/proc", "/dev", "/tmp", HOME)] + [
+            (m.target, m.source.is_file()) for m in mounts
+        ]
+        try:  # what bwrap mounts on must exist in the read-only root
+            for target, is_file in [*points, *([(SOCKET_PATH, True)] if job.proxy_socket is not None else [])]:
+                rootfs.ensure_mountpoint(root.rootfs, target, is_file)
+        except (OSError, ValueError) as e:
+            raise SandboxUnavailable(f"image {job.image}: {e}") from None
+        argv += ["--chdir", job.cwd, "--clearenv"]
+        for key, value in image_env(root.env, self.base_env(), job.env).items():
+            argv += ["--setenv", key, value]
+        return [*argv, "--", *map(relocate, launcher_argv(self.python, self.cfg, job))]
+
+
+PYTHON_ROOT = "/opt/gyre/python"  # the host interpreter's prefix in an image, when the host's is under /usr
+
+
+def relocated_python_mounts(mounts: list[Mount]) -> tuple[list[Mount], Callable[[str], str]]:
+    """The job's mounts with the host interpreter's prefix moved to PYTHON_ROOT when it is a system directory
+    (Debian's python3: /usr), and the function that rewrites paths under it; unchanged otherwise (a pyenv or
+    uv interpreter keeps its own path, which its RUNPATH names)."""
+    prefix = str(Path(sys.base_prefix).resolve())
+    if not any(prefix == d or prefix.startswith(d + "/") for d in SYSTEM_DIRS):
+        return list(mounts), lambda path: path
+
+    def relocate(path: str) -> str:
+        return PYTHON_ROOT + path[len(prefix) :] if path == prefix or path.startswith(prefix + "/") else path
+
+    return [Mount(m.source, relocate(m.target), m.writable) if str(m.source) == prefix else m for m in mounts], relocate
+
+
+def image_env(image: dict[str, str], base: dict[str, str], job: dict[str, str]) -> dict[str, str]:
+    """The image's ENV (its PATH first of all), then gyre's base variables (HOME, TMPDIR; PYTHONPATH before the
+    image's), then the job's."""
+    env = {**base, **{k: v for k, v in image.items() if k != "HOME"}}
+    if "PYTHONPATH" in image and "PYTHONPATH" in base:
+        env["PYTHONPATH"] = f"{base['PYTHONPATH']}:{image['PYTHONPATH']}"
+    return {**env, **job}
 
 
 class ApptainerSandbox:
@@ -116,6 +182,14 @@ def image_file(cfg: SandboxConfig, image: str) -> str:
     image of tasks that name none, and of every task when no mapping is given)."""
     if image and image in cfg.apptainer_images:
         return cfg.apptainer_images[image]
+    if rootfs.is_built_image(image):  # built by gyre/tasks/images.py: its SIF sits beside its OCI archive
+        sif = rootfs.images_dir() / image[len(rootfs.IMAGE_PREFIX) :] / "image.sif"
+        if not sif.is_file():
+            raise SandboxUnavailable(
+                f"no .sif for task image {image}: `apptainer build {sif} oci-archive:{sif.with_name('image.oci.tar')}` "
+                "(gyre.tasks.images: ImageBuilder.oci_archive writes the archive, apptainer_build_argv the command)"
+            )
+        return str(sif)
     if image and cfg.apptainer_images:
         raise SandboxUnavailable(
             f"task image {image!r} has no entry in sandbox.apptainer_images (known: {sorted(cfg.apptainer_images)}); "

@@ -39,6 +39,7 @@ from gyre.sandbox import Mount, Sandbox, SandboxJob, place
 from gyre.sandbox.backends import NoSandbox
 from gyre.sandbox.base import WORKSPACE, code_mounts, host_env
 from gyre.tasks import checker, harbor_checker, swebench_checker
+from gyre.tasks.offline_tests import UV_DIR
 from gyre.tasks.task import Task
 
 BUILTIN_CHECKER = Path(checker.__file__)
@@ -176,6 +177,14 @@ def _grading_mounts(task: Task, sandbox: Sandbox, scratch: Path, copy: Path) -> 
             path.write_bytes(base64.b64decode(content))
         mounts.append(Mount(tests, TESTS_DIR))
         where["tests_dir"] = place(sandbox, mounts[-1])
+    if task.grading.get("offline_tests") and sandbox.isolated:  # gyre/tasks/offline_tests.py: uv, its cache (a copy)
+        prepared = Path(task.grading["offline_tests"])
+        shutil.copytree(prepared / "cache", scratch / "uv-cache", symlinks=True)
+        mounts += [
+            Mount(prepared / "bin", f"{UV_DIR}/bin"),
+            Mount(scratch / "uv-cache", f"{UV_DIR}/cache", writable=True),
+        ]
+        mounts += [Mount(Path(prefix), prefix) for prefix in task.grading.get("offline_pythons", [])]
     if task.checker == "harbor":
         (scratch / "logs").mkdir()
         mounts.append(Mount(scratch / "logs", LOGS_DIR, writable=True))

@@ -176,7 +176,9 @@ def _compose_build(path: Path, task_dir: Path) -> tuple[Path, Path] | None:
     return None
 
 
-def load_harbor_task(task_dir: Path) -> Task:
+def load_harbor_task(task_dir: Path, build_images: bool = False) -> Task:
+    """With `build_images`, the workspace comes from the built image (gyre/tasks/images.py fills it in), so the
+    Dockerfile's COPY lines are not read here."""
     task_dir = task_dir.resolve()
     try:
         config: dict[str, Any] = tomllib.loads((task_dir / "task.toml").read_text())
@@ -195,8 +197,11 @@ def load_harbor_task(task_dir: Path) -> Task:
         raise TaskFormatError(f"{task_dir}: no tests/test.sh (the verifier that writes /logs/verifier/reward.txt)")
     env_dir = task_dir / "environment"
     context, dockerfile = compose_build(task_dir) or (env_dir, env_dir / "Dockerfile")
-    workdir, files, executables = workspace_from_dockerfile(env_dir, env.get("workdir") or "", context, dockerfile)
-    check_workspace_size(files, str(task_dir))
+    if build_images:
+        workdir, files, executables = env.get("workdir") or "", {}, []
+    else:
+        workdir, files, executables = workspace_from_dockerfile(env_dir, env.get("workdir") or "", context, dockerfile)
+        check_workspace_size(files, str(task_dir))
     hidden = {p.relative_to(tests).as_posix(): _b64(p) for p in sorted(tests.rglob("*")) if p.is_file()}
     return Task(
         task_id=task_dir.name,
@@ -219,17 +224,17 @@ def load_harbor_task(task_dir: Path) -> Task:
     )
 
 
-def load_harbor_tasks(root: Path) -> list[Task]:
+def load_harbor_tasks(root: Path, build_images: bool = False) -> list[Task]:
     """Every task of `root`; the first that cannot be read raises (load_harbor_suite skips it instead)."""
-    return [load_harbor_task(d) for d in harbor_task_dirs(root)]
+    return [load_harbor_task(d, build_images) for d in harbor_task_dirs(root)]
 
 
-def load_harbor_suite(root: Path) -> tuple[list[Task], list[SkippedTask]]:
+def load_harbor_suite(root: Path, build_images: bool = False) -> tuple[list[Task], list[SkippedTask]]:
     """The tasks of `root` that load, and each one that does not with its cause: one bad task never stops a suite."""
     tasks, skipped = [], []
     for task_dir in harbor_task_dirs(root):
         try:
-            tasks.append(load_harbor_task(task_dir))
+            tasks.append(load_harbor_task(task_dir, build_images))
         except LOAD_ERRORS as e:
             skipped.append(SkippedTask(task_dir.name, str(task_dir), load_error(e)))
     return tasks, skipped

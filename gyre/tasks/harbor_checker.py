@@ -19,11 +19,31 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from gyre.tasks.agent_code import run_tests
+
+NETWORK_ERRORS = ("could not resolve host", "temporary failure in name resolution", "network is unreachable",
+                  "name or service not known", "failed to download", "failed to fetch", "error sending request",
+                  "dns error", "connection refused", "failed to connect to")  # fmt: skip
+
+
+_PYTEST_SUMMARY = re.compile(r"^=+ .*\b(passed|failed|errors?|skipped)\b.* in [\d.]+s", re.MULTILINE)
+
+
+def network_hint(test_output: str) -> str:
+    """'' unless the tests' output shows them reaching for the network (and pytest never reporting: the tests
+    did not get to run), else a sentence that says so."""
+    if _PYTEST_SUMMARY.search(test_output):
+        return ""
+    for line in test_output.splitlines():
+        if any(sign in line.lower() for sign in NETWORK_ERRORS):
+            return (f"the tests need the network, which grading does not have ({line.strip()[:160]!r}): bake what "
+                    "they fetch into the image (a RUN step; uvx commands are prepared offline by gyre)")  # fmt: skip
+    return ""
 
 
 def read_rewards(verifier: Path) -> dict[str, float]:
@@ -80,13 +100,18 @@ def main(argv: list[str]) -> None:
     if failure is not None:  # whatever the reward file says now, the agent's code may have written it
         print(json.dumps({"results": [{"name": "tests", "passed": False, "detail": failure}], "agent_failed": failure}))
         return
+    output = (verifier / "test-stdout.txt").read_text(errors="replace")
     try:
         rewards = read_rewards(verifier)
     except ValueError as e:
-        tail = (verifier / "test-stdout.txt").read_text(errors="replace")[-400:]
-        sys.stderr.write(f"{e} (test.sh exited {run.returncode}; its output ends: {tail!r})\n")
+        hint = network_hint(output)
+        sys.stderr.write(
+            f"{hint + '; ' if hint else ''}{e} (test.sh exited {run.returncode}; its output ends: {output[-400:]!r})\n"
+        )
         raise SystemExit(3) from None
     results = [{"name": name, "passed": value >= 1.0, "detail": f"{value:g}"} for name, value in rewards.items()]
+    if score_of(rewards) < 1.0 and (hint := network_hint(output)):
+        results.append({"name": "network", "passed": False, "detail": hint})
     print(json.dumps({"results": results + ctrf_results(verifier), "score": score_of(rewards)}))
 
 

@@ -253,7 +253,10 @@ def _causes(oracle: Grade, nop: Grade, solve_problem: str, tests_log: str) -> li
     if oracle.score is None:
         causes.append(f"the oracle's grade failed: {oracle.reason}" + (f"; the test run {said}" if said else ""))
     elif oracle.score != 1.0 and not solve_problem:
-        causes.append(f"the oracle gets {oracle.score:g}, not the full reward 1: {_why_tests_failed(said, oracle)}")
+        causes.append(
+            f"the oracle gets {oracle.score:g}, not the full reward 1: {_why_tests_failed(said, oracle)}"
+            + "".join(f"; {c['detail']}" for c in oracle.checks if c.get("name") == "network")
+        )
     elif oracle.score != 1.0:
         causes.append(f"the oracle gets {oracle.score:g}, not the full reward 1")
     if nop.score is None:

@@ -25,7 +25,7 @@ from gyre.config.schema import TASK_SOURCES, TaskConfig
 from gyre.config.validate import ConfigValueError
 from gyre.tasks.harbor import load_harbor_suite
 from gyre.tasks.swebench import load_swebench_suite
-from gyre.tasks.task import SkippedTask, Task, TaskFormatError
+from gyre.tasks.task import LOAD_ERRORS, SkippedTask, Task, TaskFormatError, load_error
 
 CAUSES_SHOWN = 20  # a refusal names this many skipped tasks, then counts the rest
 
@@ -62,6 +62,21 @@ def resolve(path: str, base: Path | None = None) -> Path:
     return p if p.is_absolute() else (base or Path.cwd()) / p
 
 
+def build_environments(tasks: Sequence[Task], images: str = "") -> tuple[list[Task], list[SkippedTask]]:
+    """Every task in its own built environment image (gyre/tasks/images.py), bases also from `images`; a task
+    whose image cannot be built is skipped with the builder's cause."""
+    from gyre.tasks.images import ImageBuilder, build_task_environment
+
+    builder = ImageBuilder(stores=[resolve(images)] if images else [])
+    built, skipped = [], []
+    for task in tasks:
+        try:
+            built.append(build_task_environment(task, builder))
+        except LOAD_ERRORS as e:
+            skipped.append(SkippedTask(task.task_id, task.source_path, load_error(e)))
+    return built, skipped
+
+
 def read_suite(cfg: TaskConfig) -> Suite:
     """Every task of the configured suite that loads, and the skipped ones with their causes (no split, no
     strictness: tools/check_tasks reports them all). Raises SuiteError when there is no suite at the path."""
@@ -69,7 +84,10 @@ def read_suite(cfg: TaskConfig) -> Suite:
         raise SuiteError(f"tasks.source={cfg.source} needs tasks.path (a directory of tasks or a JSONL file)")
     try:
         if cfg.source == "harbor":
-            tasks, skipped = load_harbor_suite(resolve(cfg.path))
+            tasks, skipped = load_harbor_suite(resolve(cfg.path), cfg.build_images)
+            if cfg.build_images:
+                tasks, unbuilt = build_environments(tasks, cfg.images)
+                skipped += unbuilt
         elif cfg.source == "swebench":
             tasks, skipped = load_swebench_suite(resolve(cfg.path), resolve(cfg.repos) if cfg.repos else None)
         else:

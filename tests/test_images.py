@@ -1,0 +1,330 @@
+"""Environment images: buildah builds a task's Dockerfile (RUN steps included) from a locally made base, once per
+definition; bwrap runs rollouts and grading with the image's rootfs as `/`.
+
+The integration tests use the machine's image cache ($GYRE_CACHE, else ~/.cache/gyre): the first run on a fresh
+machine makes the bases with mmdebstrap and builds the image (minutes); every later run finds them (seconds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+from test_harness import ScriptedServer, tool_reply
+
+from gyre.config.schema import HarnessConfig, SandboxConfig, TaskConfig
+from gyre.harness.claude_code import claude_bin
+from gyre.harness.runner import run_rollout
+from gyre.sandbox import ApptainerSandbox, SandboxJob, SandboxUnavailable, make_sandbox
+from gyre.sandbox.backends import PYTHON_ROOT, BwrapSandbox, image_env, relocated_python_mounts
+from gyre.sandbox.base import GYRE_ROOT, Mount, code_mounts
+from gyre.sandbox.rootfs import IMAGE_PREFIX, cache_root, ensure_mountpoint, image_root, passwd_ids
+from gyre.tasks.harbor import load_harbor_task
+from gyre.tasks.harbor_checker import network_hint
+from gyre.tasks.images import (
+    BaseImageMissing,
+    BuildSpec,
+    ImageBuilder,
+    ImageBuildError,
+    apptainer_build_argv,
+    archive_stem,
+    base_images,
+    build_task_environment,
+    qualified,
+)
+from gyre.tasks.offline_tests import uv_version, uvx_commands
+from gyre.tasks.oracle import check_task
+from gyre.tasks.source import load_instances
+from tools.make_base_images import make_base
+
+IMAGE_TASKS = Path(__file__).parent / "data" / "image_tasks"
+
+
+@pytest.mark.unit
+def test_definition_digest_covers_the_dockerfile_and_every_context_file(tmp_path):
+    (tmp_path / "Dockerfile").write_text("FROM debian:bookworm\nRUN true\n")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "in.bin").write_bytes(b"\x00\xff")
+    spec = BuildSpec(tmp_path / "Dockerfile", tmp_path)
+    first = spec.digest()
+    assert spec.digest() == first
+    (tmp_path / "data" / "in.bin").write_bytes(b"\x00\xfe")
+    second = spec.digest()
+    assert second != first
+    (tmp_path / "data" / "in.bin").chmod(0o755)
+    assert spec.digest() != second
+
+
+@pytest.mark.unit
+def test_base_image_names():
+    dockerfile = "FROM --platform=linux/amd64 python:3.11-slim AS build\nRUN true\nFROM build\nFROM scratch\n"
+    assert base_images(dockerfile) == ["python:3.11-slim"]
+    assert qualified("debian:bookworm") == "docker.io/library/debian:bookworm"
+    assert qualified("ubuntu") == "docker.io/library/ubuntu:latest"
+    assert qualified("ghcr.io/org/img:1") == "ghcr.io/org/img:1"
+    assert archive_stem("python:3.11-slim") == "python_3.11-slim"
+
+
+@pytest.mark.unit
+def test_apptainer_and_oci_archive_command_lines(tmp_path):
+    """Golden: apptainer is not installable here; these are the command lines a cluster node runs."""
+    assert apptainer_build_argv(Path("/c/img.tar"), Path("/c/img.sif")) == [
+        "apptainer", "build", "--force", "/c/img.sif", "oci-archive:/c/img.tar"]  # fmt: skip
+    builder = ImageBuilder(cache=tmp_path)
+    assert builder.oci_archive_argv("gyre-env:abc", Path("/c/img.tar")) == [
+        "buildah", "--root", f"{tmp_path}/storage", "--runroot", f"{tmp_path}/run", "push", "--quiet",
+        "gyre-env:abc", "oci-archive:/c/img.tar:gyre-env:abc"]  # fmt: skip
+
+
+@pytest.mark.unit
+def test_dockerfile_user_resolves_in_the_image_passwd(tmp_path):
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "passwd").write_text("root:x:0:0::/root:/bin/sh\nagent:x:1001:1002::/home/agent:/bin/sh\n")
+    (tmp_path / "etc" / "group").write_text("root:x:0:\nstaff:x:50:\n")
+    assert passwd_ids(tmp_path, "") == (0, 0)
+    assert passwd_ids(tmp_path, "agent") == (1001, 1002)
+    assert passwd_ids(tmp_path, "agent:staff") == (1001, 50)
+    assert passwd_ids(tmp_path, "4242") == (4242, 4242)
+    with pytest.raises(KeyError, match="nobody-here"):
+        passwd_ids(tmp_path, "nobody-here")
+
+
+@pytest.mark.unit
+def test_bwrap_uses_the_image_rootfs_env_and_user(tmp_path, monkeypatch):
+    monkeypatch.setenv("GYRE_CACHE", str(tmp_path))
+    image_dir = tmp_path / "images" / "d1"
+    (image_dir / "rootfs" / "etc").mkdir(parents=True)
+    meta = {"env": {"PATH": "/venv/bin:/usr/bin:/bin", "HOME": "/root", "MODE": "x"}, "workdir": "/app",
+            "user": "agent", "uid": 1001, "gid": 1001}  # fmt: skip
+    (image_dir / "image.json").write_text(json.dumps(meta))
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    job = SandboxJob(argv=["true"], cwd="/app", mounts=[Mount(workspace, "/app", writable=True)],
+                     image=IMAGE_PREFIX + "d1")  # fmt: skip
+    argv = BwrapSandbox(SandboxConfig()).command(job)
+    assert argv[argv.index("--ro-bind") : argv.index("--ro-bind") + 3] == ["--ro-bind", str(image_dir / "rootfs"), "/"]
+    assert argv[argv.index("--uid") + 1] == "1001"
+    env = {argv[i + 1]: argv[i + 2] for i, a in enumerate(argv) if a == "--setenv"}
+    assert env["PATH"] == "/venv/bin:/usr/bin:/bin" and env["MODE"] == "x" and env["HOME"] == "/home/agent"
+    assert (image_dir / "rootfs" / "app").is_dir()  # the mount point, made on the host side
+    assert "/usr" not in [argv[i + 2] for i, a in enumerate(argv) if a == "--ro-bind"]  # the image owns /usr
+    with pytest.raises(Exception, match="not unpacked"):
+        BwrapSandbox(SandboxConfig()).command(SandboxJob(argv=["true"], cwd="/", image=IMAGE_PREFIX + "gone"))
+
+
+@pytest.mark.unit
+def test_a_host_python_in_usr_moves_out_of_the_images_usr(monkeypatch):
+    monkeypatch.setattr("sys.base_prefix", "/usr")
+    mounts, relocate = relocated_python_mounts([Mount(Path("/usr"), "/usr"), Mount(Path("/w"), "/app", True)])
+    assert mounts[0].target == PYTHON_ROOT and mounts[1].target == "/app"
+    assert relocate("/usr/bin/python3.11") == f"{PYTHON_ROOT}/bin/python3.11" and relocate("/usrx") == "/usrx"
+    assert image_env({"PYTHONPATH": "/lib"}, {"PYTHONPATH": "/opt/gyre", "HOME": "/h"}, {})["PYTHONPATH"] == (
+        "/opt/gyre:/lib"
+    )
+
+
+@pytest.mark.integration
+def test_a_missing_base_is_named_with_how_to_provide_it(tmp_path):
+    (tmp_path / "Dockerfile").write_text("FROM gyre-test/no-such-base:1\nRUN true\n")
+    with pytest.raises(BaseImageMissing) as e:
+        ImageBuilder(stores=[tmp_path / "store"]).build(BuildSpec(tmp_path / "Dockerfile", tmp_path))
+    message = str(e.value)
+    assert "'gyre-test/no-such-base:1'" in message and "gyre-test_no-such-base_1.tar" in message
+    assert "python -m tools.make_base_images" in message and str(tmp_path / "store") in message
+
+
+@pytest.fixture(scope="module")
+def bases() -> dict[str, float]:
+    """The locally made bases (made once per machine: mmdebstrap from the Debian archive), with the seconds taken."""
+    builder, store, took = ImageBuilder(), cache_root() / "bases", {}
+    for name in ("debian:bookworm", "python:3.11-slim"):
+        started = time.monotonic()
+        assert make_base(builder, name, store).is_file()
+        took[name] = time.monotonic() - started
+    return took
+
+
+@pytest.mark.integration
+def test_a_harbor_task_builds_and_runs_end_to_end_in_its_image(bases, capsys):
+    """The Dockerfile's RUN makes the input, COPY puts a script outside /app, ENV and USER are set: the oracle
+    scores 1 and the do-nothing agent 0, graded inside the image under bwrap; the second build is a cache hit."""
+    task = load_harbor_task(IMAGE_TASKS / "csv-sum", build_images=True)
+    builder = ImageBuilder()
+    started = time.monotonic()
+    built = build_task_environment(task, builder)
+    first_s = time.monotonic() - started
+    started = time.monotonic()
+    assert build_task_environment(task, builder) == built
+    cached_s = time.monotonic() - started
+    assert built.image.startswith(IMAGE_PREFIX) and built.workdir == "/app"
+    assert sorted(built.files) == ["README.txt", "data/numbers.csv"]  # data/ exists only through RUN
+    assert len(built.files["data/numbers.csv"].split()) == 200
+    report = check_task(built, make_sandbox(SandboxConfig()), check_timeout_s=60)
+    assert (report.oracle.score, report.nop.score, report.problem) == (1.0, 0.0, ""), report.line()
+    assert cached_s < 1.0
+    with tarfile.open(builder.oci_archive(built.image)) as archive:  # what `apptainer build x.sif oci-archive:` reads
+        assert {"index.json", "oci-layout"} <= set(archive.getnames())
+    meta = json.loads((cache_root() / "images" / built.image[len(IMAGE_PREFIX) :] / "image.json").read_text())
+    with capsys.disabled():
+        print(f"\n[images] bases {', '.join(f'{k} {v:.1f}s' for k, v in bases.items())}; task image "
+              f"{first_s:.1f}s (buildah {meta['built_s']}s + unpack {meta['unpacked_s']}s when built), cached {cached_s:.3f}s")  # fmt: skip
+
+
+@pytest.mark.integration
+def test_the_image_sandbox_has_no_network_and_a_read_only_root(bases, tmp_path):
+    built = build_task_environment(load_harbor_task(IMAGE_TASKS / "csv-sum", build_images=True), ImageBuilder())
+    sandbox = make_sandbox(SandboxConfig())
+    probe = ("import socket, os\n"
+             "try:\n    socket.create_connection(('deb.debian.org', 80), timeout=5); print('net')\n"
+             "except OSError:\n    print('no-net')\n"
+             "try:\n    open('/etc/x', 'w'); print('rw')\n"
+             "except OSError:\n    print('ro')\n"
+             "print(os.getcwd(), os.getuid(), os.environ['CSV_SUM_EXPECTED_LINES'])\n")  # fmt: skip
+    (tmp_path / "ws").mkdir()
+    job = SandboxJob(argv=["python3", "-c", probe], cwd="/app", image=built.image,
+                     mounts=[*code_mounts(), Mount(tmp_path / "ws", "/app", writable=True)])  # fmt: skip
+    out = subprocess.run(sandbox.command(job), capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["no-net", "ro", "/app", "1001", "200"], out.stderr
+
+
+@pytest.mark.integration
+def test_tasks_build_images_gives_the_run_its_built_tasks(bases):
+    tasks = load_instances(TaskConfig(source="harbor", path=str(IMAGE_TASKS), split="all", build_images=True))
+    task = {t.task_id: t for t in tasks}["csv-sum"]
+    assert task.image.startswith(IMAGE_PREFIX) and "data/numbers.csv" in task.files
+    assert image_root(task.image).uid == 1001
+
+
+TB2_TEST = """#!/bin/bash
+apt-get update
+apt-get install -y curl
+curl -LsSf https://astral.sh/uv/0.9.7/install.sh | sh
+source $HOME/.local/bin/env
+uvx \\
+  --with pytest==8.4.1 \\
+  --with pytest-json-ctrf==0.3.5 \\
+  pytest --ctrf /logs/verifier/ctrf.json /tests/test_outputs.py -rA
+uvx -p 3.11 -w pytest==8.4.1 pytest /tests/x.py  # another
+"""
+
+
+@pytest.mark.unit
+def test_the_uvx_commands_a_test_script_runs_are_what_gets_prepared():
+    assert uvx_commands(TB2_TEST) == [
+        ["--with", "pytest==8.4.1", "--with", "pytest-json-ctrf==0.3.5", "pytest", "--version"],
+        ["-p", "3.11", "-w", "pytest==8.4.1", "pytest", "--version"],
+    ]
+    assert uv_version(TB2_TEST) == "0.9.7" and uvx_commands("python3 -m pytest /tests\n") == []
+
+
+@pytest.mark.unit
+def test_network_failures_are_named_unless_the_tests_ran():
+    hint = network_hint("curl: (6) Could not resolve host: astral.sh\nbash: uvx: command not found\n")
+    assert "need the network" in hint and "astral.sh" in hint
+    assert network_hint("curl: (6) Could not resolve host: astral.sh\n===== 1 failed, 2 passed in 0.31s =====\n") == ""
+    assert network_hint("AssertionError: 3 != 4\n") == ""
+
+
+@pytest.mark.integration
+def test_a_terminal_bench_style_test_that_fetches_uv_and_pytest_runs_offline(bases):
+    """tests/test.sh curls the uv installer and runs `uvx --with pytest==8.4.1 ...`: prepared at build time, it
+    grades with no network: the oracle 1 (both pytest tests pass, per-test results from CTRF), the no-op 0."""
+    built = build_task_environment(load_harbor_task(IMAGE_TASKS / "word-count-uvx", build_images=True), ImageBuilder())
+    assert built.grading["env"]["UV_OFFLINE"] == "1" and Path(built.grading["offline_tests"], "bin", "uvx").is_file()
+    report = check_task(built, make_sandbox(SandboxConfig()), check_timeout_s=120)
+    assert (report.oracle.score, report.nop.score, report.problem) == (1.0, 0.0, ""), report.line()
+    assert {c["name"]: c["passed"] for c in report.oracle.checks}["test: test_outputs.py::test_count_is_right"]
+
+
+@pytest.mark.integration
+def test_a_test_that_still_needs_the_network_fails_the_oracle_check_saying_so(bases, tmp_path):
+    task_dir = tmp_path / "needs-net"
+    shutil.copytree(IMAGE_TASKS / "word-count-uvx", task_dir)
+    (task_dir / "tests" / "test.sh").write_text(
+        "python3 -c \"import urllib.request; urllib.request.urlopen('https://pypi.org/simple/', timeout=10)\" "
+        "&& echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n"
+    )
+    built = build_task_environment(load_harbor_task(task_dir, build_images=True), ImageBuilder())
+    report = check_task(built, make_sandbox(SandboxConfig()), check_timeout_s=60)
+    assert report.broken and "need the network" in report.problem, report.line()
+
+
+@pytest.mark.integration
+def test_a_rollout_runs_in_the_image_and_is_graded_there(bases, tmp_path):
+    """The built-in harness runs in the task's image (its rootfs as /, /app the workspace made from the image's
+    /app), reads the RUN-made input, writes the answer; grading in the same image scores it 1."""
+    built = build_task_environment(load_harbor_task(IMAGE_TASKS / "csv-sum", build_images=True), ImageBuilder())
+    answer = str(sum(int(x) for x in built.files["data/numbers.csv"].split()))
+    script = [tool_reply("read_file", 0, path="data/numbers.csv"),
+              tool_reply("write_file", 1, path="answer.txt", content=answer), tool_reply("finish", 2)]  # fmt: skip
+
+    async def main():
+        async with ScriptedServer({"r": script}) as url:
+            return await run_rollout(built, "r", url, tmp_path / "r", HarnessConfig(timeout_s=60.0), TaskConfig())
+
+    outcome = asyncio.run(main())
+    assert (outcome.grade.status, outcome.grade.score) == ("ok", 1.0), outcome.grade
+    assert outcome.turns == 3
+
+
+@pytest.mark.unit
+def test_apptainer_runs_a_built_image_from_its_sif_in_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("GYRE_CACHE", str(tmp_path))
+    (tmp_path / "images" / "d2").mkdir(parents=True)
+    (tmp_path / "images" / "d2" / "image.sif").write_bytes(b"")
+    sandbox = ApptainerSandbox(SandboxConfig(backend="apptainer", apptainer_image=str(tmp_path / "default.sif")))
+    assert sandbox.image_for(IMAGE_PREFIX + "d2") == str(tmp_path / "images" / "d2" / "image.sif")
+    with pytest.raises(SandboxUnavailable, match="apptainer build .*image.sif oci-archive:.*image.oci.tar"):
+        sandbox.image_for(IMAGE_PREFIX + "not-converted")  # never the default .sif: the task's image is its own
+
+
+@pytest.mark.unit
+def test_mount_points_are_made_inside_the_rootfs_only(tmp_path):
+    rootfs, outside = tmp_path / "rootfs", tmp_path / "outside"
+    rootfs.mkdir()
+    outside.mkdir()
+    (rootfs / "opt").symlink_to(outside)  # an image's symlink, absolute on the host
+    ensure_mountpoint(rootfs, "/run/gyre/proxy.sock", is_file=True)
+    assert (rootfs / "run" / "gyre" / "proxy.sock").is_file()
+    with pytest.raises(ValueError, match="symlink"):
+        ensure_mountpoint(rootfs, "/opt/gyre/gyre")
+    with pytest.raises(ValueError, match="leaves"):
+        ensure_mountpoint(rootfs, "/app/../../x")
+    assert list(outside.iterdir()) == []
+
+
+@pytest.mark.integration
+def test_uvx_asking_for_another_python_gets_the_machines_or_is_refused_by_name(bases, tmp_path):
+    """`uvx -p 3.13` (Terminal-Bench 2's usual line) in a python 3.11 image: the machine's 3.13 (pyenv) is mounted
+    and on PATH, prepared and graded offline; a machine without one refuses the task naming the version."""
+    task_dir = tmp_path / "p313"
+    shutil.copytree(IMAGE_TASKS / "word-count-uvx", task_dir)
+    script = task_dir / "tests" / "test.sh"
+    script.write_text(script.read_text().replace("uvx \\\n", "uvx -p 3.13 \\\n"))
+    task = load_harbor_task(task_dir, build_images=True)
+    if not (shutil.which("python3.13") or list((Path.home() / ".pyenv" / "versions").glob("3.13.*"))):
+        with pytest.raises(ImageBuildError, match="Python 3.13"):
+            build_task_environment(task, ImageBuilder())
+        return
+    built = build_task_environment(task, ImageBuilder())
+    assert built.grading["offline_pythons"] and "3.13" in built.grading["offline_pythons"][0]
+    report = check_task(built, make_sandbox(SandboxConfig()), check_timeout_s=120)
+    assert (report.oracle.score, report.nop.score, report.problem) == (1.0, 0.0, ""), report.line()
+
+
+@pytest.mark.integration
+def test_the_claude_code_cli_runs_inside_a_task_image(bases, tmp_path):
+    """Claude Code's native CLI (bound from .gyre/node, as for every rollout) starts in the image's rootfs, so its
+    Bash tool runs the image's programs; its full rollouts are tested on the host's /usr in test_claude_code*."""
+    claude_bin()  # fails with what to run when the CLI is not installed
+    built = build_task_environment(load_harbor_task(IMAGE_TASKS / "csv-sum", build_images=True), ImageBuilder())
+    cli = f"{GYRE_ROOT}/.gyre/node/node_modules/.bin/claude"
+    job = SandboxJob(argv=[cli, "--version"], cwd="/tmp", mounts=code_mounts(), image=built.image)
+    out = subprocess.run(make_sandbox(SandboxConfig()).command(job), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "(Claude Code)" in out.stdout, out.stderr
