@@ -39,6 +39,7 @@ from gyre.sandbox import Mount, Sandbox, SandboxJob, place
 from gyre.sandbox.backends import NoSandbox
 from gyre.sandbox.base import WORKSPACE, code_mounts, host_env
 from gyre.tasks import checker, harbor_checker, swebench_checker
+from gyre.tasks.checker_report import CheckerReport, ReportListener
 from gyre.tasks.task import Task
 
 BUILTIN_CHECKER = Path(checker.__file__)
@@ -49,7 +50,9 @@ TESTS_DIR, LOGS_DIR = "/tests", "/logs"  # Harbor's paths for the tests and the 
 AGENT_FAILURES = {
     "harness_exit": "the harness exited non-zero, no proxy failure seen",
     "harness_protocol": "the harness wrote no valid result file, or reported an API error the proxy never gave",
-    "checker_killed": "the checker died of a signal while running the agent's code",
+    "checker_killed": "the checker died of a signal once the agent's code had started",
+    "checker_stopped": "the checker did not finish in its time once the agent's code had started (stopped, starved)",
+    "grading_interrupted": "the checker ended without a verdict once the agent's code had started",
     "workspace_limits": "the workspace cannot be graded within the limits (too many files or bytes)",
     "tests_timeout": "the task's tests, running the agent's code, ran past their time",
     "tests_killed": "the task's tests, running the agent's code, died of a signal",
@@ -60,18 +63,29 @@ PYTHON_BUDGET_FRACTION = 0.6  # of the checker's time limit, for all the workspa
 SANDBOX_START_S = 2.0  # added to the checker's time limit in an isolated sandbox: starting it is not the checker's
 MAX_WORKSPACE_FILES = 100_000
 MAX_WORKSPACE_BYTES = 2 << 30
-# Runs the checker: reads {"source", "spec"} from stdin, becomes non-dumpable (PR_SET_DUMPABLE = 4), hands
-# the spec over as an anonymous memory file and runs the source as `checker.py <spec path>`.
+REPORT_SOCKET = "/run/gyre/report.sock"  # the checker's report channel, inside an isolated sandbox
+REPORT_JOIN_S = 5.0  # once the checker has ended, how long its last report may take to be read
+# Runs the checker: reads {"source", "spec", "gyre_root", "report", "nonce"} from stdin, becomes non-dumpable
+# (PR_SET_DUMPABLE = 4), connects its report channel, hands the spec over as an anonymous memory file, runs
+# the source as `checker.py <spec path>` with its stdout captured, and reports that output as its verdict.
 _CHECKER_BOOT = (
-    "import ctypes, json, os, sys\n"
+    "import ctypes, io, json, os, sys\n"
     "ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)\n"
     "job = json.load(sys.stdin)\n"
     "sys.path.insert(0, job['gyre_root'])\n"
+    "from gyre.tasks import agent_code\n"
+    "agent_code.open_report(job['report'], job['nonce'])\n"
     "fd = os.memfd_create('spec.json')\n"
     "os.write(fd, job['spec'].encode())\n"
     "os.lseek(fd, 0, 0)\n"
     "sys.argv = ['checker.py', '/proc/self/fd/%d' % fd]\n"
-    "exec(compile(job['source'], 'checker.py', 'exec'), {'__name__': '__main__'})\n"
+    "sys.stdout = out = io.StringIO()\n"
+    "try:\n"
+    "    exec(compile(job['source'], 'checker.py', 'exec'), {'__name__': '__main__'})\n"
+    "except SystemExit as e:\n"
+    "    if e.code not in (None, 0):\n"
+    "        raise\n"
+    "agent_code.report_verdict(out.getvalue())\n"
 )
 
 
@@ -184,35 +198,48 @@ def _grading_mounts(task: Task, sandbox: Sandbox, scratch: Path, copy: Path) -> 
 
 
 def _run_checker(
-    sandbox: Sandbox, source: str, spec: dict[str, Any], mounts: list[Mount], timeout_s: float, image: str = ""
-) -> tuple[int | None, str, str]:
-    """(returncode or None on timeout, stdout, stderr) of the checker in a fresh sandbox with `mounts`."""
-    mounts = [*code_mounts(), *mounts]
+    sandbox: Sandbox,
+    source: str,
+    spec: dict[str, Any],
+    mounts: list[Mount],
+    timeout_s: float,
+    scratch: Path,
+    image: str = "",
+) -> tuple[int | None, str, CheckerReport]:
+    """(returncode or None on timeout, stderr, what it reported) of the checker in a fresh sandbox with `mounts`."""
+    listener = ReportListener(scratch / "report.sock")
+    report = Mount(listener.path, REPORT_SOCKET, writable=True)
+    mounts = [*code_mounts(), *mounts, report]
     job = SandboxJob(argv=[sandbox.python, "-I", "-c", _CHECKER_BOOT], cwd="/tmp" if sandbox.isolated else "/",
                      mounts=mounts, image=image)  # fmt: skip
-    proc = subprocess.Popen(
-        sandbox.command(job),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=host_env(sandbox, job),
-        start_new_session=True,
-    )
+    try:
+        proc = subprocess.Popen(
+            sandbox.command(job),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,  # not the verdict's way: the checker's parent in the sandbox holds it too
+            stderr=subprocess.PIPE,
+            text=True,
+            env=host_env(sandbox, job),
+            start_new_session=True,
+        )
+    except OSError:
+        listener.finish(0.0)
+        raise
     try:
         gyre_root = str(Path(place(sandbox, mounts[1])).parent)  # code_mounts(): the gyre package second
-        job_input = json.dumps({"source": source, "spec": json.dumps(spec), "gyre_root": gyre_root})
-        out, err = proc.communicate(job_input, timeout=timeout_s + (SANDBOX_START_S if sandbox.isolated else 0.0))
+        job_input = json.dumps({"source": source, "spec": json.dumps(spec), "gyre_root": gyre_root,
+                                "report": place(sandbox, report), "nonce": listener.nonce})  # fmt: skip
+        _, err = proc.communicate(job_input, timeout=timeout_s + (SANDBOX_START_S if sandbox.isolated else 0.0))
         code: int | None = proc.returncode
     except subprocess.TimeoutExpired:
         code = None
         os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        _, err = proc.communicate()
     try:  # sweep anything the checker left behind in its group
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    return code, out, err
+    return code, err, listener.finish(REPORT_JOIN_S)
 
 
 def grade_workspace(
@@ -252,27 +279,38 @@ def grade_workspace(
             **task.grading,
             **where,
         }
-        code, out, err = _run_checker(sandbox, source, spec, mounts, check_timeout_s, task.image)
+        code, err, report = _run_checker(sandbox, source, spec, mounts, check_timeout_s, scratch, task.image)
     except WorkspaceTooLarge as e:
         return Grade.agent_failed("workspace_limits", str(e))
     except OSError as e:
         return Grade.failed(f"grading failed: {type(e).__name__}: {e}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return _grade_from(code, out, err, timed_out, check_timeout_s)
+    return _grade_from(code, err, report, timed_out, check_timeout_s)
 
 
-def _grade_from(code: int | None, out: str, err: str, timed_out: bool, check_timeout_s: float) -> Grade:
+def _no_verdict(code: int | None, err: str, report: CheckerReport, check_timeout_s: float) -> Grade:
+    """The checker ended without a verdict: the agent's failure once its code had started, else a failed grade."""
+    ended = f"timed out after {check_timeout_s:g}s" if code is None else f"exited with code {code}"
+    detail = f"checker {ended}: {_tail(err) or '(no stderr)'}"
+    if report.broken is not None:
+        return Grade.failed(f"the evaluation broke: {_tail(report.broken)}")
+    if not report.agent_code_started:  # the sandbox did not start, or the checker broke on its own
+        return Grade.failed(detail)
     if code is None:
-        return Grade.failed(f"checker timed out after {check_timeout_s:g}s")
-    if code < 0 or code in (128 + signal.SIGKILL, 128 + signal.SIGTERM):  # a signal: only agent code was there
-        return Grade.agent_failed("checker_killed", f"checker exited with code {code}: {_tail(err) or '(no stderr)'}")
-    if code != 0:
-        return Grade.failed(f"checker exited with code {code}: {_tail(err) or '(no stderr)'}")
+        return Grade.agent_failed("checker_stopped", detail)
+    if code < 0 or code > 128:  # a signal (an isolated sandbox's launcher exits 128 + N)
+        return Grade.agent_failed("checker_killed", detail)
+    return Grade.agent_failed("grading_interrupted", detail)
+
+
+def _grade_from(code: int | None, err: str, report: CheckerReport, timed_out: bool, check_timeout_s: float) -> Grade:
+    if report.verdict is None:
+        return _no_verdict(code, err, report, check_timeout_s)
     try:
-        results, score, agent_failure = _parse_results(out)
+        results, score, agent_failure = _parse_results(report.verdict)
     except (ValueError, KeyError, TypeError) as e:
-        return Grade.failed(f"checker output unreadable ({e}): {_tail(out, 200)!r}")
+        return Grade.failed(f"checker output unreadable ({e}): {_tail(report.verdict, 200)!r}")
     if agent_failure is not None:
         code, _, detail = agent_failure.partition(": ")
         return Grade.agent_failed(code, detail)

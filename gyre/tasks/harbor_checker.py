@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gyre.tasks.agent_code import run_tests
+from gyre.tasks.agent_code import evaluation_broken, run_tests
 
 
 def read_rewards(verifier: Path) -> dict[str, float]:
@@ -84,8 +84,7 @@ def main(argv: list[str]) -> None:
         rewards = read_rewards(verifier)
     except ValueError as e:
         tail = (verifier / "test-stdout.txt").read_text(errors="replace")[-400:]
-        sys.stderr.write(f"{e} (test.sh exited {run.returncode}; its output ends: {tail!r})\n")
-        raise SystemExit(3) from None
+        evaluation_broken(f"{e} (test.sh exited {run.returncode}; its output ends: {tail!r})")
     results = [{"name": name, "passed": value >= 1.0, "detail": f"{value:g}"} for name, value in rewards.items()]
     print(json.dumps({"results": results + ctrf_results(verifier), "score": score_of(rewards)}))
 

@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gyre.tasks.agent_code import run_tests
+from gyre.tasks.agent_code import evaluation_broken, run_tests
 
 PASSING, MAINTAINED = {"PASSED", "XFAIL"}, {"PASSED", "XFAIL", "SKIPPED"}
 _UNITTEST = re.compile(
@@ -92,8 +92,7 @@ def reset_and_patch(workspace: Path, reset_files: dict[str, str | None], test_pa
         proc = subprocess.run(["git", "apply", "--whitespace=nowarn", "-"], cwd=workspace, env=env,
                               input=test_patch, text=True, capture_output=True)  # fmt: skip
     if proc.returncode != 0:
-        sys.stderr.write(f"test_patch does not apply to the reset test files: {proc.stderr.strip()}\n")
-        raise SystemExit(3)
+        evaluation_broken(f"test_patch does not apply to the reset test files: {proc.stderr.strip()}")
 
 
 def report(status: dict[str, str], fail_to_pass: list[str], pass_to_pass: list[str]) -> dict[str, Any]:
