@@ -57,6 +57,7 @@ AGENT_FAILURES = {
     "tests_timeout": "the task's tests, running the agent's code, ran past their time",
     "tests_killed": "the task's tests, running the agent's code, died of a signal",
     "tests_left_processes": "a process started under the task's tests outlived them (it could rewrite the reward)",
+    "tests_incomplete": "the test runner ended without its own completion record (the code under test ended it)",
 }
 TESTS_BUDGET_FRACTION = 0.8  # of the checker's time limit, for a task's own tests (gyre.tasks.agent_code)
 PYTHON_BUDGET_FRACTION = 0.6  # of the checker's time limit, for all the workspace's programs together
@@ -197,6 +198,13 @@ def _grading_mounts(task: Task, sandbox: Sandbox, scratch: Path, copy: Path) -> 
     return mounts, where
 
 
+def _checker_inputs(task: Task) -> dict[str, Any]:
+    """What a format's checker needs from the task's own tree: SWE-bench, the tree's paths and runner files."""
+    if task.checker != "swebench":
+        return {}
+    return {"original_files": sorted(task.files), "runner_files": swebench_checker.runner_files(task.files)}
+
+
 def _run_checker(
     sandbox: Sandbox,
     source: str,
@@ -276,6 +284,7 @@ def grade_workspace(
             "python_budget_s": check_timeout_s * PYTHON_BUDGET_FRACTION,
             "tests_timeout_s": check_timeout_s * TESTS_BUDGET_FRACTION,
             "pid_namespace": sandbox.isolated,
+            **_checker_inputs(task),
             **task.grading,
             **where,
         }

@@ -1,17 +1,27 @@
 """SWE-bench grading, run as the checker of a SWE-bench instance in its grading sandbox. Standard library only.
 
 spec = {"workspace", "reset_files", "test_patch", "test_cmd", "log_parser", "FAIL_TO_PASS", "PASS_TO_PASS",
-"tests_timeout_s", "pid_namespace"}.
+"tests_timeout_s", "pid_namespace", "original_files", "runner_files"}.
 As SWE-bench's evaluation does, on the copy of the final workspace: put the files the test patch
 touches back to base_commit (`reset_files`: path -> base64 content, null where the file did not exist),
 apply `test_patch` (git apply, with a git directory of our own: the agent's .git is never read), run
-`test_cmd`, parse its log into a status per test and grade it with SWE-bench's rules: a FAIL_TO_PASS
-test must pass (PASSED or XFAIL; skipped or missing is a failure), a PASS_TO_PASS test must pass or be
-skipped. The score is the fraction of FAIL_TO_PASS tests passed when every PASS_TO_PASS test holds, else
-0. A log that reports no failure although the test command failed is not believed (all tests fail), nor
-is one of tests that ran past their time, died of a signal or left a process behind (score 0, the
-agent's failure: gyre.tasks.agent_code).
-A test patch that does not apply to the reset files is a broken task: this script exits non-zero.
+`test_cmd`, take a status per test and grade it with SWE-bench's rules: a FAIL_TO_PASS test must pass
+(PASSED or XFAIL; skipped or missing is a failure), a PASS_TO_PASS test must pass or be skipped. The
+score is the fraction of FAIL_TO_PASS tests passed when every PASS_TO_PASS test holds, else 0.
+
+What the code under test cannot steer:
+- files the runner or the interpreter loads on their own are the original ones: conftest.py and the
+  runner's configuration files are restored (`runner_files`) or removed when the agent added them, and so
+  are sitecustomize/usercustomize and *.pth files; compiled files (*.pyc, __pycache__) are removed, and
+  so are modules the agent added that shadow the standard library or the test runner (`original_files`
+  says what the tree held);
+- the tests run with PYTHONSAFEPATH (the workspace after the standard library: runner_hooks/sitecustomize.py);
+- the statuses come from the runners' own records (runner_hooks/gyre_test_report.py), never from lines
+  the code can print; a run without a complete record (os._exit, a crash) scores 0 as the agent's failure,
+  and so does one of tests that ran past their time, died of a signal or left a process behind
+  (gyre.tasks.agent_code). A record without a failure although the test command failed is not believed
+  (all tests fail: SWE-bench's exit-code cross-check).
+A test patch that does not apply to the reset files is a broken task: this script ends as an evaluation error.
 """
 
 from __future__ import annotations
@@ -27,7 +37,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from gyre.tasks import agent_code
 from gyre.tasks.agent_code import evaluation_broken, run_tests
+
+RUNNER_HOOKS = Path(agent_code.__file__).with_name("runner_hooks")  # sitecustomize.py, gyre_test_report.py
+# Files a test runner reads on its own, wherever they are: the original's content, or gone
+RUNNER_CONFIG = frozenset({"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml",
+                           "sitecustomize.py", "usercustomize.py"})  # fmt: skip
+RUNNER_MODULES = frozenset({"pytest", "_pytest", "pluggy", "py", "iniconfig", "unittest", "gyre_test_report"})
+MODULE_SUFFIXES = (".py", ".pyc", ".pyw", ".so", ".pyd")
 
 PASSING, MAINTAINED = {"PASSED", "XFAIL"}, {"PASSED", "XFAIL", "SKIPPED"}
 _UNITTEST = re.compile(
@@ -60,7 +78,78 @@ def parse_pytest(log: str) -> dict[str, str]:
     return status
 
 
-PARSERS = {"unittest": parse_unittest, "pytest": parse_pytest}
+PARSERS = {"unittest": parse_unittest, "pytest": parse_pytest}  # SWE-bench's log formats, for reading a log by eye
+
+
+def is_runner_file(rel: str) -> bool:
+    name = Path(rel).name
+    return name in RUNNER_CONFIG or name.endswith(".pth")
+
+
+def runner_files(files: dict[str, str]) -> dict[str, str]:
+    """The original runner files of a task's tree (path -> base64 content), to restore before the tests run."""
+    return {rel: base64.b64encode(text.encode()).decode() for rel, text in files.items() if is_runner_file(rel)}
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+def _shadows(name: str) -> bool:
+    """A module or package name that would stand in for the standard library's or the test runner's."""
+    module = name.split(".", 1)[0] if name.endswith(MODULE_SUFFIXES) else name
+    return module in sys.stdlib_module_names or module in RUNNER_MODULES
+
+
+def refuse_loaded_files(workspace: Path, original: set[str], restore: dict[str, str], test_dirs: set[str]) -> list[str]:
+    """Remove what the interpreter or the runner would load on its own that the original tree did not hold, then
+    put the original runner files back; the paths removed."""
+    removed: list[str] = []
+    original_dirs = {str(parent) for rel in original for parent in Path(rel).parents}
+    for root, dirs, names in os.walk(workspace):
+        here = Path(root)
+        rel_root = here.relative_to(workspace)
+        for name in [*dirs, *names]:
+            rel = str(rel_root / name)
+            compiled = name == "__pycache__" or name.endswith((".pyc", ".pyo"))
+            added = rel not in original and rel not in original_dirs
+            shadow = str(rel_root) in test_dirs and _shadows(name)
+            if compiled or (is_runner_file(rel) and rel not in restore) or (added and shadow):
+                _remove(here / name)
+                removed.append(rel)
+        dirs[:] = [d for d in dirs if (here / d).is_dir() and not (here / d).is_symlink()]
+    for rel, content in restore.items():
+        _real_parents(workspace, rel)
+        path = workspace / rel
+        if path.is_symlink() or path.exists():
+            _remove(path)
+        path.write_bytes(base64.b64decode(content))
+    return removed
+
+
+def tests_env(workspace: Path, report_dir: Path) -> dict[str, str]:
+    """The tests' environment: isolated import path, the runners' records switched on."""
+    addopts = " ".join(filter(None, [os.environ.get("PYTEST_ADDOPTS"), "-p gyre_test_report"]))
+    return {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONPATH": str(RUNNER_HOOKS), "PYTHONNOUSERSITE": "1",
+            "GYRE_TEST_WORKSPACE": str(workspace), "GYRE_TEST_REPORT_DIR": str(report_dir),
+            "PYTEST_ADDOPTS": addopts}  # fmt: skip
+
+
+def read_records(report_dir: Path, runner: str) -> tuple[dict[str, str], str | None]:
+    """(status per test, None) from the runners' complete records, or ({}, the agent failure) without one."""
+    status: dict[str, str] = {}
+    records = [json.loads(p.read_text() or "{}") for p in sorted(report_dir.glob("*.json"))]
+    ours = [r for r in records if r.get("runner") == runner]
+    if not ours:
+        return {}, f"tests_incomplete: no {runner} run left its record (the tests ended before running any)"
+    if not all(r.get("complete") for r in records):
+        return {}, f"tests_incomplete: a {runner} run ended without completing its record"
+    for r in ours:
+        status.update(r["status"])
+    return status, None
 
 
 def _real_parents(workspace: Path, rel: str) -> None:
@@ -109,16 +198,20 @@ def main(argv: list[str]) -> None:
     spec = json.loads(Path(argv[0]).read_text())
     workspace = Path(spec["workspace"])
     reset_and_patch(workspace, spec["reset_files"], spec["test_patch"])
+    test_dirs = {"."} | {str(Path(rel).parent) for rel in spec["reset_files"]}
+    refuse_loaded_files(workspace, set(spec["original_files"]), spec["runner_files"], test_dirs)
+    report_dir = Path(tempfile.mkdtemp(prefix="gyre-test-report-"))
     with tempfile.TemporaryFile() as log:  # a file, not a pipe a process of the agent's could hold open
-        run = run_tests(spec["test_cmd"], cwd=str(workspace), env=None, timeout_s=spec["tests_timeout_s"], out=log,
-                        pid_namespace=spec["pid_namespace"])  # fmt: skip
-        log.seek(0)
-        text = log.read().decode(errors="replace")
+        run = run_tests(spec["test_cmd"], cwd=str(workspace), env=tests_env(workspace, report_dir),
+                        timeout_s=spec["tests_timeout_s"], out=log, pid_namespace=spec["pid_namespace"])  # fmt: skip
     failure = run.agent_failure()
-    status = {} if failure else PARSERS[spec["log_parser"]](text)  # a failed run: every test fails
+    status: dict[str, str] = {}
+    if failure is None:
+        status, failure = read_records(report_dir, spec["log_parser"])
     if run.returncode != 0 and not any(s in ("FAILED", "ERROR") for s in status.values()):
-        status = {}  # the log does not describe the run that happened (SWE-bench's exit-code cross-check)
-    print(json.dumps({**report(status, spec["FAIL_TO_PASS"], spec["PASS_TO_PASS"]), "agent_failed": failure}))
+        status = {}  # the record does not describe the run that happened (SWE-bench's exit-code cross-check)
+    out = report(status, spec["FAIL_TO_PASS"], spec["PASS_TO_PASS"])
+    print(json.dumps({**out, "agent_failed": failure}))
 
 
 if __name__ == "__main__":
