@@ -4,6 +4,9 @@ default sandbox (bwrap), and without one (none), where the test says what still 
 
 - Attribution: the agent's code ends or stops the checker with a signal of its choosing. Once its code has
   started, no verdict is the agent's failure (score 0, trained), never a failed grade (excluded).
+- Harbor: a reward file written by the agent's code while the tests run (reward.json beside the script's
+  reward.txt, reward.txt beside its reward.json, the links replaced), os._exit(0) on import: each scored
+  1.0 before; now 0. Harbor needs an isolated sandbox (refused under none): bwrap only.
 - SWE-bench: a conftest.py that passes every test, a `unittest` package that shadows the standard
   library, fake `... ok` lines printed before os._exit(0): each scored 1.0 before; now 0.
 Each attack runs on a workspace that does not solve the task (a losing policy); the honest control on the
@@ -12,6 +15,7 @@ same task still scores 1.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import shutil
 from pathlib import Path
@@ -21,13 +25,15 @@ import pytest
 from gyre.config.schema import SandboxConfig
 from gyre.sandbox import make_sandbox
 from gyre.tasks.grading import Grade, grade_workspace
-from gyre.tasks.oracle import apply_patch, reference_patch
+from gyre.tasks.harbor import load_harbor_task
+from gyre.tasks.oracle import apply_patch, reference_patch, run_solve_script
 from gyre.tasks.swebench import load_swebench_tasks
 from gyre.tasks.task import Task
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
 SWEBENCH = ROOT / "examples" / "tasks" / "swebench" / "instances.jsonl"
+HARBOR = ROOT / "examples" / "tasks" / "harbor"
 
 # Agent code: signal the checker (the ancestor running the grading boot), then go on losing.
 SIGNAL_CHECKER = """import os, signal, time
@@ -105,6 +111,84 @@ def test_the_checkers_stdout_is_not_its_verdict(tmp_path, bwrap):
     assert_agent_failed(grade, "checker_killed")
 
 
+# ---------------------------------------------------------------- Harbor
+
+TRY = "import os\ndef attempt(f):\n    try:\n        f()\n    except OSError:\n        pass\n"
+V = "/logs/verifier"
+HARBOR_FORGERIES = {
+    # the script writes reward.txt; Harbor reads reward.txt first, Gyre read reward.json first before
+    "reward_json": TRY + f"attempt(lambda: open('{V}/reward.json', 'w').write('{{\"reward\": 1}}'))\n",
+    # and reward.txt beside a script's reward.json (test script below)
+    "reward_txt": TRY + f"attempt(lambda: open('{V}/reward.txt', 'w').write('1'))\n",
+    # every other way to put a reward file of its own in place
+    "replace_links": TRY
+    + "\n".join(
+        [
+            f"attempt(lambda: os.unlink('{V}/reward.txt'))",
+            f"attempt(lambda: open('{V}/r.tmp', 'w').write('1'))",
+            f"attempt(lambda: os.rename('{V}/r.tmp', '{V}/reward.txt'))",
+            f"attempt(lambda: os.replace('{V}/r.tmp', '{V}/reward.json'))",
+            f"attempt(lambda: os.link('{V}/r.tmp', '/logs/.reward/reward.txt'))",
+            "attempt(lambda: open('/logs/.reward/reward.txt', 'w').write('1'))",
+            f"attempt(lambda: os.rename('{V}', '/logs/old'))",
+            "attempt(lambda: os.rename('/logs/.reward', '/logs/r'))",
+            f"attempt(lambda: os.symlink('/tmp/r', '{V}/reward.json'))",
+            "attempt(lambda: open('/tmp/r', 'w').write('1'))",
+            "",
+        ]
+    ),  # fmt: skip
+    # the tests' runner leaves with status 0 before running a test
+    "exit_on_import": "import os\nos._exit(0)\n",
+}
+JSON_SCRIPT = (  # fix-median's test script, writing reward.json
+    "if python3 /tests/test_outputs.py; then echo '{\"reward\": 1}' > /logs/verifier/reward.json\n"
+    "else echo '{\"reward\": 0}' > /logs/verifier/reward.json; fi\n"
+)
+
+
+def harbor_task(script: str | None = None) -> Task:
+    task = dataclasses.replace(load_harbor_task(HARBOR / "fix-median"), check_timeout_s=8.0)
+    if script is not None:
+        task = dataclasses.replace(
+            task, hidden_files={**task.hidden_files, "test.sh": base64.b64encode(script.encode()).decode()}
+        )
+    return task
+
+
+@pytest.mark.parametrize("attack", sorted(HARBOR_FORGERIES))
+def test_harbor_reward_forgeries_by_the_agents_code_score_zero(attack, tmp_path, bwrap):
+    task = harbor_task(JSON_SCRIPT if attack == "reward_txt" else None)
+    ws = task.materialize(tmp_path / "ws")
+    init = ws / "stats" / "__init__.py"
+    init.write_text(HARBOR_FORGERIES[attack] + init.read_text())
+    grade = grade_workspace(task, ws, sandbox=bwrap)
+    assert grade.score == 0.0 and grade.status != "failed", grade
+    fixed = task.materialize(tmp_path / "fixed")  # the honest control: the task's own solution, same test script
+    assert run_solve_script(task, fixed, bwrap) == ""
+    honest = grade_workspace(task, fixed, sandbox=bwrap)
+    assert (honest.status, honest.score) == ("ok", 1.0), honest
+
+
+def test_harbor_tests_cannot_signal_the_checker(tmp_path, bwrap):
+    """Landlock ABI >= 6 (this kernel: 7): the programs of the test script cannot signal outside their domain,
+    so the agent's code neither ends nor stops the checker (nor test.sh): graded, 0. With an older ABI the
+    signal would land, and the grade is the agent's failure (the builtin checker's cases above)."""
+    task = harbor_task()
+    for sig in ("SIGUSR1", "SIGSTOP", "SIGKILL"):
+        ws = task.materialize(tmp_path / sig)
+        init = ws / "stats" / "__init__.py"
+        init.write_text(SIGNAL_CHECKER.format(sig=sig) + init.read_text())
+        assert_agent_failed(grade_workspace(task, ws, sandbox=bwrap), None)
+
+
+def test_harbor_exit_on_import_is_the_agents_failure(tmp_path, bwrap):
+    task = harbor_task()
+    ws = task.materialize(tmp_path / "ws")
+    init = ws / "stats" / "__init__.py"
+    init.write_text(HARBOR_FORGERIES["exit_on_import"] + init.read_text())
+    assert_agent_failed(grade_workspace(task, ws, sandbox=bwrap), "tests_incomplete")
+
+
 # ---------------------------------------------------------------- SWE-bench
 
 
@@ -137,8 +221,10 @@ def swebench_attacks(task: Task) -> dict[str, dict[str, str]]:
     exit_clean = f"import os, sys\nsys.stdout.write({fake + chr(10)!r})\nsys.stdout.flush()\nos._exit(0)\n"
     return {
         # every test passes: each test's body replaced with nothing
-        "conftest": {"conftest.py": "def pytest_collection_modifyitems(items):\n    for item in items:\n"
-                                    "        item.runtest = lambda: None\n"},  # fmt: skip
+        "conftest": {
+            "conftest.py": "def pytest_collection_modifyitems(items):\n    for item in items:\n"
+            "        item.runtest = lambda: None\n"
+        },  # fmt: skip
         # `python -m unittest` finds this package first (the working directory first on the path)
         "unittest_shadow": {"unittest/__init__.py": "", "unittest/__main__.py": exit_clean},
         # the code under test prints what a passing run prints, then leaves before the runner reports
@@ -159,7 +245,9 @@ def test_swebench_forgeries_score_zero(attack, runner, tmp_path, bwrap):
     assert grade.score == 0.0 and grade.status != "failed", grade
     fixed = tmp_path / "fixed"  # the honest control: the reference fix, with the same files planted
     shutil.copytree(ws, fixed, symlinks=True)
-    (fixed / "calc" / "__init__.py").write_text((ROOT / "examples/tasks/swebench/repos/gyre-examples__calc/calc/__init__.py").read_text())
+    (fixed / "calc" / "__init__.py").write_text(
+        (ROOT / "examples/tasks/swebench/repos/gyre-examples__calc/calc/__init__.py").read_text()
+    )
     assert apply_patch(fixed, reference_patch(task)) == ""
     honest = grade_workspace(task, fixed, sandbox=bwrap)
     assert (honest.status, honest.score) == ("ok", 1.0), honest

@@ -8,7 +8,8 @@ VENV=${VENV:-.venv}
 # libibverbs1: Mooncake Transfer Engine's wheel links it even for TCP (its import fails without it).
 # hdf5-tools: h5dump/h5ls, the standard HDF5 tools the shard tests read shards with.
 # bubblewrap: bwrap, the default sandbox of every harness and checker (sandbox.backend=bwrap).
-GYRE_APT_PACKAGES=${GYRE_APT_PACKAGES-libibverbs1 hdf5-tools bubblewrap}
+# gcc, libc6-dev: build the Harbor reward guard (gyre/tasks/runner_hooks/reward_guard.c) on first use.
+GYRE_APT_PACKAGES=${GYRE_APT_PACKAGES-libibverbs1 hdf5-tools bubblewrap gcc libc6-dev}
 need_apt=()
 if command -v dpkg >/dev/null; then
   for pkg in ${GYRE_APT_PACKAGES}; do

@@ -28,7 +28,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, NoReturn
 
@@ -99,11 +99,20 @@ def run_tests(
     timeout_s: float,
     out: IO[bytes],
     pid_namespace: bool,
+    pass_fds: Sequence[int] = (),
+    started: Callable[[subprocess.Popen[bytes]], None] | None = None,
 ) -> TestsRun:
-    """Run the tests with `out` as their stdout and stderr (a file, never a pipe a child could hold open)."""
+    """Run the tests with `out` as their stdout and stderr (a file, never a pipe a child could hold open);
+    `started(proc)` runs as soon as they are started (a handshake with descriptors of `pass_fds`)."""
     agent_code_starts()
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                            shell=isinstance(argv, str), start_new_session=True)  # fmt: skip
+                            shell=isinstance(argv, str), start_new_session=True, pass_fds=pass_fds)  # fmt: skip
+    if started is not None:
+        try:
+            started(proc)
+        except BaseException:
+            _kill_group(proc.pid)
+            raise
     try:
         returncode: int | None = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:

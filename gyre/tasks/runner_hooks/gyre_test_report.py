@@ -1,4 +1,4 @@
-"""The test runners' own record of a SWE-bench run, read by gyre.tasks.swebench_checker. Standard library only.
+"""The test runners' own record of a run, read by gyre.tasks.swebench_checker and harbor_checker. Standard library only.
 
 Grading reads results from here, never from lines the code under test can print. Each runner process
 (pytest through `-p gyre_test_report`, unittest's TextTestRunner through sitecustomize) creates its record
@@ -6,13 +6,22 @@ in GYRE_TEST_REPORT_DIR when its run starts, marked incomplete, and fills it in 
 that ends early (os._exit, a crash, a kill) leaves an incomplete record, which scores 0. Code running in
 the runner's own process can still rewrite a record: that is beyond what a process boundary we do not
 have can guard.
+
+A Harbor task's tests run programs of their own choosing: there, each Python process that loads the
+agent's code (a file under GYRE_AGENT_CODE_DIRS opened as code) reports on GYRE_EXIT_REPORT_FD, a pipe
+to the checker, any os._exit it calls from then on: leaving with status 0 before a runner has run a test.
+What is written on that pipe cannot be taken back.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+from collections.abc import Sequence
 from typing import Any
+
+CODE_SUFFIXES = (".py", ".pyc", ".pyw", ".so")
 
 _status: dict[str, str] = {}
 
@@ -71,6 +80,37 @@ def hook_unittest() -> None:
         return result
 
     unittest.TextTestRunner.run = recorded_run  # type: ignore[method-assign]
+
+
+def watch_agent_code(dirs: Sequence[str], report_fd: int) -> None:
+    """From the first file of `dirs` this process opens as code on, report its own os._exit on `report_fd`."""
+    prefixes = tuple(d.rstrip("/") + "/" for d in dirs if d)
+    watched: list[int] = []
+
+    def on_event(event: str, args: tuple[Any, ...]) -> None:
+        if watched or event != "open" or not isinstance(args[0], str) or not args[0].endswith(CODE_SUFFIXES):
+            return
+        if os.path.join(os.getcwd(), args[0]).startswith(prefixes):
+            watched.append(os.getpid())
+            _report_exits(report_fd, os.getpid())
+
+    sys.addaudithook(on_event)
+
+
+def _report_exits(report_fd: int, pid: int) -> None:
+    import posix
+
+    real_exit = posix._exit
+
+    def reported_exit(code: int) -> None:
+        if os.getpid() == pid:  # not a forked child (multiprocessing's end with os._exit): the process itself
+            try:
+                os.write(report_fd, f"os._exit {code} pid {pid}\n".encode())
+            except OSError:
+                pass
+        real_exit(code)
+
+    os._exit = posix._exit = reported_exit  # type: ignore[assignment]
 
 
 # pytest plugin hooks (`-p gyre_test_report`)

@@ -5,7 +5,8 @@ The tests run with PYTHONSAFEPATH, so neither the working directory nor a script
 on the import path; the workspace (GYRE_TEST_WORKSPACE) goes after the standard library instead, before
 the installed packages, so that nothing in it shadows the standard library. With GYRE_TEST_REPORT_DIR set,
 unittest's runner records its results (gyre_test_report), importing unittest now, from the standard
-library, before any code of the workspace could put another in its place.
+library, before any code of the workspace could put another in its place. With GYRE_AGENT_CODE_DIRS and
+GYRE_EXIT_REPORT_FD set (Harbor), a process that loads the agent's code reports an os._exit of its own.
 """
 
 import os
@@ -25,3 +26,9 @@ if os.environ.get("GYRE_TEST_REPORT_DIR"):
     import gyre_test_report
 
     gyre_test_report.hook_unittest()
+if os.environ.get("GYRE_AGENT_CODE_DIRS") and os.environ.get("GYRE_EXIT_REPORT_FD"):
+    import gyre_test_report
+
+    gyre_test_report.watch_agent_code(
+        os.environ["GYRE_AGENT_CODE_DIRS"].split(":"), int(os.environ["GYRE_EXIT_REPORT_FD"])
+    )
