@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import os
 import shutil
 from pathlib import Path
 
@@ -109,6 +110,44 @@ def test_the_checkers_stdout_is_not_its_verdict(tmp_path, bwrap):
     (tmp_path / "config.py").write_text(forge)
     grade = grade_workspace(Task("t", "custom", "p", checks=[CHECK]), tmp_path, sandbox=bwrap)
     assert_agent_failed(grade, "checker_killed")
+
+
+# The agent's code takes the checker's report socket (pidfd_getfd: needs ptrace rights over the checker),
+# sends a passing verdict on it and kills the checker before it can send its own.
+STEAL_REPORT = """import ctypes, json, os, signal
+libc = ctypes.CDLL(None, use_errno=True)
+pid = os.getpid()
+while pid > 1:
+    pid = int(open('/proc/%d/stat' % pid).read().rsplit(')', 1)[1].split()[1])
+    if b'open_report' in open('/proc/%d/cmdline' % pid, 'rb').read():
+        break
+verdict = json.dumps({'results': [{'name': 'x', 'passed': True}], 'score': 1.0})
+line = (json.dumps({'kind': 'verdict', 'payload': verdict}) + '\\n').encode()
+pidfd = os.pidfd_open(pid)
+for name in os.listdir('/proc/%d/fd' % pid):
+    try:
+        if os.readlink('/proc/%d/fd/%s' % (pid, name)).startswith('socket:'):
+            fd = libc.syscall(438, pidfd, int(name), 0)  # pidfd_getfd
+            if fd >= 0:
+                os.write(fd, line)
+    except OSError:
+        pass
+os.kill(pid, signal.SIGKILL)
+X = 0
+"""
+
+
+@pytest.mark.parametrize("backend", ["bwrap", "none"])
+def test_forging_the_verdict_takes_ptrace_rights_over_the_checker(backend, tmp_path):
+    """Under bwrap the agent's code has none (uid 1000 without capabilities, the checker non-dumpable): the
+    checker's death is the agent's failure. Under none it has them when the run is root (CAP_SYS_PTRACE):
+    the forged verdict is read as the checker's, so none promises nothing against a root agent."""
+    (tmp_path / "config.py").write_text(STEAL_REPORT)
+    grade = grade_workspace(Task("t", "custom", "p", checks=[CHECK]), tmp_path, sandbox=sandbox_for(backend))
+    if backend == "none" and os.geteuid() == 0:
+        assert (grade.status, grade.score) == ("ok", 1.0), grade
+    else:
+        assert_agent_failed(grade, "checker_killed")
 
 
 # ---------------------------------------------------------------- Harbor
