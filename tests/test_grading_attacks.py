@@ -274,13 +274,18 @@ def swebench_attacks(task: Task) -> dict[str, dict[str, str]]:
 # each scored 1.0 on this unfixed workspace before (measured at 8b49e1b)
 @pytest.mark.parametrize(("attack", "runner"), [("conftest", "pytest"), ("unittest_shadow", "unittest"),
                                                 ("fake_lines_exit", "unittest")])  # fmt: skip
-def test_swebench_forgeries_score_zero(attack, runner, tmp_path, bwrap):
+@pytest.mark.parametrize("backend", ["bwrap", "none"])
+def test_swebench_forgeries_score_zero(attack, runner, backend, tmp_path):
+    """Fixed whatever the backend: the checker itself removes the files and reads the runners' records."""
+    sandbox = sandbox_for(backend)
     task = swebench_task("gyre-examples__calc-1", runner)
+    if backend == "none":  # the host's own python3 (here a pyenv shim with many pytest plugins): slow to start
+        task = dataclasses.replace(task, check_timeout_s=40.0)
     ws = task.materialize(tmp_path / "ws")
     for rel, text in swebench_attacks(task)[attack].items():
         (ws / rel).parent.mkdir(parents=True, exist_ok=True)
         (ws / rel).write_text(text)
-    grade = grade_workspace(task, ws, sandbox=bwrap)
+    grade = grade_workspace(task, ws, sandbox=sandbox)
     assert grade.score == 0.0 and grade.status != "failed", grade
     fixed = tmp_path / "fixed"  # the honest control: the reference fix, with the same files planted
     shutil.copytree(ws, fixed, symlinks=True)
@@ -288,7 +293,7 @@ def test_swebench_forgeries_score_zero(attack, runner, tmp_path, bwrap):
         (ROOT / "examples/tasks/swebench/repos/gyre-examples__calc/calc/__init__.py").read_text()
     )
     assert apply_patch(fixed, reference_patch(task)) == ""
-    honest = grade_workspace(task, fixed, sandbox=bwrap)
+    honest = grade_workspace(task, fixed, sandbox=sandbox)
     assert (honest.status, honest.score) == ("ok", 1.0), honest
 
 
