@@ -2,21 +2,31 @@
 
 Outcomes: "ok" (graded), "timeout" (the harness was killed at its time limit; the preserved
 workspace is graded all the same), "agent_failed" (the agent broke its side: its harness exited
-non-zero or broke the protocol, it killed the checker or went past its limits; score 0, trained,
-reason recorded), "failed" (the evaluation itself broke: the checker crashed, hung or printed garbage
-on its own, the workspace is gone, grading hit an OSError). A failed grade has score None and must be
-excluded from training, never counted as a zero.
+non-zero or broke the protocol, its code ended or stopped the checker or went past its limits; score 0,
+trained, reason recorded), "failed" (the evaluation itself broke: the sandbox did not start, the checker
+crashed, hung or printed garbage before any of the agent's code ran, or said the task is broken; the
+workspace is gone, grading hit an OSError). A failed grade has score None and must be excluded from
+training, never counted as a zero.
+
+Who broke it is observed, not read from an exit code the agent's code can choose (any signal, a stop):
+the checker reports over a channel of its own (gyre.tasks.checker_report) the moment before the agent's
+code first runs, then its verdict. No verdict after that moment, however the checker ended, is the
+agent's failure (checker_killed, checker_stopped, grading_interrupted); no verdict before it is a failed
+grade.
 
 What the agent cannot touch: the workspace is copied without following links (symlinks stay links,
 only regular files and directories are copied) into a new directory; only then do the checker and
 its spec exist, and never as files: the checker's source and spec reach it on stdin, the spec as an
 anonymous memory file, and the checker marks itself non-dumpable, so agent code it runs (as the same
-user, in the same sandbox) can open neither its /proc files nor its memory. The score is what the
-checker process prints last on its stdout, a pipe only it holds.
+user, in the same sandbox, without capabilities) can open neither its /proc files nor its memory, nor
+take its report socket. The verdict is what the checker prints, captured in its own process and sent on
+that socket; its stdout, which its parent in the sandbox shares, carries nothing. Under backend none a
+root agent has ptrace rights over the checker: none promises none of this.
 
 A task's hidden files (Harbor's tests/) are written only here, after the agent has finished, into a
 directory the grading sandbox sees read-only at /tests; a Harbor task's verifier writes its reward under
-/logs, a fresh writable directory of this sandbox alone, read by the checker inside it.
+/logs, a fresh writable directory of this sandbox alone, read by the checker inside it, where the reward
+guard keeps the programs of the tests from writing it (gyre.tasks.harbor_checker).
 """
 
 from __future__ import annotations
