@@ -17,6 +17,7 @@ from gyre.tasks.demos import demonstration, tokenizer_corpus
 from gyre.tasks.families import FAMILIES, echo_files_task, fix_value_task, write_value_task
 from gyre.tasks.grading import _grade_from, grade_workspace
 from gyre.tasks.suite import TaskPool, sample_tasks
+from gyre.tasks.swebench_checker import read_records
 from gyre.tasks.task import Task
 
 pytestmark = pytest.mark.unit
@@ -220,6 +221,20 @@ def test_attribution_follows_the_checkers_report_not_its_exit_code():
         assert _grade_from(code, "boom", CheckerReport(), False, 5.0).status == "failed"
     broken = _grade_from(3, "", CheckerReport(True, None, "test_patch does not apply"), False, 5.0)
     assert (broken.status, broken.score) == ("failed", None) and "test_patch does not apply" in broken.reason
+
+
+def test_swebench_statuses_come_from_complete_runner_records(tmp_path):
+    def write(name, record):
+        (tmp_path / name).write_text(json.dumps(record))
+
+    assert read_records(tmp_path, "unittest")[1].startswith("tests_incomplete: no unittest run")
+    write("unittest-7-0.json", {"runner": "unittest", "complete": True, "status": {"a": "FAILED", "b": "PASSED"}})
+    write("unittest-zzz.json", {"runner": "unittest", "complete": True, "status": {"a": "PASSED", "c": "PASSED"}})
+    assert read_records(tmp_path, "unittest") == ({"a": "FAILED", "b": "PASSED", "c": "PASSED"}, None)
+    write("unittest-8-1.json", {"runner": "unittest", "complete": False})  # a run ended early (os._exit)
+    assert read_records(tmp_path, "unittest")[1].startswith("tests_incomplete: a unittest run ended")
+    (tmp_path / "unittest-8-1.json").write_text("not json")
+    assert read_records(tmp_path, "unittest")[1].startswith("tests_incomplete:")
 
 
 def test_custom_checker_results_are_used(tmp_path):

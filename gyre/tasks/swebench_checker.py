@@ -138,17 +138,32 @@ def tests_env(workspace: Path, report_dir: Path) -> dict[str, str]:
             "PYTEST_ADDOPTS": addopts}  # fmt: skip
 
 
+def _record(path: Path) -> dict[str, Any]:
+    """One runner's record; an unreadable one reads as incomplete."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {"runner": "?", "complete": False}
+    if not isinstance(record, dict) or not isinstance(record.get("status", {}), dict):
+        return {"runner": "?", "complete": False}
+    return record
+
+
 def read_records(report_dir: Path, runner: str) -> tuple[dict[str, str], str | None]:
-    """(status per test, None) from the runners' complete records, or ({}, the agent failure) without one."""
-    status: dict[str, str] = {}
-    records = [json.loads(p.read_text() or "{}") for p in sorted(report_dir.glob("*.json"))]
+    """(status per test, None) from the runners' complete records, or ({}, the agent failure) without one.
+    Where records disagree on a test, a failing status wins: a record added beside the runner's own (the code
+    under test can write files too) cannot turn its failures into passes."""
+    records = [_record(p) for p in sorted(report_dir.glob("*.json"))]
     ours = [r for r in records if r.get("runner") == runner]
     if not ours:
         return {}, f"tests_incomplete: no {runner} run left its record (the tests ended before running any)"
-    if not all(r.get("complete") for r in records):
+    if not all(r.get("complete") is True for r in records):
         return {}, f"tests_incomplete: a {runner} run ended without completing its record"
+    status: dict[str, str] = {}
     for r in ours:
-        status.update(r["status"])
+        for test, outcome in r.get("status", {}).items():
+            if status.get(test) not in ("FAILED", "ERROR"):
+                status[str(test)] = str(outcome)
     return status, None
 
 
