@@ -19,12 +19,14 @@ import base64
 import dataclasses
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from gyre.config.schema import SandboxConfig
 from gyre.sandbox import make_sandbox
+from gyre.tasks import grading, reward_guard
 from gyre.tasks.grading import Grade, grade_workspace
 from gyre.tasks.harbor import load_harbor_task
 from gyre.tasks.oracle import apply_patch, reference_patch, run_solve_script
@@ -226,6 +228,25 @@ def test_harbor_exit_on_import_is_the_agents_failure(tmp_path, bwrap):
     init = ws / "stats" / "__init__.py"
     init.write_text(HARBOR_FORGERIES["exit_on_import"] + init.read_text())
     assert_agent_failed(grade_workspace(task, ws, sandbox=bwrap), "tests_incomplete")
+
+
+def test_harbor_grading_is_refused_not_run_unguarded(tmp_path, bwrap, monkeypatch):
+    """A guard that cannot be built, or that does not arm in the test script's shell (here: a library that
+    loads but is not the guard), fails the grade (excluded) naming why; the tests never run unguarded."""
+    task = harbor_task("echo 1 > /logs/verifier/reward.txt\n")  # a pass, were it run
+    ws = task.materialize(tmp_path / "ws")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(reward_guard.shutil, "which", lambda name: None)
+    grade = grade_workspace(task, ws, sandbox=bwrap)
+    assert (grade.status, grade.score) == ("failed", None) and "C compiler" in grade.reason, grade
+    monkeypatch.undo()
+    inert = tmp_path / "inert.c"
+    inert.write_text("int gyre_inert;\n")
+    library = tmp_path / "inert.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(library), str(inert)], check=True)
+    monkeypatch.setattr(grading, "reward_guard_library", lambda: library)
+    grade = grade_workspace(task, ws, sandbox=bwrap)
+    assert (grade.status, grade.score) == ("failed", None) and "did not arm" in grade.reason, grade
 
 
 # ---------------------------------------------------------------- SWE-bench

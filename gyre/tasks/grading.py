@@ -32,7 +32,6 @@ guard keeps the programs of the tests from writing it (gyre.tasks.harbor_checker
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import math
 import os
@@ -41,7 +40,6 @@ import signal
 import stat
 import subprocess
 import tempfile
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +50,7 @@ from gyre.sandbox.backends import NoSandbox
 from gyre.sandbox.base import WORKSPACE, code_mounts, host_env
 from gyre.tasks import checker, harbor_checker, swebench_checker
 from gyre.tasks.checker_report import CheckerReport, ReportListener
+from gyre.tasks.reward_guard import GuardUnavailable, reward_guard_library
 from gyre.tasks.task import Task
 
 BUILTIN_CHECKER = Path(checker.__file__)
@@ -76,7 +75,6 @@ PYTHON_BUDGET_FRACTION = 0.6  # of the checker's time limit, for all the workspa
 SANDBOX_START_S = 2.0  # added to the checker's time limit in an isolated sandbox: starting it is not the checker's
 MAX_WORKSPACE_FILES = 100_000
 MAX_WORKSPACE_BYTES = 2 << 30
-REWARD_GUARD_SOURCE = Path(harbor_checker.__file__).with_name("runner_hooks") / "reward_guard.c"
 REWARD_GUARD = "/run/gyre/reward_guard.so"  # the guard library, inside an isolated sandbox
 REPORT_SOCKET = "/run/gyre/report.sock"  # the checker's report channel, inside an isolated sandbox
 REPORT_JOIN_S = 5.0  # once the checker has ended, how long its last report may take to be read
@@ -106,38 +104,6 @@ _CHECKER_BOOT = (
 
 class WorkspaceTooLarge(Exception):
     pass
-
-
-class GuardUnavailable(Exception):
-    """The Harbor reward guard cannot be built here; the message says what to install."""
-
-
-_guard_build = threading.Lock()
-
-
-def reward_guard_library() -> Path:
-    """The reward guard (harbor_checker), built once per source version into the user's cache with the C compiler."""
-    source = REWARD_GUARD_SOURCE.read_bytes()
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gyre" / "reward-guard"
-    target = cache / f"reward_guard-{hashlib.sha256(source).hexdigest()[:16]}.so"
-    with _guard_build:
-        if not target.is_file():
-            _build_guard(target)
-    return target
-
-
-def _build_guard(target: Path) -> None:
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise GuardUnavailable("grading Harbor tasks needs a C compiler (cc) to build the reward guard: "
-                               "apt-get install gcc (tools/setup_env.sh installs it)")  # fmt: skip
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f".{target.name}.{os.getpid()}")
-    proc = subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", str(partial), str(REWARD_GUARD_SOURCE), "-ldl"],
-                          capture_output=True, text=True)  # fmt: skip
-    if proc.returncode != 0:
-        raise GuardUnavailable(f"building the reward guard failed: {_tail(proc.stderr)}")
-    os.replace(partial, target)
 
 
 @dataclass(frozen=True)

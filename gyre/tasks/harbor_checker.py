@@ -42,7 +42,7 @@ REWARD_FILES = ("reward.txt", "reward.json")  # Harbor's precedence: reward.txt,
 REWARD_DIR = ".reward"  # under the logs directory: where verifier/reward.* point, written by the script's shell only
 RUNNER_HOOKS = Path(agent_code.__file__).with_name("runner_hooks")  # run as a script: no __file__ of our own
 GATE = RUNNER_HOOKS / "reward_gate.sh"
-ARM_WAIT_S = 10.0
+ARM_WAIT_S = 5.0  # the shell says "armed" as it starts: this is for a machine under load
 LANDLOCK_CREATE_RULESET, LANDLOCK_CREATE_RULESET_VERSION = 444, 1
 
 
