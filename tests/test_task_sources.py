@@ -230,11 +230,12 @@ HARBOR_ATTACKS = {
         "try:\n    os.kill(os.getppid(), 9)\nexcept OSError:\n    pass\n",
         None,
     ),
-    # leaves a process behind that writes reward 1 once test.sh has written its 0
+    # leaves a process behind that writes reward 1 once test.sh has written its 0 (the reward guard refuses the
+    # write; the process stays)
     "rewrite_later": (
         "import os, time\nif os.fork() == 0:\n    os.setsid()\n    p = '/logs/verifier/reward.txt'\n"
         "    while not os.path.exists(p):\n        time.sleep(0.001)\n"
-        "    open(p, 'w').write('1')\n    time.sleep(30)\n",
+        "    try:\n        open(p, 'w').write('1')\n    except OSError:\n        pass\n    time.sleep(30)\n",
         "tests_left_processes",
     ),
 }
