@@ -229,14 +229,15 @@ def _run_checker(
     image: str = "",
 ) -> tuple[int | None, str, CheckerReport]:
     """(returncode or None on timeout, stderr, what it reported) of the checker in a fresh sandbox with `mounts`."""
-    listener = ReportListener(scratch / "report.sock")
-    report = Mount(listener.path, REPORT_SOCKET, writable=True)
+    report = Mount(scratch / "report.sock", REPORT_SOCKET, writable=True)
     mounts = [*code_mounts(), *mounts, report]
     job = SandboxJob(argv=[sandbox.python, "-I", "-c", _CHECKER_BOOT], cwd="/tmp" if sandbox.isolated else "/",
                      mounts=mounts, image=image)  # fmt: skip
+    command = sandbox.command(job)
+    listener = ReportListener(report.source)
     try:
         proc = subprocess.Popen(
-            sandbox.command(job),
+            command,
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,  # not the verdict's way: the checker's parent in the sandbox holds it too
             stderr=subprocess.PIPE,
