@@ -209,24 +209,26 @@ def report(status: dict[str, str], fail_to_pass: list[str], pass_to_pass: list[s
     return {"results": results, "score": f2p if p2p_held else 0.0}
 
 
+def run_and_read(spec: dict[str, Any], workspace: Path) -> tuple[dict[str, str], str | None]:
+    """(status per test, the agent failure or None) of the test command over `workspace`."""
+    with tempfile.TemporaryDirectory(prefix="gyre-test-report-") as report_dir, open(os.devnull, "wb") as out:
+        run = run_tests(spec["test_cmd"], cwd=str(workspace), env=tests_env(workspace, Path(report_dir)),
+                        timeout_s=spec["tests_timeout_s"], out=out, pid_namespace=spec["pid_namespace"])  # fmt: skip
+        failure = run.agent_failure()
+        status, failure = ({}, failure) if failure else read_records(Path(report_dir), spec["log_parser"])
+    if run.returncode != 0 and not any(s in ("FAILED", "ERROR") for s in status.values()):
+        status = {}  # the record does not describe the run that happened (SWE-bench's exit-code cross-check)
+    return status, failure
+
+
 def main(argv: list[str]) -> None:
     spec = json.loads(Path(argv[0]).read_text())
     workspace = Path(spec["workspace"])
     reset_and_patch(workspace, spec["reset_files"], spec["test_patch"])
     test_dirs = {"."} | {str(Path(rel).parent) for rel in spec["reset_files"]}
     refuse_loaded_files(workspace, set(spec["original_files"]), spec["runner_files"], test_dirs)
-    report_dir = Path(tempfile.mkdtemp(prefix="gyre-test-report-"))
-    with tempfile.TemporaryFile() as log:  # a file, not a pipe a process of the agent's could hold open
-        run = run_tests(spec["test_cmd"], cwd=str(workspace), env=tests_env(workspace, report_dir),
-                        timeout_s=spec["tests_timeout_s"], out=log, pid_namespace=spec["pid_namespace"])  # fmt: skip
-    failure = run.agent_failure()
-    status: dict[str, str] = {}
-    if failure is None:
-        status, failure = read_records(report_dir, spec["log_parser"])
-    if run.returncode != 0 and not any(s in ("FAILED", "ERROR") for s in status.values()):
-        status = {}  # the record does not describe the run that happened (SWE-bench's exit-code cross-check)
-    out = report(status, spec["FAIL_TO_PASS"], spec["PASS_TO_PASS"])
-    print(json.dumps({**out, "agent_failed": failure}))
+    status, failure = run_and_read(spec, workspace)
+    print(json.dumps({**report(status, spec["FAIL_TO_PASS"], spec["PASS_TO_PASS"]), "agent_failed": failure}))
 
 
 if __name__ == "__main__":
