@@ -5,8 +5,10 @@ default sandbox (bwrap), and without one (none), where the test says what still 
 - Attribution: the agent's code ends or stops the checker with a signal of its choosing. Once its code has
   started, no verdict is the agent's failure (score 0, trained), never a failed grade (excluded).
 - Harbor: a reward file written by the agent's code while the tests run (reward.json beside the script's
-  reward.txt, reward.txt beside its reward.json, the links replaced), os._exit(0) on import: each scored
-  1.0 before; now 0. Harbor needs an isolated sandbox (refused under none): bwrap only.
+  reward.txt: 1.0 before), the reward files replaced (renaming /logs/verifier had the grade excluded),
+  os._exit(0) on import (1.0), all measured at 8b49e1b; reward.txt beside a script's reward.json (what
+  Harbor's own order, reward.txt first, would open without the guard): now 0 or the agent's failure.
+  Harbor needs an isolated sandbox (refused under none): bwrap only.
 - SWE-bench: a conftest.py that passes every test, a `unittest` package that shadows the standard
   library, fake `... ok` lines printed before os._exit(0): each scored 1.0 before; now 0.
 Each attack runs on a workspace that does not solve the task (a losing policy); the honest control on the
@@ -175,6 +177,8 @@ HARBOR_FORGERIES = {
             "attempt(lambda: os.rename('/logs/.reward', '/logs/r'))",
             f"attempt(lambda: os.symlink('/tmp/r', '{V}/reward.json'))",
             "attempt(lambda: open('/tmp/r', 'w').write('1'))",
+            "attempt(lambda: open('/proc/%d/root/logs/.reward/reward.txt' % os.getppid(), 'w').write('1'))",
+            f"attempt(lambda: open('/proc/self/root{V}/reward.txt', 'w').write('1'))",
             "",
         ]
     ),  # fmt: skip
