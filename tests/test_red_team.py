@@ -11,8 +11,9 @@ no traffic is sent), using a sibling's key, stealing the hidden spec from the ch
 time, and a setsid process outliving the rollout. Attacks fixed whatever the backend (the grader's
 files are no longer beside the workspace, attribution does not trust the harness's own report): a
 guessed rollout id without its key, reading ../grade/spec.json, planting a directory or symlink at the
-grader's old path, reporting a fake API error, killing the checker. In every case the run goes on:
-every rollout comes back with a recorded grade.
+grader's old path, reporting a fake API error, killing the checker, and (issue 31) signalling or stopping
+the checker from a losing answer's program to have the rollout excluded: scored 0 as the agent's failure
+under both backends. In every case the run goes on: every rollout comes back with a recorded grade.
 """
 
 from __future__ import annotations
@@ -108,7 +109,9 @@ def test_attacks_fail_in_the_sandbox_and_work_without_it(stack, backend, tmp_pat
         "engine_url": engine.url,
     }
     jobs = [(task("escape", targets), "s0-g0-r0"), (task("survivor"), "s0-g0-r1"), (task("false_excuse"), "s0-g0-r2"),
-            (task("checker_killer"), "s0-g0-r3"), (task("victim", {"sleep_s": 5.0}), "s0-g0-r4")]  # fmt: skip
+            (task("checker_killer"), "s0-g0-r3"), (task("victim", {"sleep_s": 5.0}), "s0-g0-r4"),
+            (task("checker_signaller", {"signal": "SIGUSR1"}), "s0-g0-r5"),
+            (task("checker_signaller", {"signal": "SIGSTOP"}), "s0-g0-r6")]  # fmt: skip
     keys, log = RolloutKeys(), CallLog()
     proxy = ProxyServer(tokenizer, [engine.url], ProxyConfig(max_context_tokens=512), log, keys=keys)
     harness = HarnessConfig(kind="red_team", timeout_s=8.0, concurrency=8)
@@ -130,15 +133,14 @@ def test_attacks_fail_in_the_sandbox_and_work_without_it(stack, backend, tmp_pat
         if survivor_pid is not None and alive(survivor_pid):
             os.kill(survivor_pid, signal.SIGKILL)  # started by this test's harness
     by_id = {o.rollout_id: o for o in outcomes}
-    escape, survivor, excuse, killer, victim = (by_id[rid] for _, rid in jobs)
+    escape, survivor, excuse, killer, victim, signaller, stopper = (by_id[rid] for _, rid in jobs)
     report = json.loads((rollouts / "s0-g0-r0" / "workspace" / "report.json").read_text())
     worked = {name: r["ok"] for name, r in report.items()}
-    forged = [r for r in log.for_rollout("s0-g0-r1") + log.for_rollout("s0-g0-r3") + log.for_rollout("s0-g0-r4")]
-    forged += log.for_rollout("s0-g0-r2")
+    forged = [r for _, rid in jobs[1:] for r in log.for_rollout(rid)]  # calls under a sibling's key
     assert worked["forge_stolen_key"] == bool(forged)  # a stolen key's call is recorded as its owner's
 
     # the run goes on: every rollout has a recorded grade, none stopped it
-    assert len(outcomes) == 5 and wall < 40
+    assert len(outcomes) == 7 and wall < 40
     assert report["own_call"]["ok"], report["own_call"]  # the rollout's own endpoint works in both
     # fixed whatever the backend
     assert not worked["forge_guessed_id"] and "HTTP 401" in report["forge_guessed_id"]["detail"]
@@ -147,6 +149,9 @@ def test_attacks_fail_in_the_sandbox_and_work_without_it(stack, backend, tmp_pat
     assert excuse.grade.reason.startswith("harness_exit:")
     assert (killer.grade.status, killer.grade.score) == ("agent_failed", 0.0), killer.grade
     assert killer.grade.reason.startswith("checker_killed:")
+    for graded, code in ((signaller, "checker_killed"), (stopper, "checker_stopped")):  # never an exclusion
+        assert (graded.grade.status, graded.grade.score) == ("agent_failed", 0.0), graded.grade
+        assert graded.grade.reason.startswith(code + ":"), graded.grade
     assert victim.grade.status == "ok" and escape.grade.status == "ok", (victim.grade, escape.grade)
     sibling_sabotaged = "sabotaged" in Path(targets["sibling_file"]).read_text()
     changed = {name: p.read_text() != "original\n" for name, p in run_files.items()}

@@ -156,12 +156,17 @@ def test_swebench_log_parsers_and_grading_rules():
 
 @pytest.mark.unit
 def test_harbor_rewards_as_harbor_reads_them(tmp_path):
-    (tmp_path / "reward.txt").write_text("0.25\n")
-    assert read_rewards(tmp_path) == {"reward": 0.25}
-    (tmp_path / "reward.json").write_text('{"a": 1, "b": 0, "c": 1}')  # reward.json wins
+    (tmp_path / "reward.json").write_text('{"a": 1, "b": 0, "c": 1}')
     assert score_of(read_rewards(tmp_path)) == pytest.approx(2 / 3)
+    (tmp_path / "reward.txt").write_text("0.25\n")  # reward.txt wins (Harbor's reward_parser: txt > json)
+    assert read_rewards(tmp_path) == {"reward": 0.25}
+    (tmp_path / "reward.txt").unlink()
     for bad in ("", '{"a": "1"}', '{"a": NaN}', "{}", '{"a": true}'):
         (tmp_path / "reward.json").write_text(bad)
+        with pytest.raises(ValueError):
+            read_rewards(tmp_path)
+    for bad in ("", "nan", "one"):
+        (tmp_path / "reward.txt").write_text(bad)
         with pytest.raises(ValueError):
             read_rewards(tmp_path)
 
@@ -218,16 +223,19 @@ def test_harbor_grading_gives_partial_credit_and_reads_tests_read_only(tmp_path,
 HARBOR_ATTACKS = {
     # hangs the tests: a checker that times out would be a failed evaluation, excluded from training
     "hang": ("while True:\n    pass\n", "tests_timeout"),
-    # writes the reward, then kills test.sh before it writes its own 0
+    # writes the reward, then kills test.sh before it writes its own 0: both refused by the reward guard (the
+    # reward file cannot be written, test.sh cannot be signalled from its domain: Landlock ABI >= 6), graded 0
     "forge_and_kill": (
-        "import os\nopen('/logs/verifier/reward.txt', 'w').write('1')\nos.kill(os.getppid(), 9)\n",
-        "tests_killed",
+        "import os\ntry:\n    open('/logs/verifier/reward.txt', 'w').write('1')\nexcept OSError:\n    pass\n"
+        "try:\n    os.kill(os.getppid(), 9)\nexcept OSError:\n    pass\n",
+        None,
     ),
-    # leaves a process behind that writes reward 1 once test.sh has written its 0
+    # leaves a process behind that writes reward 1 once test.sh has written its 0 (the reward guard refuses the
+    # write; the process stays)
     "rewrite_later": (
         "import os, time\nif os.fork() == 0:\n    os.setsid()\n    p = '/logs/verifier/reward.txt'\n"
         "    while not os.path.exists(p):\n        time.sleep(0.001)\n"
-        "    open(p, 'w').write('1')\n    time.sleep(30)\n",
+        "    try:\n        open(p, 'w').write('1')\n    except OSError:\n        pass\n    time.sleep(30)\n",
         "tests_left_processes",
     ),
 }
@@ -242,6 +250,9 @@ def test_agent_code_run_by_harbor_tests_cannot_win_or_escape_scoring(attack, tmp
     init = ws / "stats" / "__init__.py"
     init.write_text(code + init.read_text())
     grade = grade_workspace(task, ws, sandbox=sandbox)
+    if reason is None:
+        assert (grade.status, grade.score) == ("ok", 0.0), grade
+        return
     assert (grade.status, grade.score) == ("agent_failed", 0.0), grade
     assert grade.reason.startswith(reason + ":"), grade.reason
 

@@ -12,10 +12,12 @@ from gyre.config.schema import HarnessConfig, TaskConfig
 from gyre.harness.tools import TOOL_SCHEMAS, execute_tool
 from gyre.model.chat_template import assistant_body, render_text
 from gyre.model.tokenizer import Tokenizer
+from gyre.tasks.checker_report import CheckerReport
 from gyre.tasks.demos import demonstration, tokenizer_corpus
 from gyre.tasks.families import FAMILIES, echo_files_task, fix_value_task, write_value_task
-from gyre.tasks.grading import grade_workspace
+from gyre.tasks.grading import _grade_from, grade_workspace
 from gyre.tasks.suite import TaskPool, sample_tasks
+from gyre.tasks.swebench_checker import read_records
 from gyre.tasks.task import Task
 
 pytestmark = pytest.mark.unit
@@ -203,6 +205,36 @@ def test_hanging_checker_fails_after_check_timeout(tmp_path):
 def test_missing_workspace_is_a_failed_evaluation(tmp_path):
     grade = grade_workspace(write_value_task("answer.txt", "apple"), tmp_path / "gone")
     assert grade.status == "failed" and grade.score is None and "does not exist" in grade.reason
+
+
+def test_attribution_follows_the_checkers_report_not_its_exit_code():
+    """Once the checker has said the agent's code starts, no verdict is the agent's failure whatever the
+    exit (any signal, a stop, a plain exit code); before that it is a failed grade; a verdict stands."""
+    verdict = json.dumps({"results": [{"name": "a", "passed": True}]})
+    for code in (0, -9, 137, None):  # a verdict stands however the checker ended afterwards
+        assert _grade_from(code, "", CheckerReport(True, verdict), False, 5.0).status == "ok"
+    cases = {-10: "checker_killed", 138: "checker_killed", 130: "checker_killed", None: "checker_stopped",
+             1: "grading_interrupted", 0: "grading_interrupted"}  # fmt: skip
+    for code, reason in cases.items():
+        grade = _grade_from(code, "boom", CheckerReport(agent_code_started=True), False, 5.0)
+        assert (grade.status, grade.score) == ("agent_failed", 0.0) and grade.reason.startswith(reason + ":"), grade
+        assert _grade_from(code, "boom", CheckerReport(), False, 5.0).status == "failed"
+    broken = _grade_from(3, "", CheckerReport(True, None, "test_patch does not apply"), False, 5.0)
+    assert (broken.status, broken.score) == ("failed", None) and "test_patch does not apply" in broken.reason
+
+
+def test_swebench_statuses_come_from_complete_runner_records(tmp_path):
+    def write(name, record):
+        (tmp_path / name).write_text(json.dumps(record))
+
+    assert read_records(tmp_path, "unittest")[1].startswith("tests_incomplete: no unittest run")
+    write("unittest-7-0.json", {"runner": "unittest", "complete": True, "status": {"a": "FAILED", "b": "PASSED"}})
+    write("unittest-zzz.json", {"runner": "unittest", "complete": True, "status": {"a": "PASSED", "c": "PASSED"}})
+    assert read_records(tmp_path, "unittest") == ({"a": "FAILED", "b": "PASSED", "c": "PASSED"}, None)
+    write("unittest-8-1.json", {"runner": "unittest", "complete": False})  # a run ended early (os._exit)
+    assert read_records(tmp_path, "unittest")[1].startswith("tests_incomplete: a unittest run ended")
+    (tmp_path / "unittest-8-1.json").write_text("not json")
+    assert read_records(tmp_path, "unittest")[1].startswith("tests_incomplete:")
 
 
 def test_custom_checker_results_are_used(tmp_path):

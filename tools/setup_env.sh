@@ -9,9 +9,10 @@ VENV=${VENV:-.venv}
 # hdf5-tools: h5dump/h5ls, the standard HDF5 tools the shard tests read shards with.
 # bubblewrap: bwrap, the default sandbox of every harness and checker (sandbox.backend=bwrap).
 # buildah, mmdebstrap: task environment images (gyre/tasks/images.py) and the bases tools/make_base_images makes.
+# gcc, libc6-dev: build the Harbor reward guard (gyre/tasks/runner_hooks/reward_guard.c) on first use.
 # python3-pytest ... python3-simplejson: what the tests of the real SWE-bench instances in examples/tasks/swebench_real
 # import, for the system python3 that bwrap sandboxes see (/usr): pytest, Flask 2.3's and marshmallow 3.0's test dependencies.
-GYRE_APT_PACKAGES=${GYRE_APT_PACKAGES-libibverbs1 hdf5-tools bubblewrap buildah mmdebstrap python3-pytest python3-werkzeug python3-jinja2
+GYRE_APT_PACKAGES=${GYRE_APT_PACKAGES-libibverbs1 hdf5-tools bubblewrap gcc libc6-dev buildah mmdebstrap python3-pytest python3-werkzeug python3-jinja2
   python3-itsdangerous python3-click python3-blinker python3-dotenv python3-tz python3-simplejson}
 need_apt=()
 if command -v dpkg >/dev/null; then

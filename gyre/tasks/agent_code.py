@@ -10,19 +10,68 @@ they do belongs to the agent, and must end in a grade it earned:
   the checker and its ancestors is ended once the tests are done, and finding any scores the run 0.
   Without one, the tests' own process group is swept (a process that left it is out of reach there).
 Each case is reported as an agent failure with its reason code (gyre.tasks.grading.AGENT_FAILURES).
+
+The report channel: a checker tells the host what happened over a Unix socket it connects itself (not
+inheritable, so no process it starts holds it; the checker is non-dumpable, so agent code of the same
+user cannot open it through /proc either). `agent_code_starts()` says, before the agent's code first
+runs, that from now on every abnormal end is the agent's doing; `report_verdict` carries the result;
+`evaluation_broken` says the evaluation broke on its own (excluded). Outside grading (the harness's
+visible self-check) there is no channel and these do nothing but exit where they say so.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
+import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, NoReturn
 
 KILL_WAIT_S = 2.0
+AGENT_CODE_STARTS, VERDICT, BROKEN = "agent_code_starts", "verdict", "broken"  # report channel messages
+EVALUATION_BROKEN_EXIT = 3
+_report: socket.socket | None = None
+_agent_code_started = False
+
+
+def open_report(path: str, nonce: str) -> None:
+    """Connect the report channel (the grading boot does, before the checker's own code runs)."""
+    global _report
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # close-on-exec: no child inherits it
+    sock.connect(path)
+    sock.sendall(nonce.encode() + b"\n")
+    _report = sock
+
+
+def _send(kind: str, payload: str = "") -> None:
+    if _report is not None:
+        _report.sendall(json.dumps({"kind": kind, "payload": payload}).encode() + b"\n")
+
+
+def agent_code_starts() -> None:
+    """Say, before any of the agent's code runs, that every abnormal end from now on is the agent's doing.
+    Sent once and in full before returning, so a checker killed right after has still said it."""
+    global _agent_code_started
+    if not _agent_code_started:
+        _send(AGENT_CODE_STARTS)
+        _agent_code_started = True
+
+
+def report_verdict(text: str) -> None:
+    """The checker's output (its last line is the result) to the host."""
+    _send(VERDICT, text)
+
+
+def evaluation_broken(reason: str) -> NoReturn:
+    """End the checker: the evaluation broke on its own (a broken task, not the agent), excluded from training."""
+    _send(BROKEN, reason)
+    sys.stderr.write(reason + "\n")
+    raise SystemExit(EVALUATION_BROKEN_EXIT)
 
 
 @dataclass(frozen=True)
@@ -50,10 +99,20 @@ def run_tests(
     timeout_s: float,
     out: IO[bytes],
     pid_namespace: bool,
+    pass_fds: Sequence[int] = (),
+    started: Callable[[subprocess.Popen[bytes]], None] | None = None,
 ) -> TestsRun:
-    """Run the tests with `out` as their stdout and stderr (a file, never a pipe a child could hold open)."""
+    """Run the tests with `out` as their stdout and stderr (a file, never a pipe a child could hold open);
+    `started(proc)` runs as soon as they are started (a handshake with descriptors of `pass_fds`)."""
+    agent_code_starts()
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                            shell=isinstance(argv, str), start_new_session=True)  # fmt: skip
+                            shell=isinstance(argv, str), start_new_session=True, pass_fds=pass_fds)  # fmt: skip
+    if started is not None:
+        try:
+            started(proc)
+        except BaseException:
+            _kill_group(proc.pid)
+            raise
     try:
         returncode: int | None = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:

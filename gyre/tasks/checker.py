@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gyre.tasks.agent_code import agent_code_starts
+
 MAX_READ_BYTES = 1 << 20  # a checked file is read at most this far, so a huge one cannot stall grading
 
 _DUMP_GLOBALS = (
@@ -32,6 +34,7 @@ def run_python_file(path: Path, timeout_s: float) -> tuple[dict[str, Any] | None
     Bounded by `timeout_s` however the file behaves: a child it leaves behind holding our pipes
     (forked, even into a session of its own) costs at most a second more, never a hung checker.
     """
+    agent_code_starts()
     proc = subprocess.Popen(
         [sys.executable, "-I", "-S", "-c", _DUMP_GLOBALS, str(path)],
         cwd=path.parent,

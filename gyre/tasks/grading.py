@@ -2,21 +2,31 @@
 
 Outcomes: "ok" (graded), "timeout" (the harness was killed at its time limit; the preserved
 workspace is graded all the same), "agent_failed" (the agent broke its side: its harness exited
-non-zero or broke the protocol, it killed the checker or went past its limits; score 0, trained,
-reason recorded), "failed" (the evaluation itself broke: the checker crashed, hung or printed garbage
-on its own, the workspace is gone, grading hit an OSError). A failed grade has score None and must be
-excluded from training, never counted as a zero.
+non-zero or broke the protocol, its code ended or stopped the checker or went past its limits; score 0,
+trained, reason recorded), "failed" (the evaluation itself broke: the sandbox did not start, the checker
+crashed, hung or printed garbage before any of the agent's code ran, or said the task is broken; the
+workspace is gone, grading hit an OSError). A failed grade has score None and must be excluded from
+training, never counted as a zero.
+
+Who broke it is observed, not read from an exit code the agent's code can choose (any signal, a stop):
+the checker reports over a channel of its own (gyre.tasks.checker_report) the moment before the agent's
+code first runs, then its verdict. No verdict after that moment, however the checker ended, is the
+agent's failure (checker_killed, checker_stopped, grading_interrupted); no verdict before it is a failed
+grade.
 
 What the agent cannot touch: the workspace is copied without following links (symlinks stay links,
 only regular files and directories are copied) into a new directory; only then do the checker and
 its spec exist, and never as files: the checker's source and spec reach it on stdin, the spec as an
 anonymous memory file, and the checker marks itself non-dumpable, so agent code it runs (as the same
-user, in the same sandbox) can open neither its /proc files nor its memory. The score is what the
-checker process prints last on its stdout, a pipe only it holds.
+user, in the same sandbox, without capabilities) can open neither its /proc files nor its memory, nor
+take its report socket. The verdict is what the checker prints, captured in its own process and sent on
+that socket; its stdout, which its parent in the sandbox shares, carries nothing. Under backend none a
+root agent has ptrace rights over the checker: none promises none of this.
 
 A task's hidden files (Harbor's tests/) are written only here, after the agent has finished, into a
 directory the grading sandbox sees read-only at /tests; a Harbor task's verifier writes its reward under
-/logs, a fresh writable directory of this sandbox alone, read by the checker inside it.
+/logs, a fresh writable directory of this sandbox alone, read by the checker inside it, where the reward
+guard keeps the programs of the tests from writing it (gyre.tasks.harbor_checker).
 """
 
 from __future__ import annotations
@@ -39,7 +49,9 @@ from gyre.sandbox import Mount, Sandbox, SandboxJob, place
 from gyre.sandbox.backends import NoSandbox
 from gyre.sandbox.base import WORKSPACE, code_mounts, host_env
 from gyre.tasks import checker, harbor_checker, swebench_checker
+from gyre.tasks.checker_report import CheckerReport, ReportListener
 from gyre.tasks.offline_tests import UV_DIR
+from gyre.tasks.reward_guard import GuardUnavailable, reward_guard_library
 from gyre.tasks.task import Task
 
 BUILTIN_CHECKER = Path(checker.__file__)
@@ -50,29 +62,44 @@ TESTS_DIR, LOGS_DIR = "/tests", "/logs"  # Harbor's paths for the tests and the 
 AGENT_FAILURES = {
     "harness_exit": "the harness exited non-zero, no proxy failure seen",
     "harness_protocol": "the harness wrote no valid result file, or reported an API error the proxy never gave",
-    "checker_killed": "the checker died of a signal while running the agent's code",
+    "checker_killed": "the checker died of a signal once the agent's code had started",
+    "checker_stopped": "the checker did not finish in its time once the agent's code had started (stopped, starved)",
+    "grading_interrupted": "the checker ended without a verdict once the agent's code had started",
     "workspace_limits": "the workspace cannot be graded within the limits (too many files or bytes)",
     "tests_timeout": "the task's tests, running the agent's code, ran past their time",
     "tests_killed": "the task's tests, running the agent's code, died of a signal",
     "tests_left_processes": "a process started under the task's tests outlived them (it could rewrite the reward)",
+    "tests_incomplete": "the test runner ended without its own completion record (the code under test ended it)",
 }
 TESTS_BUDGET_FRACTION = 0.8  # of the checker's time limit, for a task's own tests (gyre.tasks.agent_code)
 PYTHON_BUDGET_FRACTION = 0.6  # of the checker's time limit, for all the workspace's programs together
 SANDBOX_START_S = 2.0  # added to the checker's time limit in an isolated sandbox: starting it is not the checker's
 MAX_WORKSPACE_FILES = 100_000
 MAX_WORKSPACE_BYTES = 2 << 30
-# Runs the checker: reads {"source", "spec"} from stdin, becomes non-dumpable (PR_SET_DUMPABLE = 4), hands
-# the spec over as an anonymous memory file and runs the source as `checker.py <spec path>`.
+REWARD_GUARD = "/run/gyre/reward_guard.so"  # the guard library, inside an isolated sandbox
+REPORT_SOCKET = "/run/gyre/report.sock"  # the checker's report channel, inside an isolated sandbox
+REPORT_JOIN_S = 5.0  # once the checker has ended, how long its last report may take to be read
+# Runs the checker: reads {"source", "spec", "gyre_root", "report", "nonce"} from stdin, becomes non-dumpable
+# (PR_SET_DUMPABLE = 4), connects its report channel, hands the spec over as an anonymous memory file, runs
+# the source as `checker.py <spec path>` with its stdout captured, and reports that output as its verdict.
 _CHECKER_BOOT = (
-    "import ctypes, json, os, sys\n"
+    "import ctypes, io, json, os, sys\n"
     "ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)\n"
     "job = json.load(sys.stdin)\n"
     "sys.path.insert(0, job['gyre_root'])\n"
+    "from gyre.tasks import agent_code\n"
+    "agent_code.open_report(job['report'], job['nonce'])\n"
     "fd = os.memfd_create('spec.json')\n"
     "os.write(fd, job['spec'].encode())\n"
     "os.lseek(fd, 0, 0)\n"
     "sys.argv = ['checker.py', '/proc/self/fd/%d' % fd]\n"
-    "exec(compile(job['source'], 'checker.py', 'exec'), {'__name__': '__main__'})\n"
+    "sys.stdout = out = io.StringIO()\n"
+    "try:\n"
+    "    exec(compile(job['source'], 'checker.py', 'exec'), {'__name__': '__main__'})\n"
+    "except SystemExit as e:\n"
+    "    if e.code not in (None, 0):\n"
+    "        raise\n"
+    "agent_code.report_verdict(out.getvalue())\n"
 )
 
 
@@ -189,39 +216,62 @@ def _grading_mounts(task: Task, sandbox: Sandbox, scratch: Path, copy: Path) -> 
         (scratch / "logs").mkdir()
         mounts.append(Mount(scratch / "logs", LOGS_DIR, writable=True))
         where["logs_dir"] = place(sandbox, mounts[-1])
+        mounts.append(Mount(reward_guard_library(), REWARD_GUARD))
+        where["reward_guard"] = place(sandbox, mounts[-1])
     return mounts, where
 
 
+def _checker_inputs(task: Task) -> dict[str, Any]:
+    """What a format's checker needs from the task's own tree: SWE-bench, the tree's paths and runner files."""
+    if task.checker != "swebench":
+        return {}
+    return {"original_files": sorted(task.files), "runner_files": swebench_checker.runner_files(task.files)}
+
+
 def _run_checker(
-    sandbox: Sandbox, source: str, spec: dict[str, Any], mounts: list[Mount], timeout_s: float, image: str = ""
-) -> tuple[int | None, str, str]:
-    """(returncode or None on timeout, stdout, stderr) of the checker in a fresh sandbox with `mounts`."""
-    mounts = [*code_mounts(), *mounts]
+    sandbox: Sandbox,
+    source: str,
+    spec: dict[str, Any],
+    mounts: list[Mount],
+    timeout_s: float,
+    scratch: Path,
+    image: str = "",
+) -> tuple[int | None, str, CheckerReport]:
+    """(returncode or None on timeout, stderr, what it reported) of the checker in a fresh sandbox with `mounts`."""
+    report = Mount(scratch / "report.sock", REPORT_SOCKET, writable=True)
+    mounts = [*code_mounts(), *mounts, report]
     job = SandboxJob(argv=[sandbox.python, "-I", "-c", _CHECKER_BOOT], cwd="/tmp" if sandbox.isolated else "/",
                      mounts=mounts, image=image)  # fmt: skip
-    proc = subprocess.Popen(
-        sandbox.command(job),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=host_env(sandbox, job),
-        start_new_session=True,
-    )
+    command = sandbox.command(job)
+    listener = ReportListener(report.source)
+    try:
+        proc = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,  # not the verdict's way: the checker's parent in the sandbox holds it too
+            stderr=subprocess.PIPE,
+            text=True,
+            env=host_env(sandbox, job),
+            start_new_session=True,
+        )
+    except OSError:
+        listener.finish(0.0)
+        raise
     try:
         gyre_root = str(Path(place(sandbox, mounts[1])).parent)  # code_mounts(): the gyre package second
-        job_input = json.dumps({"source": source, "spec": json.dumps(spec), "gyre_root": gyre_root})
-        out, err = proc.communicate(job_input, timeout=timeout_s + (SANDBOX_START_S if sandbox.isolated else 0.0))
+        job_input = json.dumps({"source": source, "spec": json.dumps(spec), "gyre_root": gyre_root,
+                                "report": place(sandbox, report), "nonce": listener.nonce})  # fmt: skip
+        _, err = proc.communicate(job_input, timeout=timeout_s + (SANDBOX_START_S if sandbox.isolated else 0.0))
         code: int | None = proc.returncode
     except subprocess.TimeoutExpired:
         code = None
         os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        _, err = proc.communicate()
     try:  # sweep anything the checker left behind in its group
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    return code, out, err
+    return code, err, listener.finish(REPORT_JOIN_S)
 
 
 def grade_workspace(
@@ -258,30 +308,44 @@ def grade_workspace(
             "python_budget_s": check_timeout_s * PYTHON_BUDGET_FRACTION,
             "tests_timeout_s": check_timeout_s * TESTS_BUDGET_FRACTION,
             "pid_namespace": sandbox.isolated,
+            **_checker_inputs(task),
             **task.grading,
             **where,
         }
-        code, out, err = _run_checker(sandbox, source, spec, mounts, check_timeout_s, task.image)
+        code, err, report = _run_checker(sandbox, source, spec, mounts, check_timeout_s, scratch, task.image)
     except WorkspaceTooLarge as e:
         return Grade.agent_failed("workspace_limits", str(e))
+    except GuardUnavailable as e:
+        return Grade.failed(str(e))
     except OSError as e:
         return Grade.failed(f"grading failed: {type(e).__name__}: {e}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return _grade_from(code, out, err, timed_out, check_timeout_s)
+    return _grade_from(code, err, report, timed_out, check_timeout_s)
 
 
-def _grade_from(code: int | None, out: str, err: str, timed_out: bool, check_timeout_s: float) -> Grade:
+def _no_verdict(code: int | None, err: str, report: CheckerReport, check_timeout_s: float) -> Grade:
+    """The checker ended without a verdict: the agent's failure once its code had started, else a failed grade."""
+    ended = f"timed out after {check_timeout_s:g}s" if code is None else f"exited with code {code}"
+    detail = f"checker {ended}: {_tail(err) or '(no stderr)'}"
+    if report.broken is not None:
+        return Grade.failed(f"the evaluation broke: {_tail(report.broken)}")
+    if not report.agent_code_started:  # the sandbox did not start, or the checker broke on its own
+        return Grade.failed(detail)
     if code is None:
-        return Grade.failed(f"checker timed out after {check_timeout_s:g}s")
-    if code < 0 or code in (128 + signal.SIGKILL, 128 + signal.SIGTERM):  # a signal: only agent code was there
-        return Grade.agent_failed("checker_killed", f"checker exited with code {code}: {_tail(err) or '(no stderr)'}")
-    if code != 0:
-        return Grade.failed(f"checker exited with code {code}: {_tail(err) or '(no stderr)'}")
+        return Grade.agent_failed("checker_stopped", detail)
+    if code < 0 or code > 128:  # a signal (an isolated sandbox's launcher exits 128 + N)
+        return Grade.agent_failed("checker_killed", detail)
+    return Grade.agent_failed("grading_interrupted", detail)
+
+
+def _grade_from(code: int | None, err: str, report: CheckerReport, timed_out: bool, check_timeout_s: float) -> Grade:
+    if report.verdict is None:
+        return _no_verdict(code, err, report, check_timeout_s)
     try:
-        results, score, agent_failure = _parse_results(out)
+        results, score, agent_failure = _parse_results(report.verdict)
     except (ValueError, KeyError, TypeError) as e:
-        return Grade.failed(f"checker output unreadable ({e}): {_tail(out, 200)!r}")
+        return Grade.failed(f"checker output unreadable ({e}): {_tail(report.verdict, 200)!r}")
     if agent_failure is not None:
         code, _, detail = agent_failure.partition(": ")
         return Grade.agent_failed(code, detail)

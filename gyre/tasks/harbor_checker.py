@@ -1,13 +1,22 @@
 """The Harbor verifier, run as the checker of a Harbor task in its grading sandbox. Standard library only.
 
 spec = {"workspace", "workdir", "tests_dir", "logs_dir", "test_script", "env", "tests_timeout_s",
-"pid_namespace"}. As Harbor's verifier does: empty /logs/verifier, run `bash /tests/<test_script>` from
-the working directory (its output to /logs/verifier/test-stdout.txt), then read
-/logs/verifier/reward.json (named scores) or, failing that, reward.txt (one number). Tests that run past
-their time, die of a signal or leave a process behind score 0 as the agent's failure, whatever the
-reward file says (gyre.tasks.agent_code). After a clean run, no reward file, an empty one or a value
-that is not a finite number is an evaluation error (this script exits non-zero: the grade fails, it is
-never a zero or a pass): the task's tests did not do their part.
+"pid_namespace", "reward_guard"}. As Harbor's verifier does: empty /logs/verifier, run
+`bash /tests/<test_script>` from the working directory (its output to /logs/verifier/test-stdout.txt), then
+read the reward by Harbor's rule: reward.txt (one number) first, else reward.json (named scores). Tests
+that run past their time, die of a signal or leave a process behind score 0 as the agent's failure,
+whatever the reward file says (gyre.tasks.agent_code). After a clean run, no reward file, an empty one or a
+value that is not a finite number is an evaluation error (the grade fails, it is never a zero or a pass):
+the task's tests did not do their part.
+
+The reward is the script's to write, not the agent's code's: the reward guard (runner_hooks/reward_guard.c,
+preloaded into the script's shell) puts every program the script starts under Landlock, where
+verifier/reward.txt and reward.json are links into a directory nothing but the script's own shell can
+write. The script waits (runner_hooks/reward_gate.sh) until the guard is armed; where it cannot be (no
+Landlock here, the library did not load) grading is refused as an evaluation error, never run unguarded.
+So a task whose reward is written by a program test.sh runs, rather than by its shell (`echo 1 >
+/logs/verifier/reward.txt`, or a program's output redirected there), scores 0 here: tools/check_tasks
+reports it.
 
 The score is reward.json's "reward" when it names one, else the mean of its scores (partial credit);
 each named score is one result (passed when >= 1). Per-test results in /logs/verifier/ctrf.json (pytest
@@ -16,15 +25,26 @@ each named score is one result (passed when >= 1). Per-test results in /logs/ver
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
 import re
+import select
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from gyre.tasks.agent_code import run_tests
+from gyre.tasks import agent_code
+from gyre.tasks.agent_code import evaluation_broken, run_tests
+
+REWARD_FILES = ("reward.txt", "reward.json")  # Harbor's precedence: reward.txt, then reward.json
+REWARD_DIR = ".reward"  # under the logs directory: where verifier/reward.* point, written by the script's shell only
+RUNNER_HOOKS = Path(agent_code.__file__).with_name("runner_hooks")  # run as a script: no __file__ of our own
+GATE = RUNNER_HOOKS / "reward_gate.sh"
+ARM_WAIT_S = 5.0  # the shell says "armed" as it starts: this is for a machine under load
+LANDLOCK_CREATE_RULESET, LANDLOCK_CREATE_RULESET_VERSION = 444, 1
 
 NETWORK_ERRORS = ("could not resolve host", "temporary failure in name resolution", "network is unreachable",
                   "name or service not known", "failed to download", "failed to fetch", "error sending request",
@@ -46,23 +66,23 @@ def network_hint(test_output: str) -> str:
     return ""
 
 
-def read_rewards(verifier: Path) -> dict[str, float]:
-    """The verifier's rewards as Harbor reads them (reward.json first, then reward.txt); raises ValueError."""
-    path = verifier / "reward.json"
+def read_rewards(directory: Path) -> dict[str, float]:
+    """The verifier's rewards as Harbor reads them (reward.txt first, then reward.json); raises ValueError."""
+    path = directory / "reward.txt"
     if path.is_file():
+        text = path.read_text()
+        if not text.strip():
+            raise ValueError(f"{path} is empty")
+        rewards = {"reward": float(text)}
+    else:
+        path = directory / "reward.json"
+        if not path.is_file():
+            raise ValueError(f"no reward file: the tests wrote neither reward.txt nor reward.json in {directory}")
         text = path.read_text()
         if not text.strip():
             raise ValueError(f"{path} is empty")
         data = json.loads(text)
         rewards = data if isinstance(data, dict) else {"reward": data}
-    else:
-        path = verifier / "reward.txt"
-        if not path.is_file():
-            raise ValueError(f"no reward file: the tests wrote neither {verifier}/reward.json nor reward.txt")
-        text = path.read_text()
-        if not text.strip():
-            raise ValueError(f"{path} is empty")
-        rewards = {"reward": float(text)}
     if not rewards:
         raise ValueError(f"{path} names no reward")
     for name, value in rewards.items():
@@ -84,31 +104,107 @@ def ctrf_results(verifier: Path) -> list[dict[str, Any]]:
         return []
 
 
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version; 0 or less where there is none."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return int(libc.syscall(LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), LANDLOCK_CREATE_RULESET_VERSION))
+
+
+def prepare_logs(logs: Path) -> Path:
+    """A fresh verifier/ whose reward files are links into the directory only the script's shell can write."""
+    for sub in ("verifier", "agent", "artifacts", REWARD_DIR):
+        (logs / sub).mkdir(parents=True, exist_ok=True)
+    verifier = logs / "verifier"
+    for name in REWARD_FILES:
+        (verifier / name).unlink(missing_ok=True)
+        (logs / REWARD_DIR / name).unlink(missing_ok=True)
+        (verifier / name).symlink_to(logs / REWARD_DIR / name)
+    return verifier
+
+
+class RewardGuard:
+    """The test script's shell, started with the guard preloaded, is let past its gate only once armed."""
+
+    def __init__(self, library: str, logs: Path) -> None:
+        if Path(logs).parent != Path("/"):
+            evaluation_broken(f"the reward guard needs the logs directory at the root, not {logs}")
+        abi = landlock_abi()
+        if abi < 1:
+            evaluation_broken("this kernel has no Landlock (Linux >= 5.13 with landlock among its LSMs): the reward "
+                              "files cannot be kept from the agent's code, so Harbor grading is refused here")  # fmt: skip
+        self.armed_r, self.armed_w = os.pipe()
+        self.gate_r, self.gate_w = os.pipe()
+        self.env = {"LD_PRELOAD": library, "GYRE_REWARD_GUARD_FD": str(self.armed_w),
+                    "GYRE_REWARD_GUARD_LOGS": str(logs), "BASH_ENV": str(GATE), "GYRE_GATE_FD": str(self.gate_r)}  # fmt: skip
+        self.pass_fds = (self.armed_w, self.gate_r)
+
+    def started(self, proc: subprocess.Popen[bytes]) -> None:
+        os.close(self.armed_w)
+        os.close(self.gate_r)
+        said = b""
+        while not said.endswith(b"\n") and select.select([self.armed_r], [], [], ARM_WAIT_S)[0]:
+            chunk = os.read(self.armed_r, 64)
+            if not chunk:
+                break
+            said += chunk
+        os.close(self.armed_r)
+        if said != b"armed\n":
+            os.close(self.gate_w)
+            evaluation_broken(f"the reward guard did not arm in the test script's shell (it said {said!r}): "
+                              "the library did not load there (another C library in the task's image?)")  # fmt: skip
+        os.write(self.gate_w, b"go\n")
+        os.close(self.gate_w)
+
+
+def exit_watch_env(spec: dict[str, Any], report_fd: int) -> dict[str, str]:
+    """The tests' Python processes that load the agent's code report their own os._exit (runner_hooks)."""
+    path = [str(RUNNER_HOOKS), *filter(None, [spec.get("env", {}).get("PYTHONPATH")])]
+    return {"PYTHONPATH": os.pathsep.join(path), "GYRE_AGENT_CODE_DIRS": f"{spec['workdir']}:{spec['workspace']}",
+            "GYRE_EXIT_REPORT_FD": str(report_fd)}  # fmt: skip
+
+
+def reported_exits(report_r: int) -> list[str]:
+    """What the tests' processes reported on the exit pipe (all writers have ended)."""
+    os.set_blocking(report_r, False)
+    data = b""
+    try:
+        while chunk := os.read(report_r, 1 << 16):
+            data += chunk
+    except BlockingIOError:
+        pass
+    os.close(report_r)
+    return [line for line in data.decode(errors="replace").splitlines() if line.startswith("os._exit")]
+
+
 def main(argv: list[str]) -> None:
     spec = json.loads(Path(argv[0]).read_text())
-    verifier = Path(spec["logs_dir"]) / "verifier"
-    for sub in ("verifier", "agent", "artifacts"):
-        (Path(spec["logs_dir"]) / sub).mkdir(parents=True, exist_ok=True)
-    for stale in ("reward.json", "reward.txt"):
-        (verifier / stale).unlink(missing_ok=True)
+    logs = Path(spec["logs_dir"])
+    verifier = prepare_logs(logs)
+    guard = RewardGuard(spec["reward_guard"], logs)
+    exits_r, exits_w = os.pipe()
     script = Path(spec["tests_dir"]) / spec["test_script"]
-    env = {**os.environ, **spec.get("env", {})}
+    env = {**os.environ, **spec.get("env", {}), **exit_watch_env(spec, exits_w), **guard.env}
     with open(verifier / "test-stdout.txt", "wb") as log:  # agent code runs in there: never our stdout
         run = run_tests(["bash", str(script)], cwd=spec["workdir"], env=env, timeout_s=spec["tests_timeout_s"],
-                        out=log, pid_namespace=spec["pid_namespace"])  # fmt: skip
+                        out=log, pid_namespace=spec["pid_namespace"], pass_fds=(*guard.pass_fds, exits_w),
+                        started=guard.started)  # fmt: skip
+    os.close(exits_w)
     failure = run.agent_failure()
+    exits = reported_exits(exits_r)
+    if failure is None and exits:
+        failure = f"tests_incomplete: the agent's code left its process through {exits[0]}, before its tests could end"
     if failure is not None:  # whatever the reward file says now, the agent's code may have written it
         print(json.dumps({"results": [{"name": "tests", "passed": False, "detail": failure}], "agent_failed": failure}))
         return
     output = (verifier / "test-stdout.txt").read_text(errors="replace")
     try:
-        rewards = read_rewards(verifier)
+        rewards = read_rewards(logs / REWARD_DIR)
     except ValueError as e:
         hint = network_hint(output)
-        sys.stderr.write(
-            f"{hint + '; ' if hint else ''}{e} (test.sh exited {run.returncode}; its output ends: {output[-400:]!r})\n"
+        evaluation_broken(
+            f"{hint + '; ' if hint else ''}{e} (test.sh exited {run.returncode}; its output ends: {output[-400:]!r})"
         )
-        raise SystemExit(3) from None
     results = [{"name": name, "passed": value >= 1.0, "detail": f"{value:g}"} for name, value in rewards.items()]
     if score_of(rewards) < 1.0 and (hint := network_hint(output)):
         results.append({"name": "network", "passed": False, "detail": hint})

@@ -1,17 +1,27 @@
 """SWE-bench grading, run as the checker of a SWE-bench instance in its grading sandbox. Standard library only.
 
 spec = {"workspace", "reset_files", "test_patch", "test_cmd", "log_parser", "FAIL_TO_PASS", "PASS_TO_PASS",
-"tests_timeout_s", "pid_namespace"}.
+"tests_timeout_s", "pid_namespace", "original_files", "runner_files"}.
 As SWE-bench's evaluation does, on the copy of the final workspace: put the files the test patch
 touches back to base_commit (`reset_files`: path -> base64 content, null where the file did not exist),
 apply `test_patch` (git apply, with a git directory of our own: the agent's .git is never read), run
-`test_cmd`, parse its log into a status per test and grade it with SWE-bench's rules: a FAIL_TO_PASS
-test must pass (PASSED or XFAIL; skipped or missing is a failure), a PASS_TO_PASS test must pass or be
-skipped. The score is the fraction of FAIL_TO_PASS tests passed when every PASS_TO_PASS test holds, else
-0. A log that reports no failure although the test command failed is not believed (all tests fail), nor
-is one of tests that ran past their time, died of a signal or left a process behind (score 0, the
-agent's failure: gyre.tasks.agent_code).
-A test patch that does not apply to the reset files is a broken task: this script exits non-zero.
+`test_cmd`, take a status per test and grade it with SWE-bench's rules: a FAIL_TO_PASS test must pass
+(PASSED or XFAIL; skipped or missing is a failure), a PASS_TO_PASS test must pass or be skipped. The
+score is the fraction of FAIL_TO_PASS tests passed when every PASS_TO_PASS test holds, else 0.
+
+What the code under test cannot steer:
+- files the runner or the interpreter loads on their own are the original ones: conftest.py and the
+  runner's configuration files are restored (`runner_files`) or removed when the agent added them, and so
+  are sitecustomize/usercustomize and *.pth files; compiled files (*.pyc, __pycache__) are removed, and
+  so are modules the agent added that shadow the standard library or the test runner (`original_files`
+  says what the tree held);
+- the tests run with PYTHONSAFEPATH (the workspace after the standard library: runner_hooks/sitecustomize.py);
+- the statuses come from the runners' own records (runner_hooks/gyre_test_report.py), never from lines
+  the code can print; a run without a complete record (os._exit, a crash) scores 0 as the agent's failure,
+  and so does one of tests that ran past their time, died of a signal or left a process behind
+  (gyre.tasks.agent_code). A record without a failure although the test command failed is not believed
+  (all tests fail: SWE-bench's exit-code cross-check).
+A test patch that does not apply to the reset files is a broken task: this script ends as an evaluation error.
 """
 
 from __future__ import annotations
@@ -27,7 +37,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gyre.tasks.agent_code import run_tests
+from gyre.tasks import agent_code
+from gyre.tasks.agent_code import evaluation_broken, run_tests
+
+RUNNER_HOOKS = Path(agent_code.__file__).with_name("runner_hooks")  # sitecustomize.py, gyre_test_report.py
+# Files a test runner reads on its own, wherever they are: the original's content, or gone
+RUNNER_CONFIG = frozenset({"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml",
+                           "sitecustomize.py", "usercustomize.py"})  # fmt: skip
+RUNNER_MODULES = frozenset({"pytest", "_pytest", "pluggy", "py", "iniconfig", "unittest", "gyre_test_report"})
+MODULE_SUFFIXES = (".py", ".pyc", ".pyw", ".so", ".pyd")
 
 PASSING, MAINTAINED = {"PASSED", "XFAIL"}, {"PASSED", "XFAIL", "SKIPPED"}
 _UNITTEST = re.compile(
@@ -60,7 +78,93 @@ def parse_pytest(log: str) -> dict[str, str]:
     return status
 
 
-PARSERS = {"unittest": parse_unittest, "pytest": parse_pytest}
+PARSERS = {"unittest": parse_unittest, "pytest": parse_pytest}  # SWE-bench's log formats, for reading a log by eye
+
+
+def is_runner_file(rel: str) -> bool:
+    name = Path(rel).name
+    return name in RUNNER_CONFIG or name.endswith(".pth")
+
+
+def runner_files(files: dict[str, str]) -> dict[str, str]:
+    """The original runner files of a task's tree (path -> base64 content), to restore before the tests run."""
+    return {rel: base64.b64encode(text.encode()).decode() for rel, text in files.items() if is_runner_file(rel)}
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+def _shadows(name: str) -> bool:
+    """A module or package name that would stand in for the standard library's or the test runner's."""
+    module = name.split(".", 1)[0] if name.endswith(MODULE_SUFFIXES) else name
+    return module in sys.stdlib_module_names or module in RUNNER_MODULES
+
+
+def refuse_loaded_files(workspace: Path, original: set[str], restore: dict[str, str], test_dirs: set[str]) -> list[str]:
+    """Remove what the interpreter or the runner would load on its own that the original tree did not hold, then
+    put the original runner files back; the paths removed."""
+    removed: list[str] = []
+    original_dirs = {str(parent) for rel in original for parent in Path(rel).parents}
+    for root, dirs, names in os.walk(workspace):
+        here = Path(root)
+        rel_root = here.relative_to(workspace)
+        for name in [*dirs, *names]:
+            rel = str(rel_root / name)
+            compiled = name == "__pycache__" or name.endswith((".pyc", ".pyo"))
+            added = rel not in original and rel not in original_dirs
+            shadow = str(rel_root) in test_dirs and _shadows(name)
+            if compiled or (is_runner_file(rel) and rel not in restore) or (added and shadow):
+                _remove(here / name)
+                removed.append(rel)
+        dirs[:] = [d for d in dirs if (here / d).is_dir() and not (here / d).is_symlink()]
+    for rel, content in restore.items():
+        _real_parents(workspace, rel)
+        path = workspace / rel
+        if path.is_symlink() or path.exists():
+            _remove(path)
+        path.write_bytes(base64.b64decode(content))
+    return removed
+
+
+def tests_env(workspace: Path, report_dir: Path) -> dict[str, str]:
+    """The tests' environment: isolated import path, the runners' records switched on."""
+    addopts = " ".join(filter(None, [os.environ.get("PYTEST_ADDOPTS"), "-p gyre_test_report"]))
+    return {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONPATH": str(RUNNER_HOOKS), "PYTHONNOUSERSITE": "1",
+            "GYRE_TEST_WORKSPACE": str(workspace), "GYRE_TEST_REPORT_DIR": str(report_dir),
+            "PYTEST_ADDOPTS": addopts}  # fmt: skip
+
+
+def _record(path: Path) -> dict[str, Any]:
+    """One runner's record; an unreadable one reads as incomplete."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {"runner": "?", "complete": False}
+    if not isinstance(record, dict) or not isinstance(record.get("status", {}), dict):
+        return {"runner": "?", "complete": False}
+    return record
+
+
+def read_records(report_dir: Path, runner: str) -> tuple[dict[str, str], str | None]:
+    """(status per test, None) from the runners' complete records, or ({}, the agent failure) without one.
+    Where records disagree on a test, a failing status wins: a record added beside the runner's own (the code
+    under test can write files too) cannot turn its failures into passes."""
+    records = [_record(p) for p in sorted(report_dir.glob("*.json"))]
+    ours = [r for r in records if r.get("runner") == runner]
+    if not ours:
+        return {}, f"tests_incomplete: no {runner} run left its record (the tests ended before running any)"
+    if not all(r.get("complete") is True for r in records):
+        return {}, f"tests_incomplete: a {runner} run ended without completing its record"
+    status: dict[str, str] = {}
+    for r in ours:
+        for test, outcome in r.get("status", {}).items():
+            if status.get(test) not in ("FAILED", "ERROR"):
+                status[str(test)] = str(outcome)
+    return status, None
 
 
 def _real_parents(workspace: Path, rel: str) -> None:
@@ -92,8 +196,7 @@ def reset_and_patch(workspace: Path, reset_files: dict[str, str | None], test_pa
         proc = subprocess.run(["git", "apply", "--whitespace=nowarn", "-"], cwd=workspace, env=env,
                               input=test_patch, text=True, capture_output=True)  # fmt: skip
     if proc.returncode != 0:
-        sys.stderr.write(f"test_patch does not apply to the reset test files: {proc.stderr.strip()}\n")
-        raise SystemExit(3)
+        evaluation_broken(f"test_patch does not apply to the reset test files: {proc.stderr.strip()}")
 
 
 def report(status: dict[str, str], fail_to_pass: list[str], pass_to_pass: list[str]) -> dict[str, Any]:
@@ -106,19 +209,25 @@ def report(status: dict[str, str], fail_to_pass: list[str], pass_to_pass: list[s
     return {"results": results, "score": f2p if p2p_held else 0.0}
 
 
+def run_and_read(spec: dict[str, Any], workspace: Path) -> tuple[dict[str, str], str | None]:
+    """(status per test, the agent failure or None) of the test command over `workspace`."""
+    with tempfile.TemporaryDirectory(prefix="gyre-test-report-") as report_dir, open(os.devnull, "wb") as out:
+        run = run_tests(spec["test_cmd"], cwd=str(workspace), env=tests_env(workspace, Path(report_dir)),
+                        timeout_s=spec["tests_timeout_s"], out=out, pid_namespace=spec["pid_namespace"])  # fmt: skip
+        failure = run.agent_failure()
+        status, failure = ({}, failure) if failure else read_records(Path(report_dir), spec["log_parser"])
+    if run.returncode != 0 and not any(s in ("FAILED", "ERROR") for s in status.values()):
+        status = {}  # the record does not describe the run that happened (SWE-bench's exit-code cross-check)
+    return status, failure
+
+
 def main(argv: list[str]) -> None:
     spec = json.loads(Path(argv[0]).read_text())
     workspace = Path(spec["workspace"])
     reset_and_patch(workspace, spec["reset_files"], spec["test_patch"])
-    with tempfile.TemporaryFile() as log:  # a file, not a pipe a process of the agent's could hold open
-        run = run_tests(spec["test_cmd"], cwd=str(workspace), env=None, timeout_s=spec["tests_timeout_s"], out=log,
-                        pid_namespace=spec["pid_namespace"])  # fmt: skip
-        log.seek(0)
-        text = log.read().decode(errors="replace")
-    failure = run.agent_failure()
-    status = {} if failure else PARSERS[spec["log_parser"]](text)  # a failed run: every test fails
-    if run.returncode != 0 and not any(s in ("FAILED", "ERROR") for s in status.values()):
-        status = {}  # the log does not describe the run that happened (SWE-bench's exit-code cross-check)
+    test_dirs = {"."} | {str(Path(rel).parent) for rel in spec["reset_files"]}
+    refuse_loaded_files(workspace, set(spec["original_files"]), spec["runner_files"], test_dirs)
+    status, failure = run_and_read(spec, workspace)
     print(json.dumps({**report(status, spec["FAIL_TO_PASS"], spec["PASS_TO_PASS"]), "agent_failed": failure}))
 
 

@@ -1,6 +1,7 @@
 #!/bin/bash
-# One named score per section: partial credit for a partly right file.
-python3 - <<'EOF'
+# One named score per section: partial credit for a partly right file. The script's own shell writes the
+# reward (a program it runs may not: Gyre runs each under Landlock, since it may run the agent's code).
+python3 - > /logs/verifier/reward.json <<'EOF'
 import configparser, json, os
 cfg = configparser.ConfigParser()
 try:
@@ -12,5 +13,5 @@ def has(section, key, value):
 scores = {"server": has("server", "port", "8080"),
           "database": has("database", "name", os.environ["EXPECTED_DB"]),
           "logging": has("logging", "level", "debug")}
-json.dump(scores, open("/logs/verifier/reward.json", "w"))
+print(json.dumps(scores))
 EOF
