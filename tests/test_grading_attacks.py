@@ -31,7 +31,7 @@ from gyre.sandbox import make_sandbox
 from gyre.tasks import grading, reward_guard
 from gyre.tasks.grading import Grade, grade_workspace
 from gyre.tasks.harbor import load_harbor_task
-from gyre.tasks.oracle import apply_patch, reference_patch, run_solve_script
+from gyre.tasks.oracle import apply_patch, reference_patch, solve
 from gyre.tasks.swebench import load_swebench_tasks
 from gyre.tasks.task import Task
 
@@ -209,7 +209,7 @@ def test_harbor_reward_forgeries_by_the_agents_code_score_zero(attack, tmp_path,
     grade = grade_workspace(task, ws, sandbox=bwrap)
     assert grade.score == 0.0 and grade.status != "failed", grade
     fixed = task.materialize(tmp_path / "fixed")  # the honest control: the task's own solution, same test script
-    assert run_solve_script(task, fixed, bwrap) == ""
+    assert solve(task, fixed, bwrap)[0] == ""
     honest = grade_workspace(task, fixed, sandbox=bwrap)
     assert (honest.status, honest.score) == ("ok", 1.0), honest
 

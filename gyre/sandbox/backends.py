@@ -106,7 +106,8 @@ class BwrapSandbox:
         if job.proxy_socket is not None:
             argv += ["--bind", str(job.proxy_socket), SOCKET_PATH]
         points = [(t, False) for t in ("/proc", "/dev", "/tmp", HOME)] + [
-            (m.target, m.source.is_file()) for m in mounts
+            (m.target, not m.source.is_dir())
+            for m in mounts  # a file or a socket
         ]
         try:  # what bwrap mounts on must exist in the read-only root
             for target, is_file in [*points, *([(SOCKET_PATH, True)] if job.proxy_socket is not None else [])]:

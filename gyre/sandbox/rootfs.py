@@ -64,11 +64,14 @@ def image_root(image: str) -> ImageRoot | None:
 
 def ensure_mountpoint(rootfs: Path, target: str, is_file: bool = False) -> None:
     """Create the empty directory (or file) bwrap mounts `target` on: the rootfs is read-only in the sandbox,
-    so a mount point it lacks must exist before. Idempotent; never touches an existing path."""
+    so a mount point it lacks must exist before. Idempotent; never touches an existing path but an empty
+    directory where a file (or socket) is to be mounted."""
     parts = [part for part in target.split("/") if part not in ("", ".")]
     if ".." in parts:
         raise ValueError(f"mount point {target!r} leaves the image's root")
     path = rootfs.joinpath(*parts)
+    if is_file and path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
+        path.rmdir()  # an empty directory made for a file mount by an earlier gyre: bwrap needs a file there
     if os.path.lexists(path):
         return
     for i in range(1, len(parts)):  # the host makes it: an image's symlink must not lead it outside the rootfs

@@ -53,6 +53,7 @@ _UNITTEST = re.compile(
 )
 _UNITTEST_STATUS = {"ok": "PASSED", "FAIL": "FAILED", "ERROR": "ERROR", "skipped": "SKIPPED",
                     "expected failure": "XFAIL", "unexpected success": "FAILED"}  # fmt: skip
+_SETS_PYTHONPATH = re.compile(r"(?<![\w$])PYTHONPATH=(\"[^\"]*\"|'[^']*'|[^\s;&|]*)")
 _PYTEST_STATUSES = ("PASSED", "FAILED", "SKIPPED", "ERROR", "XFAIL")
 
 
@@ -162,9 +163,17 @@ def read_records(report_dir: Path, runner: str) -> tuple[dict[str, str], str | N
     status: dict[str, str] = {}
     for r in ours:
         for test, outcome in r.get("status", {}).items():
-            if status.get(test) not in ("FAILED", "ERROR"):
-                status[str(test)] = str(outcome)
+            for name in {str(test), published_id(str(test))}:
+                if status.get(name) not in ("FAILED", "ERROR"):
+                    status[name] = str(outcome)
     return status, None
+
+
+def published_id(test: str) -> str:
+    """A test id as SWE-bench's lists name it: its log parser keeps the first word after the status, so a
+    parametrized id with a space (`test_locate_app[cliapp.factory-create_app2("foo", "bar")]`) is cut there."""
+    words = test.split()
+    return words[0] if words else test
 
 
 def _real_parents(workspace: Path, rel: str) -> None:
@@ -209,10 +218,17 @@ def report(status: dict[str, str], fail_to_pass: list[str], pass_to_pass: list[s
     return {"results": results, "score": f2p if p2p_held else 0.0}
 
 
+def with_hooks(test_cmd: list[str]) -> list[str]:
+    """The test command (an argv) with the runners' hooks still on the import path where it sets PYTHONPATH
+    itself (SWE-bench's `PYTHONPATH=src python3 -m pytest ...`, run as `bash -c`): a runner without its record
+    scores 0."""
+    return [_SETS_PYTHONPATH.sub(lambda m: f"{m.group(0)}:{RUNNER_HOOKS}", arg) for arg in test_cmd]
+
+
 def run_and_read(spec: dict[str, Any], workspace: Path) -> tuple[dict[str, str], str | None]:
     """(status per test, the agent failure or None) of the test command over `workspace`."""
     with tempfile.TemporaryDirectory(prefix="gyre-test-report-") as report_dir, open(os.devnull, "wb") as out:
-        run = run_tests(spec["test_cmd"], cwd=str(workspace), env=tests_env(workspace, Path(report_dir)),
+        run = run_tests(with_hooks(spec["test_cmd"]), cwd=str(workspace), env=tests_env(workspace, Path(report_dir)),
                         timeout_s=spec["tests_timeout_s"], out=out, pid_namespace=spec["pid_namespace"])  # fmt: skip
         failure = run.agent_failure()
         status, failure = ({}, failure) if failure else read_records(Path(report_dir), spec["log_parser"])

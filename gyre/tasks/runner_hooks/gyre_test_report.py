@@ -11,6 +11,9 @@ A Harbor task's tests run programs of their own choosing: there, each Python pro
 agent's code (a file under GYRE_AGENT_CODE_DIRS opened as code) reports on GYRE_EXIT_REPORT_FD, a pipe
 to the checker, any os._exit it calls from then on: leaving with status 0 before a runner has run a test.
 What is written on that pipe cannot be taken back.
+
+PYTEST_DONT_REWRITE: sitecustomize imports this module before pytest loads it as a plugin, and pytest's warning
+about a module it cannot rewrite is an error under a repository's `filterwarnings = error` (Flask's).
 """
 
 from __future__ import annotations
