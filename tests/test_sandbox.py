@@ -17,13 +17,14 @@ from gyre.model.tokenizer import Tokenizer
 from gyre.proxy.call_log import CallLog
 from gyre.proxy.keys import RolloutKeys
 from gyre.proxy.server import ProxyServer
-from gyre.sandbox import ApptainerSandbox, BwrapSandbox, Mount, SandboxJob, SandboxUnavailable, make_sandbox
+from gyre.sandbox import ApptainerSandbox, BwrapSandbox, Mount, SandboxJob, SandboxUnavailable, backends, make_sandbox
 from gyre.sandbox.base import SOURCE_ROOT, host_python
 from gyre.tasks.grading import copy_workspace
 
 PY = host_python()
 LAUNCHER = [PY, "-I", "-S", "/opt/gyre/gyre/sandbox/inside.py", "--fsize", str(256 << 20), "--nofile", "1024",
-            "--nproc", "4096", "--relay", "41000:/run/gyre/proxy.sock", "--started", "5", "--"]  # fmt: skip
+            "--nproc", "4096", "--as", str(4096 << 20), "--seccomp", "--relay", "41000:/run/gyre/proxy.sock",
+            "--connections", "64", "--started", "5", "--"]  # fmt: skip
 
 
 def job() -> SandboxJob:
@@ -35,14 +36,15 @@ def job() -> SandboxJob:
 
 
 @pytest.mark.unit
-def test_bwrap_command_line():
+def test_bwrap_command_line(monkeypatch):
+    monkeypatch.setattr(backends, "pids_prefix", lambda max_pids: [])  # a root run's pids cgroup: test_sandbox_limits
     sb = BwrapSandbox(SandboxConfig(), "bwrap")
     argv = sb.command(job())
     head = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--uid", "1000", "--gid", "1000",
             "--hostname", "sandbox"]  # fmt: skip
     assert argv[: len(head)] == head
-    tail = ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/home/agent",
-            "--bind", "/srv/ws", "/workspace", "--ro-bind", str(SOURCE_ROOT / "gyre"), "/opt/gyre/gyre",
+    tail = ["--proc", "/proc", "--dev", "/dev", "--size", str(1024 << 20), "--tmpfs", "/tmp",
+            "--size", str(512 << 20), "--tmpfs", "/home/agent", "--unshare-user", "--disable-userns", "--bind", "/srv/ws", "/workspace", "--ro-bind", str(SOURCE_ROOT / "gyre"), "/opt/gyre/gyre",
             "--bind", "/tmp/ep/proxy.sock", "/run/gyre/proxy.sock", "--remount-ro", "/", "--chdir", "/workspace",
             "--clearenv"]  # fmt: skip
     i = argv.index("--proc")

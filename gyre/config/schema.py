@@ -171,8 +171,15 @@ class SandboxConfig:
     apptainer_images: dict[str, str] = field(default_factory=dict)
     file_size_mb: int = 256  # RLIMIT_FSIZE: largest file a sandboxed process may write
     open_files: int = 1024  # RLIMIT_NOFILE
-    # RLIMIT_NPROC; the kernel counts every process of the real user (machine-wide), so leave headroom
+    # processes (and threads) of one sandbox: RLIMIT_NPROC, and a pids cgroup where the run is root (the
+    # kernel does not apply RLIMIT_NPROC to processes of host root, which the sandbox's user maps to)
     processes: int = 4096
+    memory_mb: int = 4096  # RLIMIT_AS of every sandboxed process (address space, not resident memory)
+    tmp_mb: int = 1024  # size of the sandbox's /tmp (a tmpfs: host memory, charged only as written)
+    home_mb: int = 512  # size of the sandbox's HOME (a tmpfs, as /tmp)
+    # connections one sandbox may hold to its model API endpoint at once (beyond: HTTP 429 from the relay)
+    relay_connections: int = 64
+    seccomp: bool = True  # the seccomp filter (gyre/sandbox/seccomp.py) in isolated sandboxes
     env: list[str] = field(default_factory=list)  # host environment variables passed in besides the allowlist
 
     def __post_init__(self) -> None:

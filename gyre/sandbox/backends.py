@@ -1,8 +1,9 @@
 """The sandbox backends: bubblewrap (local, Debian's `bubblewrap`), Apptainer (clusters) and none.
 
-bwrap: new user (uid 1000, no capabilities), PID, network, IPC, UTS and cgroup namespaces; a
-read-only root of its own with /usr (and the /bin, /lib symlinks) and a few /etc files read-only, the
-job's mounts, a private /tmp and HOME (tmpfs), /proc and a minimal /dev. `--die-with-parent` and the PID namespace end
+bwrap: new user (uid 1000, no capabilities, no further user namespaces), PID, network, IPC, UTS and
+cgroup namespaces; a read-only root of its own with /usr (and the /bin, /lib symlinks) and a few /etc
+files read-only, the job's mounts, a private /tmp and HOME (size-limited tmpfs), /proc and a minimal
+/dev; a pids cgroup of its own when the run is root (gyre/sandbox/limits.py). `--die-with-parent` and the PID namespace end
 every process when the launcher or the runner goes. apptainer: `exec --containall --no-home
 --cleanenv` with no network and the same binds, in the configured image. none: the job as a plain
 host process with the host environment (rollout ids and paths as on the host).
@@ -31,6 +32,7 @@ from gyre.sandbox.base import (
     host_python,
     launcher_argv,
 )
+from gyre.sandbox.limits import pids_prefix
 
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 # /etc entries programs need to start (users, libraries, certificates, time zone); never all of /etc
@@ -68,7 +70,7 @@ class BwrapSandbox:
     def command(self, job: SandboxJob) -> list[str]:
         argv = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session",
                 "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
-                *self.system_args(), "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", HOME]  # fmt: skip
+                *self.system_args(), "--proc", "/proc", "--dev", "/dev", *self.scratch_args()]  # fmt: skip
         for m in job.mounts:
             argv += ["--bind" if m.writable else "--ro-bind", str(m.source), m.target]
         if job.proxy_socket is not None:
@@ -76,7 +78,13 @@ class BwrapSandbox:
         argv += ["--remount-ro", "/", "--chdir", job.cwd, "--clearenv"]  # the root: read-only; binds as given
         for key, value in {**self.base_env(), **job.env}.items():
             argv += ["--setenv", key, value]
-        return [*argv, "--", *launcher_argv(self.python, self.cfg, job)]
+        return [*pids_prefix(self.cfg.processes), *argv, "--", *launcher_argv(self.python, self.cfg, job)]
+
+    def scratch_args(self) -> list[str]:
+        """/tmp and HOME: tmpfs of bounded size (host memory, charged as written; a filler gets ENOSPC); no
+        user namespace inside the sandbox (--disable-userns needs --unshare-user named)."""
+        return ["--size", str(self.cfg.tmp_mb << 20), "--tmpfs", "/tmp", "--size", str(self.cfg.home_mb << 20),
+                "--tmpfs", HOME, "--unshare-user", "--disable-userns"]  # fmt: skip
 
 
 class ApptainerSandbox:
