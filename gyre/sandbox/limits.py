@@ -1,4 +1,5 @@
-"""Limits the kernel would not apply on its own: a pids cgroup per sandbox when the run is root.
+"""Limits the kernel would not apply on its own: a pids cgroup per sandbox when the run is root, and the
+trainer's own descriptors (its open-file limit raised, each rollout's connections capped to fit).
 
 RLIMIT_NPROC (set by inside.py) is not enforced for processes of host root, and a bwrap sandbox started by
 root runs its uid 1000 as host root: a fork bomb inside would take the host's process table. So a root run
@@ -13,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import resource
 import time
 import uuid
 from pathlib import Path
@@ -75,3 +77,35 @@ def pids_prefix(max_pids: int) -> list[str]:
         log.warning("cannot make a pids cgroup at %s (%s): this sandbox's process limit is not enforced", leaf, e)
         return []
     return ["/bin/sh", "-c", ENTER, str(leaf / "cgroup.procs")]
+
+
+RESERVED_DESCRIPTORS = 512  # the trainer's own: engines, logs, shards, MPI, the proxy's listeners
+DESCRIPTORS_PER_CONNECTION = 3  # a relayed connection in the trainer: endpoint socket, its upstream, the proxy's
+
+
+def raise_open_file_limit() -> int:
+    """Raise this process's open-file soft limit to its hard limit (many sites default to a soft 1024 under a
+    far higher hard limit); returns the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (OSError, ValueError) as e:
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, hard, e)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def connections_per_rollout(wanted: int, concurrent_rollouts: int) -> int:
+    """What each rollout's endpoint may hold so that `concurrent_rollouts` rollouts, each at its cap, leave
+    RESERVED_DESCRIPTORS of the trainer's open-file limit free: `wanted`, or fewer (at least 1, with a warning)."""
+    limit = raise_open_file_limit()
+    fits = (limit - RESERVED_DESCRIPTORS) // (DESCRIPTORS_PER_CONNECTION * max(1, concurrent_rollouts))
+    if fits >= wanted:
+        return wanted
+    log.warning(
+        "open-file limit %d: %d rollouts at once get %d connections each, not sandbox.relay_connections=%d "
+        "(raise the hard limit, ulimit -Hn, or lower harness.concurrency)",
+        limit, concurrent_rollouts, max(1, fits), wanted,
+    )  # fmt: skip
+    return max(1, fits)
