@@ -24,7 +24,7 @@ from gyre.tasks.grading import copy_workspace
 PY = host_python()
 LAUNCHER = [PY, "-I", "-S", "/opt/gyre/gyre/sandbox/inside.py", "--fsize", str(256 << 20), "--nofile", "1024",
             "--nproc", "4096", "--as", str(4096 << 20), "--seccomp", "--relay", "41000:/run/gyre/proxy.sock",
-            "--connections", "64", "--started", "5", "--"]  # fmt: skip
+            "--connections", "64", "--watch", f"/workspace:{2048 << 20}", "--started", "5", "--"]  # fmt: skip
 
 
 def job() -> SandboxJob:

@@ -177,6 +177,9 @@ class SandboxConfig:
     memory_mb: int = 4096  # RLIMIT_AS of every sandboxed process (address space, not resident memory)
     tmp_mb: int = 1024  # size of the sandbox's /tmp (a tmpfs: host memory, charged only as written)
     home_mb: int = 512  # size of the sandbox's HOME (a tmpfs, as /tmp)
+    # bytes on disk the workspace (a host directory) may hold: checked about every second, the harness killed
+    # beyond (the agent's failure); the grader refuses more than 2 GiB on disk in any case
+    workspace_mb: int = 2048
     # connections one sandbox may hold to its model API endpoint at once (beyond: HTTP 429 from the relay)
     relay_connections: int = 64
     seccomp: bool = True  # the seccomp filter (gyre/sandbox/seccomp.py) in isolated sandboxes

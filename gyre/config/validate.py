@@ -52,7 +52,16 @@ def check_sandbox(s: SandboxConfig) -> None:
     if s.backend == "apptainer" and not s.apptainer_image and not s.apptainer_images:
         _fail("sandbox.apptainer_image", s.apptainer_image,
               "backend=apptainer needs an image (a .sif file), or sandbox.apptainer_images per task image")  # fmt: skip
-    for key in ("file_size_mb", "open_files", "processes", "memory_mb", "tmp_mb", "home_mb", "relay_connections"):
+    for key in (
+        "file_size_mb",
+        "open_files",
+        "processes",
+        "memory_mb",
+        "tmp_mb",
+        "home_mb",
+        "workspace_mb",
+        "relay_connections",
+    ):
         if getattr(s, key) < 1:
             _fail(f"sandbox.{key}", getattr(s, key), "must be at least 1")
 

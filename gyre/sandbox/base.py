@@ -120,6 +120,8 @@ def launcher_argv(python: str, cfg: SandboxConfig, job: SandboxJob) -> list[str]
         argv.append("--seccomp")
     if job.proxy_socket is not None:
         argv += ["--relay", f"{RELAY_PORT}:{SOCKET_PATH}", "--connections", str(cfg.relay_connections)]
+    if any(m.target == WORKSPACE and m.writable for m in job.mounts):
+        argv += ["--watch", f"{WORKSPACE}:{cfg.workspace_mb << 20}"]
     if job.started_fd >= 0:
         argv += ["--started", str(job.started_fd)]
     return [*argv, "--", *job.argv]

@@ -1,13 +1,14 @@
 """The first process inside a sandbox: limits, the proxy relay, then the harness. Standard library only.
 
     python -I -S inside.py --fsize BYTES --nofile N --nproc N --as BYTES [--seccomp]
-        [--relay PORT:SOCKET --connections N] [--started FD] -- ARGV...
+        [--relay PORT:SOCKET --connections N] [--watch DIR:BYTES] [--started FD] -- ARGV...
 
 It sets the rlimits (inherited by everything the harness starts), loads the seccomp filter (seccomp.py
 beside this file: no new namespaces, ptrace, mounts, keyrings, bpf, perf, modules), listens on
 127.0.0.1:PORT (the sandbox's own loopback; the network namespace has nothing else) and relays each
 connection to the Unix socket SOCKET, the rollout's one way out, at most N at once (beyond: an HTTP
-429 in the API's JSON error shape, so one rollout cannot hold the trainer's descriptors); writes "started" to FD (a pipe to the runner, closed
+429 in the API's JSON error shape, so one rollout cannot hold the trainer's descriptors); with --watch
+DIR:BYTES, kills the harness (exit 137) once DIR (the workspace, a host directory) holds more; writes "started" to FD (a pipe to the runner, closed
 before the harness runs, so only this process can say the sandbox came up); then runs ARGV and exits
 with its status. When it exits, the sandbox's PID namespace ends and every process the harness
 started (setsid or not) is killed by the kernel.
@@ -20,10 +21,12 @@ import importlib.util
 import json
 import os
 import resource
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 
 BUFFER = 1 << 16
 
@@ -103,6 +106,45 @@ class Relay:
             self.open -= 1
 
 
+def allocated_bytes(root: str) -> int:
+    """Bytes on disk under `root` (allocated blocks: a sparse file counts what it holds), links not followed."""
+    total, stack = 0, [root]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as entries:
+                for entry in entries:
+                    try:
+                        total += entry.stat(follow_symlinks=False).st_blocks * 512
+                        if entry.is_dir(follow_symlinks=False):
+                            stack.append(entry.path)
+                    except OSError:
+                        pass
+        except OSError:
+            pass
+    return total
+
+
+class Watch:
+    """Kills the harness once the files under `root` take more than `limit` bytes (checked every second or so,
+    less often for a tree that takes long to walk): a workspace is a host directory no mount can size."""
+
+    def __init__(self, root: str, limit: int) -> None:
+        self.root, self.limit = root, limit
+        self.tripped = False
+
+    def run(self, proc: subprocess.Popen[bytes]) -> None:
+        while proc.poll() is None:
+            start = time.monotonic()
+            used = allocated_bytes(self.root)
+            if used > self.limit:
+                print(f"gyre sandbox: {self.root} holds {used >> 20} MiB, over its {self.limit >> 20} MiB "
+                      "(sandbox.workspace_mb): harness killed", file=sys.stderr, flush=True)  # fmt: skip
+                self.tripped = True
+                proc.kill()
+                return
+            time.sleep(max(1.0, 10 * (time.monotonic() - start)))
+
+
 def _load_seccomp() -> None:
     """Load the filter from seccomp.py beside this file (-I keeps this directory off sys.path)."""
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "seccomp.py")
@@ -114,7 +156,10 @@ def _load_seccomp() -> None:
 
 
 def _limit(which: int, value: int) -> None:
+    """Set a limit to `value`, or to the hard limit inherited when that is lower (it can only be lowered)."""
     if value > 0:
+        hard = resource.getrlimit(which)[1]
+        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
         resource.setrlimit(which, (value, value))
 
 
@@ -127,6 +172,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seccomp", action="store_true")
     p.add_argument("--relay", default="")
     p.add_argument("--connections", type=int, default=0)
+    p.add_argument("--watch", default="", help="DIR:BYTES: kill the harness once DIR holds more than BYTES")
     p.add_argument("--started", type=int, default=-1)
     p.add_argument("command", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
@@ -156,7 +202,13 @@ def main(argv: list[str]) -> int:
     except OSError as e:
         print(f"gyre sandbox: cannot start {command[:1]}: {e}", file=sys.stderr)
         return 127
-    return proc.wait()
+    watch = None
+    if args.watch:
+        root, limit = args.watch.rsplit(":", 1)
+        watch = Watch(root, int(limit))
+        threading.Thread(target=watch.run, args=(proc,), daemon=True).start()
+    code = proc.wait()
+    return 128 + signal.SIGKILL if watch is not None and watch.tripped else code  # killed for its limits
 
 
 if __name__ == "__main__":
