@@ -159,8 +159,9 @@ class NoSandbox:
 @functools.cache
 def _bwrap_works(bwrap: str) -> str:
     """'' when a trivial bwrap sandbox runs here, else why not."""
-    probe = [bwrap, "--unshare-all", "--die-with-parent", *BwrapSandbox(SandboxConfig()).system_args(),
-             "--proc", "/proc", "--dev", "/dev", "--", "true"]  # fmt: skip
+    sandbox = BwrapSandbox(SandboxConfig())
+    probe = [bwrap, "--unshare-all", "--die-with-parent", *sandbox.system_args(),
+             "--proc", "/proc", "--dev", "/dev", *sandbox.scratch_args(), "--", "true"]  # fmt: skip
     try:
         proc = subprocess.run(probe, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -198,6 +199,7 @@ def make_sandbox(cfg: SandboxConfig) -> Sandbox:
     if why:
         raise SandboxUnavailable(
             f"bubblewrap cannot create a sandbox here ({why}); user namespaces may be disabled "
-            "(sysctl kernel.unprivileged_userns_clone=1) or set sandbox.backend=none"
+            "(sysctl kernel.unprivileged_userns_clone=1), or bubblewrap may be older than 0.8 (--size, "
+            "--disable-userns); or set sandbox.backend=none"
         )
     return BwrapSandbox(cfg, bwrap)

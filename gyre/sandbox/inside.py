@@ -29,6 +29,7 @@ import threading
 import time
 
 BUFFER = 1 << 16
+THREAD_STACK = 256 << 10  # two relay threads per connection: small stacks keep them well inside RLIMIT_AS
 
 
 def too_many_connections(cap: int) -> bytes:
@@ -188,6 +189,7 @@ def main(argv: list[str]) -> int:
             print(f"gyre sandbox: cannot load the seccomp filter: {e}", file=sys.stderr)
             return 126
     if args.relay:
+        threading.stack_size(THREAD_STACK)
         port, path = args.relay.split(":", 1)
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
