@@ -36,6 +36,8 @@ from gyre.proxy.errors import CONTEXT_LIMIT_HEADER
 MAX_BODY_BYTES = 256 << 20
 DEFAULT_MAX_CONNECTIONS = 64
 MADE_S = 0.05  # a connection accepted this recently may not be in the server's own list yet
+REFUSED_LINGER_S = 1.0  # a refused connection's longest life
+MAX_LINGERING = 16  # refused connections left open for their client to read the 429; beyond, closed at once
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade"}
 T = TypeVar("T")
 _loop: asyncio.AbstractEventLoop | None = None
@@ -56,15 +58,30 @@ async def _on_endpoint_loop(coro: Coroutine[Any, Any, T]) -> T:
 
 
 class _TooManyConnections(asyncio.Protocol):
-    """Answers a connection beyond the cap with a 429 and closes it; it never reaches aiohttp."""
+    """Answers a connection beyond the cap with a 429 and ends it; it never reaches aiohttp. Its side is
+    shut for writing at once but closed only once the client is done or REFUSED_LINGER_S has passed: a
+    socket closed before the client has sent its request would fail that send instead of showing the 429."""
 
-    def __init__(self, response: bytes) -> None:
-        self.response = response
+    def __init__(self, response: bytes, accept: _CappedAccept, linger: bool) -> None:
+        self.response, self.accept, self.linger = response, accept, linger
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.WriteTransport)
+        assert isinstance(transport, asyncio.Transport)
         transport.write(self.response)
-        transport.close()
+        if not self.linger or not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        asyncio.get_running_loop().call_later(REFUSED_LINGER_S, transport.close)
+
+    def eof_received(self) -> bool:
+        return False  # the client is done: close
+
+    def data_received(self, data: bytes) -> None:
+        pass  # the request, unread
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.accept.lingering -= self.linger
 
 
 class _CappedAccept:
@@ -75,11 +92,14 @@ class _CappedAccept:
         self.server, self.cap = server, cap
         self.just_accepted = 0
         self.refused = 0
+        self.lingering = 0  # refused connections not closed yet (at most MAX_LINGERING)
 
     def __call__(self) -> asyncio.BaseProtocol:
         if len(self.server.connections) + self.just_accepted >= self.cap:
             self.refused += 1
-            return _TooManyConnections(too_many_connections(self.cap))
+            linger = self.lingering < MAX_LINGERING
+            self.lingering += linger
+            return _TooManyConnections(too_many_connections(self.cap), self, linger)
         self.just_accepted += 1
         asyncio.get_running_loop().call_later(MADE_S, self._made)
         return self.server()
