@@ -347,3 +347,17 @@ def test_a_connection_flood_cannot_exhaust_the_trainers_descriptors(backend, cap
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert json.loads(report["honest"]) == [200] * 10 and report["trainer_can_open"], report
     assert report["refused_by_trainer"] > 0 and "'429'" in report["flood"], report  # refused in the API's shape
+
+
+def test_the_trainer_raises_its_open_file_limit_and_fits_the_rollouts_in_it():
+    code = """
+import resource
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 1024))  # a site's soft default under a higher hard limit
+from gyre.sandbox.limits import connections_per_rollout, raise_open_file_limit
+print(raise_open_file_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)[0], connections_per_rollout(64, 2),
+      connections_per_rollout(64, 8))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout.split()  # fmt: skip
+    # 2 rollouts at 64 connections (3 descriptors each) fit in 1024 less 512 reserved; 8 get (1024 - 512) // 24
+    assert out == ["1024", "1024", "64", "21"]

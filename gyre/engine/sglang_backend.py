@@ -394,6 +394,9 @@ class SGLangEngine:
         except BaseException:
             stop_processes(self.processes)
             raise
+        finally:  # every process of the servers has read its arguments (or is gone): the key's file goes
+            for launch in plan:
+                Path(launch.argv[launch.argv.index("--config") + 1]).unlink(missing_ok=True)
         self.servers = EngineServers([p.url for p in heads])
         self.groups = {}
 
