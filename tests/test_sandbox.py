@@ -3,6 +3,8 @@ grading, and who a failure is attributed to. The attacks themselves: tests/test_
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import pytest
 
 from gyre.config.schema import ProxyConfig, SandboxConfig
 from gyre.config.validate import ConfigValueError
+from gyre.harness import endpoint
 from gyre.harness.attribution import harness_failure
 from gyre.model.tokenizer import Tokenizer
 from gyre.proxy.call_log import CallLog
@@ -27,7 +30,7 @@ from gyre.sandbox import (
     make_sandbox,
     seccomp,
 )
-from gyre.sandbox.base import SOURCE_ROOT, host_python
+from gyre.sandbox.base import INSIDE_SCRIPT, SOURCE_ROOT, host_python
 from gyre.tasks.grading import copy_workspace
 
 PY = host_python()
@@ -212,3 +215,19 @@ def test_seccomp_filter_decides_each_syscall(arch):
     assert run_filter(prog, 0x40000003, 1) == enosys  # i386 on x86_64: no second table
     assert run_filter(prog, native, seccomp.X32_SYSCALL_BIT | 1) == enosys  # x32
     assert len(seccomp.packed(arch)) == 8 * len(prog)
+
+
+@pytest.mark.unit
+def test_relay_and_endpoint_refuse_in_the_same_words():
+    """inside.py (standard library only, in the sandbox) and the trainer's endpoint each write the 429 the
+    SDKs read as an API error: the same bytes, a body in OpenAI's shape with Anthropic's `type: error`."""
+    spec = importlib.util.spec_from_file_location("gyre_inside", INSIDE_SCRIPT)
+    inside = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(inside)
+    response = inside.too_many_connections(64)
+    assert response == endpoint.too_many_connections(64)
+    head, _, body = response.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 429 ") and f"Content-Length: {len(body)}".encode() in head
+    error = json.loads(body)
+    assert error["type"] == "error" and error["error"]["type"] == "rate_limit_error"
+    assert set(error["error"]) == {"message", "type", "param", "code"}
