@@ -19,6 +19,7 @@ from gyre.resume.preemption import Preempted, PreemptionGuard
 from gyre.resume.recovery import describe_start, prepare_resume, task_pool_position
 from gyre.resume.state import RunState
 from gyre.rollouts import RolloutService, StepRollouts
+from gyre.sandbox.limits import raise_open_file_limit
 from gyre.sched.policy import SCHEDULERS as CELL_SCHEDULERS
 from gyre.store.reader import Shard, read_shard
 from gyre.tasks.suite import TaskPool
@@ -29,6 +30,7 @@ from gyre.train.warm_start import prepare_policy
 
 def run(cfg: RunConfig) -> Path:
     check_supported(cfg)
+    raise_open_file_limit()  # before anything opens: no rollout's connections may exhaust the trainer's
     guard = PreemptionGuard().install()
     out = Path(cfg.output_dir or f"outputs/{time.strftime('%Y-%m-%d_%H-%M-%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)

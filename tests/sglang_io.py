@@ -207,6 +207,21 @@ def server_args_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_server_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """`argv` as `prepare_server_args` (sglang/srt/server_args.py) reads it: a `--config` YAML file merged in
+    by SGLang's own ConfigArgumentMerger (loaded from its source: the package's __init__ needs its runtime)."""
+    parser = server_args_parser()
+    parser.add_argument("--config", help="the flag server_args.py adds by hand")
+    path = sglang_root() / "srt" / "utils" / "server_args_config_parser.py"
+    spec = importlib.util.spec_from_file_location("sglang_server_args_config_parser", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if "--config" in argv:
+        argv = module.ConfigArgumentMerger(parser).merge_config_with_args(argv)
+    return parser.parse_known_args(argv)
+
+
 def light_common() -> types.ModuleType:
     """The COMMON_NAMES of sglang.srt.utils.common, from SGLang's source."""
     load_io_struct()

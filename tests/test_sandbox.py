@@ -3,6 +3,8 @@ grading, and who a failure is attributed to. The attacks themselves: tests/test_
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -12,18 +14,29 @@ import pytest
 
 from gyre.config.schema import ProxyConfig, SandboxConfig
 from gyre.config.validate import ConfigValueError
+from gyre.harness import endpoint
 from gyre.harness.attribution import harness_failure
 from gyre.model.tokenizer import Tokenizer
 from gyre.proxy.call_log import CallLog
 from gyre.proxy.keys import RolloutKeys
 from gyre.proxy.server import ProxyServer
-from gyre.sandbox import ApptainerSandbox, BwrapSandbox, Mount, SandboxJob, SandboxUnavailable, make_sandbox
-from gyre.sandbox.base import SOURCE_ROOT, host_python
+from gyre.sandbox import (
+    ApptainerSandbox,
+    BwrapSandbox,
+    Mount,
+    SandboxJob,
+    SandboxUnavailable,
+    backends,
+    make_sandbox,
+    seccomp,
+)
+from gyre.sandbox.base import INSIDE_SCRIPT, SOURCE_ROOT, host_python
 from gyre.tasks.grading import copy_workspace
 
 PY = host_python()
 LAUNCHER = [PY, "-I", "-S", "/opt/gyre/gyre/sandbox/inside.py", "--fsize", str(256 << 20), "--nofile", "1024",
-            "--nproc", "4096", "--relay", "41000:/run/gyre/proxy.sock", "--started", "5", "--"]  # fmt: skip
+            "--nproc", "4096", "--as", str(4096 << 20), "--seccomp", "--relay", "41000:/run/gyre/proxy.sock",
+            "--connections", "64", "--watch", f"/workspace:{2048 << 20}", "--started", "5", "--"]  # fmt: skip
 
 
 def job() -> SandboxJob:
@@ -35,14 +48,15 @@ def job() -> SandboxJob:
 
 
 @pytest.mark.unit
-def test_bwrap_command_line():
+def test_bwrap_command_line(monkeypatch):
+    monkeypatch.setattr(backends, "pids_prefix", lambda max_pids: [])  # a root run's pids cgroup: test_sandbox_limits
     sb = BwrapSandbox(SandboxConfig(), "bwrap")
     argv = sb.command(job())
     head = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--uid", "1000", "--gid", "1000",
             "--hostname", "sandbox"]  # fmt: skip
     assert argv[: len(head)] == head
-    tail = ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/home/agent",
-            "--bind", "/srv/ws", "/workspace", "--ro-bind", str(SOURCE_ROOT / "gyre"), "/opt/gyre/gyre",
+    tail = ["--proc", "/proc", "--dev", "/dev", "--size", str(1024 << 20), "--tmpfs", "/tmp",
+            "--size", str(512 << 20), "--tmpfs", "/home/agent", "--unshare-user", "--disable-userns", "--bind", "/srv/ws", "/workspace", "--ro-bind", str(SOURCE_ROOT / "gyre"), "/opt/gyre/gyre",
             "--bind", "/tmp/ep/proxy.sock", "/run/gyre/proxy.sock", "--remount-ro", "/", "--chdir", "/workspace",
             "--clearenv"]  # fmt: skip
     i = argv.index("--proc")
@@ -163,3 +177,57 @@ def test_proxy_refuses_calls_without_their_rollouts_key(tmp_path):
     finally:
         proxy.stop()
     assert keys.live() == 0
+
+
+def run_filter(program: list[tuple[int, int, int, int]], arch: int, nr: int, arg0: int = 0) -> int:
+    """A classic-BPF interpreter for the few opcodes the filter uses, over one struct seccomp_data."""
+    data = {seccomp.OFFSET_NR: nr, seccomp.OFFSET_ARCH: arch, seccomp.OFFSET_ARG0: arg0}
+    acc, pc = 0, 0
+    while True:
+        code, jt, jf, k = program[pc]
+        if code == seccomp.RET_K:
+            return k
+        if code == seccomp.LD_W_ABS:
+            acc, pc = data[k], pc + 1
+            continue
+        taken = {seccomp.JEQ_K: acc == k, seccomp.JGE_K: acc >= k, seccomp.JSET_K: bool(acc & k)}[code]
+        pc += 1 + (jt if taken else jf)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("arch", ["x86_64", "aarch64"])
+def test_seccomp_filter_decides_each_syscall(arch):
+    """The hand-written jumps, on both architectures (only this machine's can be loaded here)."""
+    prog, native = seccomp.program(arch), seccomp.AUDIT_ARCH[arch]
+    eperm, enosys = seccomp.RET_ERRNO | 1, seccomp.RET_ERRNO | 38
+    jumps = [(pc, jt, jf) for pc, (code, jt, jf, _) in enumerate(prog) if code not in (seccomp.RET_K, seccomp.LD_W_ABS)]
+    assert all(0 <= jt < 256 and 0 <= jf < 256 and pc + 1 + max(jt, jf) < len(prog) for pc, jt, jf in jumps)
+    for name, nr in seccomp.REFUSED[arch].items():
+        assert run_filter(prog, native, nr) == eperm, name
+    clone = seccomp.CLONE[arch]
+    assert run_filter(prog, native, clone, 0x01200011) == seccomp.RET_ALLOW  # fork(): CLONE_CHILD_SETTID|... |SIGCHLD
+    assert run_filter(prog, native, clone, 0x003D0F00) == seccomp.RET_ALLOW  # pthread_create's flags
+    for flag in (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000):
+        assert run_filter(prog, native, clone, flag | 17) == eperm, hex(flag)
+    assert run_filter(prog, native, seccomp.CLONE3) == enosys
+    for nr in (0, 1, 59, 221, 231, 260):  # read, write, execve, ... : allowed
+        assert run_filter(prog, native, nr) == seccomp.RET_ALLOW
+    assert run_filter(prog, 0x40000003, 1) == enosys  # i386 on x86_64: no second table
+    assert run_filter(prog, native, seccomp.X32_SYSCALL_BIT | 1) == enosys  # x32
+    assert len(seccomp.packed(arch)) == 8 * len(prog)
+
+
+@pytest.mark.unit
+def test_relay_and_endpoint_refuse_in_the_same_words():
+    """inside.py (standard library only, in the sandbox) and the trainer's endpoint each write the 429 the
+    SDKs read as an API error: the same bytes, a body in OpenAI's shape with Anthropic's `type: error`."""
+    spec = importlib.util.spec_from_file_location("gyre_inside", INSIDE_SCRIPT)
+    inside = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(inside)
+    response = inside.too_many_connections(64)
+    assert response == endpoint.too_many_connections(64)
+    head, _, body = response.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 429 ") and f"Content-Length: {len(body)}".encode() in head
+    error = json.loads(body)
+    assert error["type"] == "error" and error["error"]["type"] == "rate_limit_error"
+    assert set(error["error"]) == {"message", "type", "param", "code"}

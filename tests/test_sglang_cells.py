@@ -5,6 +5,7 @@ joins the broadcast group with SGLang's own code, and the failure when SGLang's 
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import time
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from sglang_io import parse_like_sglang, server_args_parser
+from sglang_io import parse_like_sglang, parse_server_argv
 
 from gyre.config.schema import EngineConfig, ModelConfig
 from gyre.engine import admin_key, sglang_backend
@@ -29,7 +30,7 @@ MODEL = SHAPES["qwen3-0.6b"]
 
 
 def parsed(argv: list[str]):
-    ns, unknown = server_args_parser().parse_known_args(argv)
+    ns, unknown = parse_server_argv(argv)
     assert not unknown, f"flags SGLang does not declare: {unknown}"
     return ns
 
@@ -61,18 +62,22 @@ def test_tp_over_two_nodes_spans_them_with_a_rendezvous_on_the_first():
 
 
 @pytest.mark.unit
-def test_server_command_lines_golden(monkeypatch):
+def test_server_command_lines_golden(monkeypatch, tmp_path):
     monkeypatch.setattr(admin_key, "_key", "run-admin-key")  # the run's key, made per run (gyre.engine.admin_key)
     cfg = dataclasses.replace(GPU, tp_size=16)
-    plan = plan_servers("/models/p", cfg, MODEL, nodes=["n0", "n1"], gpus_per_node=8, weight_version="7")
+    plan = plan_servers("/models/p", cfg, MODEL, nodes=["n0", "n1"], gpus_per_node=8, weight_version="7",
+                        key_dir=tmp_path)  # fmt: skip
+    key_file = tmp_path / f"engine-admin-key-{os.getpid()}.yaml"
     assert launch_command(cfg, plan[0], "n0") == [
         "python", "-m", "sglang.launch_server",
         "--model-path", "/models/p", "--host", "0.0.0.0", "--port", "30000", "--tp-size", "16",
         "--mem-fraction-static", "0.7", "--max-running-requests", "64", "--context-length", "4096",
         "--dtype", "bfloat16", "--load-format", "auto", "--weight-version", "7", "--random-seed", "0",
-        "--base-gpu-id", "0", "--log-level", "info", "--api-key", "run-admin-key", "--admin-api-key", "run-admin-key",
+        "--base-gpu-id", "0", "--log-level", "info", "--config", str(key_file),
         "--enable-memory-saver", "--nnodes", "2", "--node-rank", "0", "--dist-init-addr", "n0:30050",
     ]  # fmt: skip
+    assert key_file.read_text() == 'api-key: "run-admin-key"\nadmin-api-key: "run-admin-key"\n'
+    assert key_file.stat().st_mode & 0o777 == 0o600  # the run's user only; the command line holds no key
     remote = launch_command(cfg, plan[1], "n0")
     assert remote[:6] == ["srun", "--overlap", "--nodes=1", "--ntasks=1", "--nodelist=n1", "--kill-on-bad-exit=1"]
     assert remote[6:9] == ["python", "-m", "sglang.launch_server"] and remote[-4:-2] == ["--node-rank", "1"]

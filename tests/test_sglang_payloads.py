@@ -25,7 +25,7 @@ from sglang_io import (
     load_io_struct,
     load_sampling_params,
     parse_like_sglang,
-    server_args_parser,
+    parse_server_argv,
     sglang_version,
 )
 
@@ -286,8 +286,7 @@ QWEN3 = SHAPES["qwen3-0.6b"]
 
 def test_server_args_parse_with_sglangs_own_parser():
     argv = sglang_server_args("/models/qwen3", SGLANG, 30001, QWEN3, weight_version="12", served_model_name="policy")
-    parser = server_args_parser()
-    ns, unknown = parser.parse_known_args(argv)
+    ns, unknown = parse_server_argv(argv)
     assert not unknown, f"flags SGLang does not declare: {unknown}"
     assert ns.model_path == "/models/qwen3" and ns.port == 30001 and ns.host == "127.0.0.1"
     assert (ns.tp_size, ns.mem_fraction_static, ns.dtype, ns.load_format) == (2, 0.7, "bfloat16", "auto")
@@ -296,6 +295,9 @@ def test_server_args_parse_with_sglangs_own_parser():
     assert (ns.context_length, ns.max_running_requests, ns.chunked_prefill_size) == (4096, 64, 4096)
     assert ns.served_model_name == "policy" and ns.schedule_policy == "lpm" and ns.random_seed == 0
     assert ns.admin_api_key == ns.api_key == take_run_admin_key()  # what every EngineClient sends
+    assert take_run_admin_key() not in " ".join(argv)  # from the --config file (0600), not the command line
+    config = Path(argv[argv.index("--config") + 1])
+    assert config.stat().st_mode & 0o777 == 0o600
 
 
 def test_the_run_admin_key_unlocks_exactly_sglangs_protected_routes():
@@ -321,7 +323,7 @@ def test_the_run_admin_key_unlocks_exactly_sglangs_protected_routes():
 def test_every_config_switch_maps_to_a_declared_flag():
     on = EngineConfig(backend="sglang", enable_weights_cpu_backup=True, disable_radix_cache=True,
                       enable_memory_saver=False, load_format="dummy", dtype="auto", log_level="debug")  # fmt: skip
-    ns, unknown = server_args_parser().parse_known_args(sglang_server_args("/m", on, 1234))
+    ns, unknown = parse_server_argv(sglang_server_args("/m", on, 1234))
     assert not unknown and ns.enable_weights_cpu_backup and ns.disable_radix_cache and not ns.enable_memory_saver
     assert ns.load_format == "dummy" and ns.log_level == "debug"
     assert sglang_launch_command("/m", on, 1234)[:3] == ["python", "-m", "sglang.launch_server"]
@@ -351,4 +353,4 @@ def test_engine_preset_composes():
 
     cfg = compose(["engine=sglang"])
     assert cfg.engine.backend == "sglang" and cfg.engine.enable_memory_saver
-    assert not server_args_parser().parse_known_args(sglang_server_args("/m", cfg.engine, 30000, cfg.model))[1]
+    assert not parse_server_argv(sglang_server_args("/m", cfg.engine, 30000, cfg.model))[1]

@@ -228,8 +228,18 @@ class SandboxConfig:
     apptainer_images: dict[str, str] = field(default_factory=dict)
     file_size_mb: int = ranged(256, AT_LEAST_1)  # RLIMIT_FSIZE: largest file a sandboxed process may write
     open_files: int = ranged(1024, AT_LEAST_1)  # RLIMIT_NOFILE
-    # RLIMIT_NPROC; the kernel counts every process of the real user (machine-wide), so leave headroom
+    # processes (and threads) of one sandbox: RLIMIT_NPROC, and a pids cgroup where the run is root (the
+    # kernel does not apply RLIMIT_NPROC to processes of host root, which the sandbox's user maps to)
     processes: int = ranged(4096, AT_LEAST_1)
+    memory_mb: int = ranged(4096, AT_LEAST_1)  # RLIMIT_AS of every sandboxed process (address space, not resident)
+    tmp_mb: int = ranged(1024, AT_LEAST_1)  # size of the sandbox's /tmp (a tmpfs: host memory, charged only as written)
+    home_mb: int = ranged(512, AT_LEAST_1)  # size of the sandbox's HOME (a tmpfs, as /tmp)
+    # bytes on disk the workspace (a host directory) may hold: checked about every second, the harness killed
+    # beyond (the agent's failure); the grader refuses more than 2 GiB on disk in any case
+    workspace_mb: int = ranged(2048, AT_LEAST_1)
+    # connections one sandbox may hold to its model API endpoint at once (beyond: HTTP 429 from the relay)
+    relay_connections: int = ranged(64, AT_LEAST_1)
+    seccomp: bool = True  # the seccomp filter (gyre/sandbox/seccomp.py) in isolated sandboxes
     env: list[str] = field(default_factory=list)  # host environment variables passed in besides the allowlist
 
     def __post_init__(self) -> None:

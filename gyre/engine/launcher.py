@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gyre.config.schema import EngineConfig
-from gyre.engine.admin_key import admin_env
+from gyre.engine.admin_key import key_pipe
 
 READY_PREFIX = "GYRE_ENGINE_READY"  # the server prints "GYRE_ENGINE_READY <url>" once it serves
 
@@ -116,7 +116,7 @@ def start_engine(
 ) -> EngineProcess:
     """Launch `python -m gyre.engine.server` and wait until /health answers.
 
-    The engine gets this run's admin key (gyre.engine.admin_key) and loads new weights only from
+    The engine gets this run's admin key (gyre.engine.admin_key) through a pipe and loads new weights only from
     `weights_dirs` (default: `model_path`). Output (stdout and stderr) goes to log_path (a temp file by default); on failure the error
     carries its tail.
     """
@@ -142,19 +142,24 @@ def start_engine(
         cmd.append(f"--prefix-cache-tokens={prefix_cache_tokens}")
     cmd += [f"--weights-dir={d}" for d in weights_dirs or []]
     cmd += list(extra_args or [])
-    child_env = {**os.environ, **admin_env(), **(env or {})}
+    child_env = {**os.environ, **(env or {})}
     child_env.setdefault("OMP_NUM_THREADS", str(num_threads))
     log_file = open(log_path, "w")  # noqa: SIM115 - owned by the EngineProcess
-    proc = subprocess.Popen(
-        cmd,
-        stdout=log_file,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        env=child_env,
-        start_new_session=True,
-        # the kernel ties PDEATHSIG to the thread that forks: only the main thread lives as long as the run
-        preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,
-    )
+    key_fd = key_pipe()  # the admin key: in a pipe, never in the engine's environment or command line
+    try:
+        proc = subprocess.Popen(
+            [*cmd, f"--admin-key-fd={key_fd}"],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=child_env,
+            start_new_session=True,
+            pass_fds=(key_fd,),
+            # the kernel ties PDEATHSIG to the thread that forks: only the main thread lives as long as the run
+            preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,
+        )
+    finally:
+        os.close(key_fd)
     engine = EngineProcess(proc, "", log_path, str(model_path), log_file)
     deadline = time.monotonic() + startup_timeout_s
     while time.monotonic() < deadline:

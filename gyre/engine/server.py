@@ -10,8 +10,8 @@ serves `/generate`, `/abort_request`, `/pause_generation`, `/continue_generation
 (gyre.engine.batcher); handlers only validate, hand over and wait.
 
 Admin routes (everything but generation, health and info) need `Authorization: Bearer <key>` with the
-run's admin key, read from GYRE_ENGINE_ADMIN_KEY at start (gyre.engine.admin_key; without one they are
-open, as SGLang's are without `--admin-api-key`), and weights load only from the `--weights-dir`
+run's admin key, read at start from the pipe `--admin-key-fd` (gyre.engine.admin_key; else from
+GYRE_ENGINE_ADMIN_KEY; without one they are open, as SGLang's are without `--admin-api-key`), and weights load only from the `--weights-dir`
 directories (default: the directory of `--model-path`).
 """
 
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from gyre.engine.admin_key import ADMIN_KEY_ENV, bearer_matches
+from gyre.engine.admin_key import ADMIN_KEY_ENV, bearer_matches, read_key_fd
 from gyre.engine.batcher import Batcher, BatcherConfig, Delta, Sequence
 from gyre.engine.kv_routes import KVRoutes
 from gyre.engine.launcher import READY_PREFIX
@@ -435,6 +435,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="weights load only from under these (repeat; default --model-path)",
     )
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--admin-key-fd", type=int, default=-1, help="read the run's admin key from this pipe")
     args = p.parse_args(argv)
     for name in (
         "num_threads",
@@ -461,6 +462,8 @@ def main(argv: list[str] | None = None) -> None:
         prefill_chunk_tokens=args.prefill_chunk_tokens,
     )
     admin_key = os.environ.pop(ADMIN_KEY_ENV, None)  # not inherited by anything this process starts
+    if args.admin_key_fd >= 0:
+        admin_key = read_key_fd(args.admin_key_fd)
     if not admin_key:
         log.warning("no %s in the environment: admin routes are open to anyone who reaches the port", ADMIN_KEY_ENV)
     server = EngineServer(

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from gyre.config.schema import EngineConfig, ModelConfig
 from gyre.config.validate import check_engine, check_engine_for_model
-from gyre.engine.admin_key import take_run_admin_key
+from gyre.engine.admin_key import sglang_key_config
 from gyre.engine.client import SyncEngineClient
 from gyre.engine.engine import EngineServers, EngineSetup, EngineUnsupported, resolved_weight_sync, stop_processes
 from gyre.engine.launcher import EngineProcess, EngineStartError, _tail
@@ -85,9 +85,11 @@ def sglang_server_args(
     nnodes: int = 1,
     node_rank: int = 0,
     dist_init_addr: str = "",
+    key_dir: str | Path | None = None,
 ) -> list[str]:
     """The `python -m sglang.launch_server` arguments for one server of a cell (on one of its nodes when
-    the server spans `nnodes`; every node of it gets the same arguments but --node-rank)."""
+    the server spans `nnodes`; every node of it gets the same arguments but --node-rank). The admin key's
+    file goes to `key_dir` (a directory every node of the server reads; default: a private temporary one)."""
     check_engine(cfg)
     if cfg.backend != "sglang":
         raise ValueError(f"engine.backend={cfg.backend!r}: SGLang command lines are for engine.backend=sglang")
@@ -111,9 +113,9 @@ def sglang_server_args(
         "--log-level", cfg.log_level,
     ]  # fmt: skip
     # The run's key for every route but /health*: admin routes for the controller and cells only, and
-    # /server_info, which lists the server args (the admin key among them), closed as well.
-    key = take_run_admin_key()
-    argv += ["--api-key", key, "--admin-api-key", key]
+    # /server_info, which lists the server args (the admin key among them), closed as well. From a file of
+    # SGLang's --config, mode 0600: never on a command line, which /proc/<pid>/cmdline shows to anyone.
+    argv += ["--config", str(sglang_key_config(key_dir))]
     flags = {
         "--enable-memory-saver": cfg.enable_memory_saver,
         "--enable-weights-cpu-backup": cfg.enable_weights_cpu_backup,
@@ -218,6 +220,7 @@ def plan_servers(
     gpus_per_node: int = 0,
     weight_version: str = "default",
     port: int | None = None,
+    key_dir: str | Path | None = None,
 ) -> list[ServerLaunch]:
     """Every SGLang process of a cell: one server per tensor-parallel group of engine.tp_size GPUs.
 
@@ -240,7 +243,8 @@ def plan_servers(
             for k in range(per_node):
                 server, server_port = n * per_node + k, base + k
                 gpu = cfg.base_gpu_id + k * tp
-                argv = sglang_server_args(model_path, cfg, server_port, model, weight_version, base_gpu_id=gpu)
+                argv = sglang_server_args(model_path, cfg, server_port, model, weight_version, base_gpu_id=gpu,
+                                          key_dir=key_dir)  # fmt: skip
                 launches.append(ServerLaunch(server, node, 0, server_port, argv))
         return launches
     if tp % gpus_per_node or len(nodes) % (tp // gpus_per_node):
@@ -257,7 +261,7 @@ def plan_servers(
         addr = f"{group[0]}:{base + DIST_INIT_PORT_OFFSET}"
         for rank, node in enumerate(group):
             argv = sglang_server_args(model_path, cfg, base, model, weight_version, nnodes=nnodes, node_rank=rank,
-                                      dist_init_addr=addr)  # fmt: skip
+                                      dist_init_addr=addr, key_dir=key_dir)  # fmt: skip
             launches.append(ServerLaunch(server, node, rank, base, argv))
     return launches
 
@@ -374,7 +378,7 @@ class SGLangEngine:
     def start(self, weights: Path) -> None:
         check_sglang_runtime(self.cfg.python, self.setup.env)
         plan = plan_servers(weights, self.cfg, self.setup.model_cfg, self.setup.nodes, self.setup.gpus_per_node,
-                            weight_version=self.version)  # fmt: skip
+                            weight_version=self.version, key_dir=self.setup.log_dir)  # fmt: skip
         local = self.setup.nodes[0] if self.setup.nodes else ""
         self.processes, heads = [], []
         try:
@@ -391,6 +395,9 @@ class SGLangEngine:
         except BaseException:
             stop_processes(self.processes)
             raise
+        finally:  # every process of the servers has read its arguments (or is gone): the key's file goes
+            for launch in plan:
+                Path(launch.argv[launch.argv.index("--config") + 1]).unlink(missing_ok=True)
         self.servers = EngineServers([p.url for p in heads])
         self.groups = {}
 

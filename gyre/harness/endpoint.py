@@ -8,6 +8,11 @@ an infrastructure failure rather than scored 0 (gyre/harness/attribution.py). It
 answers and notes each context overflow the proxy answered (its X-Gyre-Context-Limit header), and
 whether one came before any answer: the harness's first request alone over the limit.
 
+An endpoint holds at most `max_connections` connections at once (sandbox.relay_connections; fewer when
+the trainer's descriptors are short: gyre.sandbox.limits.descriptor_budget): beyond, a connection is
+answered HTTP 429 in the API's error shape and closed at once, so a harness that opens hundreds (through
+the relay or straight at its socket) exhausts its own allowance, never the trainer's descriptors.
+
 Every endpoint is served from one event loop in its own thread, never the caller's: a stop signal
 (gyre.resume.preemption) raises `Preempted` in the main thread wherever it runs, and aiohttp turns an
 exception raised inside its request handling into a payload error it only logs, so an endpoint on the
@@ -29,6 +34,10 @@ from aiohttp import web
 from gyre.proxy.errors import CONTEXT_LIMIT_HEADER
 
 MAX_BODY_BYTES = 256 << 20
+DEFAULT_MAX_CONNECTIONS = 64
+MADE_S = 0.05  # a connection accepted this recently may not be in the server's own list yet
+REFUSED_LINGER_S = 1.0  # a refused connection's longest life
+MAX_LINGERING = 16  # refused connections left open for their client to read the 429; beyond, closed at once
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade"}
 T = TypeVar("T")
 _loop: asyncio.AbstractEventLoop | None = None
@@ -48,10 +57,75 @@ async def _on_endpoint_loop(coro: Coroutine[Any, Any, T]) -> T:
     return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, _endpoint_loop()))
 
 
+class _TooManyConnections(asyncio.Protocol):
+    """Answers a connection beyond the cap with a 429 and ends it; it never reaches aiohttp. Its side is
+    shut for writing at once but closed only once the client is done or REFUSED_LINGER_S has passed: a
+    socket closed before the client has sent its request would fail that send instead of showing the 429."""
+
+    def __init__(self, response: bytes, accept: _CappedAccept, linger: bool) -> None:
+        self.response, self.accept, self.linger = response, accept, linger
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        transport.write(self.response)
+        if not self.linger or not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        asyncio.get_running_loop().call_later(REFUSED_LINGER_S, transport.close)
+
+    def eof_received(self) -> bool:
+        return False  # the client is done: close
+
+    def data_received(self, data: bytes) -> None:
+        pass  # the request, unread
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.accept.lingering -= self.linger
+
+
+class _CappedAccept:
+    """The protocol factory of an endpoint's listener: aiohttp's own handler while fewer than `cap`
+    connections are open (those in the server's list and those just accepted), else a refusal."""
+
+    def __init__(self, server: web.Server, cap: int) -> None:
+        self.server, self.cap = server, cap
+        self.just_accepted = 0
+        self.refused = 0
+        self.lingering = 0  # refused connections not closed yet (at most MAX_LINGERING)
+
+    def __call__(self) -> asyncio.BaseProtocol:
+        if len(self.server.connections) + self.just_accepted >= self.cap:
+            self.refused += 1
+            linger = self.lingering < MAX_LINGERING
+            self.lingering += linger
+            return _TooManyConnections(too_many_connections(self.cap), self, linger)
+        self.just_accepted += 1
+        asyncio.get_running_loop().call_later(MADE_S, self._made)
+        return self.server()
+
+    def _made(self) -> None:
+        self.just_accepted -= 1
+
+
+def too_many_connections(cap: int) -> bytes:
+    """HTTP 429 whose body both SDKs read as an API error (OpenAI's shape, Anthropic's `type: error`)."""
+    message = f"this rollout holds {cap} connections to the model API already (sandbox.relay_connections)"
+    error = {"message": message, "type": "rate_limit_error", "param": None, "code": "too_many_connections"}
+    body = json.dumps({"type": "error", "error": error}).encode()
+    head = f"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    return (head + "Connection: close\r\n\r\n").encode() + body
+
+
 class ProxyEndpoint:
-    def __init__(self, upstream_root: str, unix_path: Path | None = None) -> None:
+    def __init__(
+        self, upstream_root: str, unix_path: Path | None = None, max_connections: int = DEFAULT_MAX_CONNECTIONS
+    ) -> None:
         self.upstream = upstream_root.rstrip("/").removesuffix("/v1")
         self.unix_path = unix_path
+        self.max_connections = max_connections
+        self._listener: asyncio.AbstractServer | None = None
+        self._accept: _CappedAccept | None = None
         self.url = ""  # http://127.0.0.1:PORT without a Unix socket
         self.failures: list[str] = []
         self.requests = 0
@@ -78,13 +152,23 @@ class ProxyEndpoint:
         app.router.add_route("*", "/{tail:.*}", self._forward)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await self._runner.setup()
+        assert self._runner.server is not None
+        self._accept = _CappedAccept(self._runner.server, self.max_connections)
+        loop = asyncio.get_running_loop()
         if self.unix_path is not None:
-            await web.UnixSite(self._runner, str(self.unix_path)).start()
+            self._listener = await loop.create_unix_server(self._accept, str(self.unix_path))
         else:
-            await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-            self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+            self._listener = await loop.create_server(self._accept, "127.0.0.1", 0)
+            self.url = f"http://127.0.0.1:{self._listener.sockets[0].getsockname()[1]}"
+
+    @property
+    def refused_connections(self) -> int:
+        """Connections answered 429 for being over the cap."""
+        return self._accept.refused if self._accept is not None else 0
 
     async def _close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
         if self._runner is not None:
             await self._runner.cleanup()
         if self._session is not None:

@@ -28,11 +28,12 @@ from typing import Any
 
 from gyre.config.schema import HarnessConfig, SandboxConfig, TaskConfig
 from gyre.harness.attribution import harness_failure
-from gyre.harness.endpoint import ProxyEndpoint
+from gyre.harness.endpoint import DEFAULT_MAX_CONNECTIONS, ProxyEndpoint
 from gyre.harness.mini_swe_agent import venv_python
 from gyre.proxy.keys import RolloutKeys
 from gyre.sandbox import Mount, Sandbox, SandboxJob, make_sandbox, place
 from gyre.sandbox.base import GYRE_ROOT, HARNESS_DIR, RELAY_PORT, SOURCE_ROOT, WORKSPACE, code_mounts, host_env
+from gyre.sandbox.limits import connections_per_rollout
 from gyre.tasks.grading import Grade, grade_workspace
 from gyre.tasks.task import Task
 
@@ -297,6 +298,7 @@ async def run_rollout(
     sandbox: Sandbox | None = None,
     keys: RolloutKeys | None = None,
     kill_grace_s: float = KILL_GRACE_S,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
 ) -> RolloutOutcome:
     """Run the configured harness on `task` in `workdir`/workspace, sandboxed (default: bwrap), against
     the proxy at `base_url`, then grade a copy of the workspace (`task_cfg` gives tool_delay_s and
@@ -318,7 +320,7 @@ async def run_rollout(
     also = [Mount(workspace, task.workdir, writable=True)] if task.workdir and sandbox.isolated else []
     key = keys.issue(rollout_id) if keys is not None else "none"
     sock_dir = Path(tempfile.mkdtemp(prefix="gyre-ep-")) if sandbox.isolated else None
-    endpoint = ProxyEndpoint(base_url, sock_dir / "proxy.sock" if sock_dir else None)
+    endpoint = ProxyEndpoint(base_url, sock_dir / "proxy.sock" if sock_dir else None, max_connections)
     await endpoint.start()
     try:
         inside_io = place(sandbox, io_mount)
@@ -407,11 +409,14 @@ async def run_rollouts(
     """Run (task, rollout_id) jobs, at most `harness_cfg.concurrency` at once, each in root/rollout_id."""
     limit = asyncio.Semaphore(max(1, harness_cfg.concurrency))
     sandbox = sandbox or make_sandbox(SandboxConfig())
+    wanted = getattr(getattr(sandbox, "cfg", None), "relay_connections", DEFAULT_MAX_CONNECTIONS)
+    connections = connections_per_rollout(wanted, min(len(jobs), max(1, harness_cfg.concurrency)))
 
     async def one(task: Task, rollout_id: str) -> RolloutOutcome:
         async with limit:
             return await run_rollout(
-                task, rollout_id, base_url, Path(root) / rollout_id, harness_cfg, task_cfg, sandbox=sandbox, keys=keys
-            )
+                task, rollout_id, base_url, Path(root) / rollout_id, harness_cfg, task_cfg, sandbox=sandbox, keys=keys,
+                max_connections=connections,
+            )  # fmt: skip
 
     return list(await asyncio.gather(*(one(task, rid) for task, rid in jobs)))

@@ -1,8 +1,9 @@
 """The sandbox backends: bubblewrap (local, Debian's `bubblewrap`), Apptainer (clusters) and none.
 
-bwrap: new user (uid 1000, no capabilities), PID, network, IPC, UTS and cgroup namespaces; a
-read-only root of its own with /usr (and the /bin, /lib symlinks) and a few /etc files read-only, the
-job's mounts, a private /tmp and HOME (tmpfs), /proc and a minimal /dev. `--die-with-parent` and the PID namespace end
+bwrap: new user (uid 1000, no capabilities, no further user namespaces), PID, network, IPC, UTS and
+cgroup namespaces; a read-only root of its own with /usr (and the /bin, /lib symlinks) and a few /etc
+files read-only, the job's mounts, a private /tmp and HOME (size-limited tmpfs), /proc and a minimal
+/dev; a pids cgroup of its own when the run is root (gyre/sandbox/limits.py). `--die-with-parent` and the PID namespace end
 every process when the launcher or the runner goes. apptainer: `exec --containall --no-home
 --cleanenv` with no network and the same binds, in the configured image. none: the job as a plain
 host process with the host environment (rollout ids and paths as on the host).
@@ -33,6 +34,7 @@ from gyre.sandbox.base import (
     host_python,
     launcher_argv,
 )
+from gyre.sandbox.limits import pids_prefix
 from gyre.sandbox.rootfs import ImageRoot
 
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
@@ -74,7 +76,7 @@ class BwrapSandbox:
             return self.image_command(job, root)
         argv = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session",
                 "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
-                *self.system_args(), "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", HOME]  # fmt: skip
+                *self.system_args(), "--proc", "/proc", "--dev", "/dev", *self.scratch_args()]  # fmt: skip
         for m in job.mounts:
             argv += ["--bind" if m.writable else "--ro-bind", str(m.source), m.target]
         if job.proxy_socket is not None:
@@ -82,7 +84,13 @@ class BwrapSandbox:
         argv += ["--remount-ro", "/", "--chdir", job.cwd, "--clearenv"]  # the root: read-only; binds as given
         for key, value in {**self.base_env(), **job.env}.items():
             argv += ["--setenv", key, value]
-        return [*argv, "--", *launcher_argv(self.python, self.cfg, job)]
+        return [*pids_prefix(self.cfg.processes), *argv, "--", *launcher_argv(self.python, self.cfg, job)]
+
+    def scratch_args(self) -> list[str]:
+        """/tmp and HOME: tmpfs of bounded size (host memory, charged as written; a filler gets ENOSPC); no
+        user namespace inside the sandbox (--disable-userns needs --unshare-user named)."""
+        return ["--size", str(self.cfg.tmp_mb << 20), "--tmpfs", "/tmp", "--size", str(self.cfg.home_mb << 20),
+                "--tmpfs", HOME, "--unshare-user", "--disable-userns"]  # fmt: skip
 
     @staticmethod
     def image_root(image: str) -> ImageRoot | None:
@@ -100,7 +108,7 @@ class BwrapSandbox:
         mounts, relocate = relocated_python_mounts(job.mounts)
         argv = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--uid", str(uid),
                 "--gid", str(gid), "--hostname", "sandbox", "--ro-bind", str(root.rootfs), "/",
-                "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", HOME]  # fmt: skip
+                "--proc", "/proc", "--dev", "/dev", *self.scratch_args()]  # fmt: skip
         for m in mounts:
             argv += ["--bind" if m.writable else "--ro-bind", str(m.source), m.target]
         if job.proxy_socket is not None:
@@ -117,7 +125,8 @@ class BwrapSandbox:
         argv += ["--chdir", job.cwd, "--clearenv"]
         for key, value in image_env(root.env, self.base_env(), job.env).items():
             argv += ["--setenv", key, value]
-        return [*argv, "--", *map(relocate, launcher_argv(self.python, self.cfg, job))]
+        launcher = map(relocate, launcher_argv(self.python, self.cfg, job))
+        return [*pids_prefix(self.cfg.processes), *argv, "--", *launcher]
 
 
 PYTHON_ROOT = "/opt/gyre/python"  # the host interpreter's prefix in an image, when the host's is under /usr
@@ -226,8 +235,9 @@ class NoSandbox:
 @functools.cache
 def _bwrap_works(bwrap: str) -> str:
     """'' when a trivial bwrap sandbox runs here, else why not."""
-    probe = [bwrap, "--unshare-all", "--die-with-parent", *BwrapSandbox(SandboxConfig()).system_args(),
-             "--proc", "/proc", "--dev", "/dev", "--", "true"]  # fmt: skip
+    sandbox = BwrapSandbox(SandboxConfig())
+    probe = [bwrap, "--unshare-all", "--die-with-parent", *sandbox.system_args(),
+             "--proc", "/proc", "--dev", "/dev", *sandbox.scratch_args(), "--", "true"]  # fmt: skip
     try:
         proc = subprocess.run(probe, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -265,6 +275,7 @@ def make_sandbox(cfg: SandboxConfig) -> Sandbox:
     if why:
         raise SandboxUnavailable(
             f"bubblewrap cannot create a sandbox here ({why}); user namespaces may be disabled "
-            "(sysctl kernel.unprivileged_userns_clone=1) or set sandbox.backend=none"
+            "(sysctl kernel.unprivileged_userns_clone=1), or bubblewrap may be older than 0.8 (--size, "
+            "--disable-userns); or set sandbox.backend=none"
         )
     return BwrapSandbox(cfg, bwrap)

@@ -115,9 +115,14 @@ def allowlisted_env(cfg: SandboxConfig, source: dict[str, str] | None = None) ->
 def launcher_argv(python: str, cfg: SandboxConfig, job: SandboxJob) -> list[str]:
     """The in-sandbox launcher's command line (limits, relay, start signal), then the job's argv."""
     argv = [python, "-I", "-S", f"{GYRE_ROOT}/gyre/sandbox/inside.py",
-            "--fsize", str(cfg.file_size_mb << 20), "--nofile", str(cfg.open_files), "--nproc", str(cfg.processes)]  # fmt: skip
+            "--fsize", str(cfg.file_size_mb << 20), "--nofile", str(cfg.open_files), "--nproc", str(cfg.processes),
+            "--as", str(cfg.memory_mb << 20)]  # fmt: skip
+    if cfg.seccomp:
+        argv.append("--seccomp")
     if job.proxy_socket is not None:
-        argv += ["--relay", f"{RELAY_PORT}:{SOCKET_PATH}"]
+        argv += ["--relay", f"{RELAY_PORT}:{SOCKET_PATH}", "--connections", str(cfg.relay_connections)]
+    if any(m.target == WORKSPACE and m.writable for m in job.mounts):
+        argv += ["--watch", f"{WORKSPACE}:{cfg.workspace_mb << 20}"]
     if job.started_fd >= 0:
         argv += ["--started", str(job.started_fd)]
     return [*argv, "--", *job.argv]

@@ -31,6 +31,7 @@ from gyre.config.validate import cell_ranks, check_cells
 from gyre.engine.admin_key import set_run_admin_key, take_run_admin_key
 from gyre.errors import UserError, report, wants_traceback
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted
+from gyre.sandbox.limits import raise_open_file_limit
 from gyre.sched.affinity import available_cpus, cpu_plan, pin
 from gyre.sched.faults import stalls_start
 from gyre.sched.job_preflight import run_preflight
@@ -59,6 +60,7 @@ def run(out: Path) -> tuple[bool, dict[str, Any], int]:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     cfg = to_run_config(OmegaConf.load(out / "config.yaml"))
     check_cells(cfg)
+    raise_open_file_limit()  # before anything opens: no rollout's connections may exhaust the cell's
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
     sizes = cell_ranks(cfg)

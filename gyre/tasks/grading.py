@@ -32,6 +32,7 @@ guard keeps the programs of the tests from writing it (gyre.tasks.harbor_checker
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import math
 import os
@@ -75,7 +76,9 @@ TESTS_BUDGET_FRACTION = 0.8  # of the checker's time limit, for a task's own tes
 PYTHON_BUDGET_FRACTION = 0.6  # of the checker's time limit, for all the workspace's programs together
 SANDBOX_START_S = 2.0  # added to the checker's time limit in an isolated sandbox: starting it is not the checker's
 MAX_WORKSPACE_FILES = 100_000
-MAX_WORKSPACE_BYTES = 2 << 30
+MAX_WORKSPACE_BYTES = 2 << 30  # on disk (allocated blocks)
+MAX_WORKSPACE_APPARENT_BYTES = 4 << 30  # as read (sparse files at their full size)
+COPY_CHUNK = 1 << 20
 REWARD_GUARD = "/run/gyre/reward_guard.so"  # the guard library, inside an isolated sandbox
 REPORT_SOCKET = "/run/gyre/report.sock"  # the checker's report channel, inside an isolated sandbox
 REPORT_JOIN_S = 5.0  # once the checker has ended, how long its last report may take to be read
@@ -164,8 +167,12 @@ def _parse_results(stdout: str) -> tuple[list[dict[str, Any]], float | None, str
 
 
 def copy_workspace(src: Path, dst: Path) -> None:
-    """Copy a tree without following links: directories and regular files, symlinks as links, nothing else."""
-    files = size = 0
+    """Copy a tree without following links: directories and regular files, symlinks as links, nothing else.
+
+    Within a budget of entries, of bytes on disk and of apparent bytes (a sparse file's holes: what a reader
+    sees); beyond any, WorkspaceTooLarge (the agent's failure). Holes stay holes in the copy, so a sparse
+    file costs the host what it costs in the workspace, not its apparent size."""
+    files = allocated = apparent = 0
     dst.mkdir(mode=0o755)
     for root, dirs, names in os.walk(src, followlinks=False):
         rel = Path(root).relative_to(src)
@@ -180,13 +187,41 @@ def copy_workspace(src: Path, dst: Path) -> None:
             elif stat.S_ISDIR(st.st_mode):
                 target.mkdir(mode=0o755)
             elif stat.S_ISREG(st.st_mode):
-                size += st.st_size
-                if size > MAX_WORKSPACE_BYTES:
-                    raise WorkspaceTooLarge(f"more than {MAX_WORKSPACE_BYTES >> 20} MiB")
+                allocated += st.st_blocks * 512
+                apparent += st.st_size
+                if allocated > MAX_WORKSPACE_BYTES:
+                    raise WorkspaceTooLarge(f"more than {MAX_WORKSPACE_BYTES >> 20} MiB on disk")
+                if apparent > MAX_WORKSPACE_APPARENT_BYTES:
+                    raise WorkspaceTooLarge(f"files of more than {MAX_WORKSPACE_APPARENT_BYTES >> 20} MiB in all "
+                                            "(sparse files counted at their apparent size)")  # fmt: skip
                 fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW)
                 with os.fdopen(fd, "rb") as f_in, open(target, "xb") as f_out:
-                    shutil.copyfileobj(f_in, f_out)
+                    _copy_keeping_holes(f_in.fileno(), f_out.fileno(), st.st_size)
         dirs[:] = [d for d in dirs if not os.path.islink(Path(root) / d)]
+
+
+def _copy_keeping_holes(src: int, dst: int, size: int) -> None:
+    """Copy the data regions of `src` (SEEK_DATA/SEEK_HOLE) to the same offsets of `dst`; holes stay holes."""
+    pos = 0
+    while pos < size:
+        try:
+            start = os.lseek(src, pos, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # only a hole from pos to the end
+                break
+            raise
+        end = os.lseek(src, start, os.SEEK_HOLE)
+        os.lseek(src, start, os.SEEK_SET)
+        os.lseek(dst, start, os.SEEK_SET)
+        while start < end:
+            chunk = memoryview(os.read(src, min(COPY_CHUNK, end - start)))
+            if not chunk:
+                break
+            start += len(chunk)
+            while chunk:
+                chunk = chunk[os.write(dst, chunk) :]
+        pos = end
+    os.ftruncate(dst, size)
 
 
 def _grading_mounts(task: Task, sandbox: Sandbox, scratch: Path, copy: Path) -> tuple[list[Mount], dict[str, str]]:
