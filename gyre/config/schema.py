@@ -96,6 +96,15 @@ class ProxyConfig:
     body_timeout_s: float = 60.0
     idle_timeout_s: float = 75.0
     max_connections: int = 1024
+    # per rollout (its key, or its path/header id without keys): calls in flight beyond max_rollout_requests get
+    # 429, connections beyond max_rollout_connections close that rollout's idle ones first, then get 429; when
+    # max_connections is reached, an idle connection (one that never sent a request first) is closed for the new one
+    max_rollout_requests: int = 32
+    max_rollout_connections: int = 64
+    # every request's work before the engine (validation, rendering, tokenizing) runs on this many threads, off
+    # the event loop; the token cache of repeated prompt segments holds at most token_cache_mb
+    prepare_threads: int = 4
+    token_cache_mb: int = 256
 
     def __post_init__(self) -> None:
         from gyre.config.validate import check_proxy

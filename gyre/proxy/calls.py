@@ -1,20 +1,35 @@
-"""One model call, independent of the API dialect: render (TITO), fit the context, generate, parse, record."""
+"""One model call, independent of the API dialect: render (TITO), fit the context, generate, parse, record.
+
+Everything before the engine that grows with the request (validating a large body, rendering, tokenizing)
+runs on a few worker threads (`proxy.prepare_threads`), never on the event loop, and a prompt that cannot
+fit the context is refused from lower bounds before that work: first from its number of messages and
+tools (`refuse_by_count`, before validation), then from the length of its text (`PromptPlan.min_tokens`,
+before tokenizing).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from gyre.config.schema import ProxyConfig
 from gyre.engine.client import SamplingParams
-from gyre.model.chat_template import TemplateError, content_text, parse_assistant_text
+from gyre.model.chat_template import TemplateError, parse_assistant_text
 from gyre.model.tokenizer import Tokenizer
 from gyre.proxy.call_log import CallLog, CallRecord
 from gyre.proxy.dispatch import EngineDispatcher
 from gyre.proxy.errors import context_length_exceeded, invalid_request
 from gyre.proxy.tito import RenderedPrompt, TitoRenderer
+
+T = TypeVar("T")
+# every message renders at least its two special tokens (start and end of turn; the first may merge into the
+# system block), every tool at least one (its name, one line of the tools block)
+MIN_TOKENS_PER_MESSAGE = 2
+SMALL_BODY_ITEMS = 256  # messages + tools of a body validated on the event loop (more: on a worker thread)
 
 
 @dataclass
@@ -64,7 +79,8 @@ class CallRunner:
         self.call_log = call_log
         self.dispatcher = dispatcher
         self.cfg = cfg
-        self.renderer = TitoRenderer(tokenizer, call_log)
+        self.renderer = TitoRenderer(tokenizer, call_log, cfg.token_cache_mb << 20)
+        self.pool = ThreadPoolExecutor(cfg.prepare_threads, thread_name_prefix="gyre-proxy-prepare")
         self.spliced_turns = 0
         self.retokenized_turns = 0
         self._forced_limits: dict[str, int] = {}
@@ -80,23 +96,58 @@ class CallRunner:
     def context_limit(self, rollout_id: str) -> int:
         return min(self.cfg.max_context_tokens, self._forced_limits.get(rollout_id, self.cfg.max_context_tokens))
 
-    def check_length(self, rollout_id: str, messages: list[dict[str, Any]]) -> None:
-        """Refuse a prompt that cannot fit before tokenizing it (megabytes take seconds): its text alone
-        has at least chars / max_token_chars tokens. Assistant turns are left out: one may be spliced in as
-        ids that cover less text than the harness re-sent."""
-        chars = sum(len(content_text(m.get("content"))) for m in messages if m.get("role") != "assistant")
-        at_least = chars // self.tokenizer.max_token_chars
+    def refuse_by_count(self, rollout_id: str, body: Any) -> None:
+        """Refuse a body whose messages and tools alone cannot fit, before validating it (131K messages take
+        seconds to validate): each renders at least a token or two, whatever it holds."""
+        if not isinstance(body, dict):
+            return
+        messages, tools = body.get("messages"), body.get("tools")
+        n_messages = len(messages) if isinstance(messages, list) else 0
+        n_tools = len(tools) if isinstance(tools, list) else 0
+        at_least = MIN_TOKENS_PER_MESSAGE * max(0, n_messages - 1) + n_tools
         limit = self.context_limit(rollout_id)
         if at_least >= limit:
             raise context_length_exceeded(limit, at_least, at_least=True)
 
-    async def render(
-        self, rollout_id: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on one of the proxy's worker threads (bounded: `proxy.prepare_threads`)."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def parse(self, rollout_id: str, parse: Callable[[Any, str], T], body: Any, model_name: str) -> T:
+        """`parse(body, model_name)`: a request refused by `refuse_by_count` or validated, a large body on a
+        worker thread (pydantic holds the GIL while it validates: the parsers validate long lists in slices)."""
+        self.refuse_by_count(rollout_id, body)
+        items = sum(len(body.get(k) or ()) for k in ("messages", "tools") if isinstance(body, dict))
+        if items <= SMALL_BODY_ITEMS:
+            return parse(body, model_name)
+        return await self.off_loop(parse, body, model_name)
+
+    def prepare(
+        self, rollout_id: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, limit: int
     ) -> RenderedPrompt:
+        """The prompt's ids; a prompt whose text alone cannot fit `limit` is refused before tokenizing.
+        Assistant turns the proxy produced count as their ids: one may be spliced in as ids that cover less
+        text than the harness re-sent. Runs on a worker thread."""
         try:
-            return await asyncio.to_thread(self.renderer.render, rollout_id, messages, tools)
+            plan = self.renderer.plan(rollout_id, messages, tools)
         except TemplateError as e:
             raise invalid_request(str(e), "messages") from e
+        at_least = plan.min_tokens(self.tokenizer.max_token_chars)
+        if at_least >= limit:
+            raise context_length_exceeded(limit, at_least, at_least=True)
+        return self.renderer.encode(plan)
+
+    async def render(
+        self,
+        rollout_id: str,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        limit: int | None = None,
+    ) -> RenderedPrompt:
+        """The prompt's ids, rendered off the event loop; refused early when it cannot fit `limit` (default:
+        the rollout's context limit)."""
+        limit = self.context_limit(rollout_id) if limit is None else limit
+        return await self.off_loop(self.prepare, rollout_id, messages, tools, limit)
 
     def max_new_tokens(self, prompt_tokens: int, requested: int | None, rollout_id: str = "") -> int:
         limit = self.context_limit(rollout_id)
@@ -118,7 +169,6 @@ class CallRunner:
         role: str = "main",
     ) -> CallRecord:
         t_start = time.time()
-        self.check_length(rollout_id, messages)
         prompt = await self.render(rollout_id, messages, tools)
         sampling = SamplingParams(
             temperature=params.temperature,
