@@ -105,6 +105,9 @@ class ProxyConfig:
     # the event loop; the token cache of repeated prompt segments holds at most token_cache_mb
     prepare_threads: int = 4
     token_cache_mb: int = 256
+    # a body of 512 KB or more is measured in a helper process before it is parsed: over this many JSON values
+    # (parsing holds the event loop ~0.3 us per value) it gets 413
+    max_body_values: int = 250_000
 
     def __post_init__(self) -> None:
         from gyre.config.validate import check_proxy

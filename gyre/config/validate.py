@@ -239,7 +239,7 @@ def check_engine_in_cells(cfg: RunConfig) -> None:
 
 def check_proxy(p: ProxyConfig) -> None:
     limits = ("max_body_mb", "body_timeout_s", "idle_timeout_s", "max_connections", "max_context_tokens",
-              "max_rollout_requests", "max_rollout_connections", "prepare_threads", "token_cache_mb")  # fmt: skip
+              "max_rollout_requests", "max_rollout_connections", "prepare_threads", "token_cache_mb", "max_body_values")  # fmt: skip
     for key in limits:
         if getattr(p, key) <= 0:
             _fail(f"proxy.{key}", getattr(p, key), "must be positive")

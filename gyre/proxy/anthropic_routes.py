@@ -12,7 +12,6 @@ import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from aiohttp import web
 
@@ -41,7 +40,7 @@ class AnthropicRoutes:
         tokenizer: Tokenizer,
         rollout_of: Callable[[web.Request], str],
         model_name: str,
-        read_body: Callable[[web.Request], Awaitable[Any]],
+        read_body: Callable[[web.Request], Awaitable[bytes]],
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer

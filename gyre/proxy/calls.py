@@ -20,9 +20,11 @@ from gyre.config.schema import ProxyConfig
 from gyre.engine.client import SamplingParams
 from gyre.model.chat_template import TemplateError, parse_assistant_text
 from gyre.model.tokenizer import Tokenizer
+from gyre.proxy.body_check import LARGE_BODY_BYTES, BodyChecker
 from gyre.proxy.call_log import CallLog, CallRecord
 from gyre.proxy.dispatch import EngineDispatcher
-from gyre.proxy.errors import context_length_exceeded, invalid_request
+from gyre.proxy.errors import ProxyError, context_length_exceeded, invalid_request
+from gyre.proxy.http import parse_json
 from gyre.proxy.tito import RenderedPrompt, TitoRenderer
 
 T = TypeVar("T")
@@ -81,6 +83,7 @@ class CallRunner:
         self.cfg = cfg
         self.renderer = TitoRenderer(tokenizer, call_log, cfg.token_cache_mb << 20)
         self.pool = ThreadPoolExecutor(cfg.prepare_threads, thread_name_prefix="gyre-proxy-prepare")
+        self.body_checker = BodyChecker(min(2, cfg.prepare_threads))
         self.spliced_turns = 0
         self.retokenized_turns = 0
         self._forced_limits: dict[str, int] = {}
@@ -96,31 +99,47 @@ class CallRunner:
     def context_limit(self, rollout_id: str) -> int:
         return min(self.cfg.max_context_tokens, self._forced_limits.get(rollout_id, self.cfg.max_context_tokens))
 
-    def refuse_by_count(self, rollout_id: str, body: Any) -> None:
+    def refuse_by_count(self, rollout_id: str, body: Any) -> int:
         """Refuse a body whose messages and tools alone cannot fit, before validating it (131K messages take
-        seconds to validate): each renders at least a token or two, whatever it holds."""
+        seconds to validate): each renders at least a token or two, whatever it holds. Returns their number."""
         if not isinstance(body, dict):
-            return
+            return 0
         messages, tools = body.get("messages"), body.get("tools")
-        n_messages = len(messages) if isinstance(messages, list) else 0
-        n_tools = len(tools) if isinstance(tools, list) else 0
+        n_messages = len(messages) if isinstance(messages, list | range) else 0
+        n_tools = len(tools) if isinstance(tools, list | range) else 0
         at_least = MIN_TOKENS_PER_MESSAGE * max(0, n_messages - 1) + n_tools
         limit = self.context_limit(rollout_id)
         if at_least >= limit:
             raise context_length_exceeded(limit, at_least, at_least=True)
+        return n_messages + n_tools
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on one of the proxy's worker threads (bounded: `proxy.prepare_threads`)."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
-    async def parse(self, rollout_id: str, parse: Callable[[Any, str], T], body: Any, model_name: str) -> T:
-        """`parse(body, model_name)`: a request refused by `refuse_by_count` or validated, a large body on a
-        worker thread (pydantic holds the GIL while it validates: the parsers validate long lists in slices)."""
-        self.refuse_by_count(rollout_id, body)
-        items = sum(len(body.get(k) or ()) for k in ("messages", "tools") if isinstance(body, dict))
-        if items <= SMALL_BODY_ITEMS:
+    async def parse(self, rollout_id: str, parse: Callable[[Any, str], T], raw: bytes, model_name: str) -> T:
+        """`parse(body, model_name)` of the JSON body `raw`: refused by `refuse_by_count` or validated. A large
+        body is measured in a helper process first (gyre.proxy.body_check) and parsed here only if it passes;
+        one of many messages or tools is validated on a worker thread (pydantic holds the GIL while it
+        validates: the parsers validate long lists in slices)."""
+        if len(raw) >= LARGE_BODY_BYTES:
+            await self.check_large_body(rollout_id, raw)
+        body = parse_json(raw)
+        if self.refuse_by_count(rollout_id, body) <= SMALL_BODY_ITEMS:
             return parse(body, model_name)
         return await self.off_loop(parse, body, model_name)
+
+    async def check_large_body(self, rollout_id: str, raw: bytes) -> None:
+        limit = self.context_limit(rollout_id)
+        shape = await self.off_loop(self.body_checker.shape, raw, 2 * limit)
+        if shape.error:
+            raise invalid_request(f"request body is not valid JSON: {shape.error}")
+        self.refuse_by_count(rollout_id, {"messages": range(shape.messages), "tools": range(shape.tools)})
+        if shape.values > self.cfg.max_body_values:
+            message = f"request body of {shape.values} JSON values; the proxy takes {self.cfg.max_body_values} at most"
+            raise ProxyError(
+                413, message + " (proxy.max_body_values)", "invalid_request_error", None, "request_too_large"
+            )
 
     def prepare(
         self, rollout_id: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, limit: int

@@ -25,8 +25,20 @@ log = logging.getLogger(__name__)
 
 
 async def read_json(request: web.Request, timeout_s: float) -> Any:
-    """The request's JSON body. jiter (pydantic's parser) refuses lone UTF-16 surrogates, nesting
+    return parse_json(await read_raw(request, timeout_s))
+
+
+def parse_json(raw: bytes) -> Any:
+    """A request's JSON body. jiter (pydantic's parser) refuses lone UTF-16 surrogates, nesting
     deeper than 200 and trailing data, so what comes back can be rendered, dumped and streamed."""
+    try:
+        return pydantic_core.from_json(raw, cache_strings="keys")
+    except ValueError as e:
+        raise invalid_request(f"request body is not valid JSON: {e}") from e
+
+
+async def read_raw(request: web.Request, timeout_s: float) -> bytes:
+    """The request's body, within the size limit and the deadline; not empty."""
     try:
         async with asyncio.timeout(timeout_s):  # no extra task per request, unlike wait_for
             raw = await request.read()
@@ -42,10 +54,7 @@ async def read_json(request: web.Request, timeout_s: float) -> Any:
         raise ProxyError(413, message, "invalid_request_error", code="request_too_large") from e
     if not raw.strip():
         raise invalid_request("the request body is empty; send a JSON object")
-    try:
-        return pydantic_core.from_json(raw, cache_strings="keys")
-    except ValueError as e:
-        raise invalid_request(f"request body is not valid JSON: {e}") from e
+    return raw
 
 
 class _JsonErrorRequestHandler(RequestHandler):
@@ -61,7 +70,7 @@ class _JsonErrorRequestHandler(RequestHandler):
         self.rollout: str | None = None  # set by the first request (attribute)
         self.evicted = False
         self.active_at = self._loop.time()
-        if not self.max_connections or self._manager is None:
+        if not self.max_connections or self._manager is None or len(self._manager.connections) <= self.max_connections:
             return
         open_now = self._live_connections()
         if len(open_now) <= self.max_connections or self._evict_idle(open_now, 1):

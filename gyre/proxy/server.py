@@ -36,7 +36,7 @@ from gyre.proxy.call_log import CallLog, CallRecord
 from gyre.proxy.calls import CallRunner, GenParams
 from gyre.proxy.dispatch import EngineDispatcher
 from gyre.proxy.errors import ProxyError, error_middleware
-from gyre.proxy.http import ProxyAppRunner, read_json
+from gyre.proxy.http import ProxyAppRunner, read_raw
 from gyre.proxy.keys import KeyRefused, RolloutKeys, presented_keys
 from gyre.proxy.limits import ROLLOUT_KEY, RolloutLimits
 from gyre.proxy.openai_api import ChatRequest, Reply, completion_body, parse_chat_request, stream_chunks
@@ -119,7 +119,7 @@ class ProxyServer:
         app = web.Application(
             middlewares=[error_middleware, limits.middleware], client_max_size=self.cfg.max_body_mb << 20
         )
-        self.read_body = partial(read_json, timeout_s=self.cfg.body_timeout_s)
+        self.read_body = partial(read_raw, timeout_s=self.cfg.body_timeout_s)
         anthropic = AnthropicRoutes(self.runner, self.tokenizer, self.rollout_id_of, self.model_name, self.read_body)
         for prefix in ("", "/rollout/{rollout_id}"):
             anthropic.add_to(app, prefix)
@@ -131,6 +131,7 @@ class ProxyServer:
 
     async def _on_cleanup(self, _app: web.Application) -> None:
         await self.dispatcher.close()
+        self.runner.body_checker.close()
 
     async def health(self, _request: web.Request) -> web.Response:
         """Counts only: engine URLs are internal (harnesses must not learn where to reach engines)."""
@@ -199,6 +200,7 @@ class ProxyServer:
             keepalive_timeout=self.cfg.idle_timeout_s,  # also bounds the wait for a request's headers
         )
         await self._app_runner.setup()
+        self.runner.body_checker.warm()
         site = web.TCPSite(self._app_runner, self.cfg.host, self.cfg.port)
         await site.start()
         port = self._app_runner.addresses[0][1]
