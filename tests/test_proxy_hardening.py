@@ -230,7 +230,11 @@ def test_http_layer_errors_limits_and_timeouts_answer_in_api_shape(model_dir, en
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("key", ["max_body_mb", "body_timeout_s", "idle_timeout_s", "max_connections"])
+@pytest.mark.parametrize(
+    "key",
+    ["max_body_mb", "body_timeout_s", "idle_timeout_s", "max_connections", "max_rollout_requests",
+     "max_rollout_connections", "prepare_threads", "token_cache_mb", "max_body_values"],
+)  # fmt: skip
 def test_proxy_limits_must_be_positive(key):
     with pytest.raises(ConfigValueError, match=f"proxy.{key}=0"):
         ProxyConfig(**{key: 0})

@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 import tracemalloc
+from collections import Counter
 from collections.abc import Callable
 
 import pytest
@@ -24,6 +25,7 @@ from test_proxy_hardening import USER, chat_request, engine, engine_call, http, 
 
 from gyre.model.tokenizer import Tokenizer
 from gyre.proxy.call_log import CallLog
+from gyre.proxy.calls import SlotsPerKey
 from gyre.proxy.errors import ProxyError
 from gyre.proxy.openai_api import parse_chat_request
 from gyre.proxy.tito import TitoRenderer, TokenCache
@@ -240,3 +242,30 @@ def test_a_long_body_is_validated_in_slices_with_errors_located_in_the_whole_bod
     tools = [*tools[:599], {"type": "function", "function": {"name": ""}}]
     with pytest.raises(ProxyError, match=r"tools\[599\]\.function\.name"):
         parse_chat_request({"model": "m", "messages": messages[:1], "tools": tools}, "m")
+
+
+@pytest.mark.unit
+def test_one_rollout_holds_at_most_its_share_of_the_worker_threads():
+    async def scenario() -> tuple[int, list[str]]:
+        slots, inside, most, order = SlotsPerKey(2), Counter(), 0, []
+        release = asyncio.Event()
+
+        async def work(key: str) -> None:
+            nonlocal most
+            async with slots.slot(key):
+                inside[key] += 1
+                most = max(most, inside["a"])
+                order.append(key)
+                if key == "a":
+                    await release.wait()
+                inside[key] -= 1
+
+        tasks = [asyncio.create_task(work("a")) for _ in range(5)]
+        await asyncio.sleep(0.01)
+        await work("b")  # not held up by a's five
+        release.set()
+        await asyncio.gather(*tasks)
+        return most, order
+
+    most, order = asyncio.run(scenario())
+    assert most == 2 and order[:3] == ["a", "a", "b"] and len(order) == 6

@@ -102,7 +102,8 @@ class ProxyConfig:
     max_rollout_requests: int = 32
     max_rollout_connections: int = 64
     # every request's work before the engine (validation, rendering, tokenizing) runs on this many threads, off
-    # the event loop; the token cache of repeated prompt segments holds at most token_cache_mb
+    # the event loop, one rollout holding half of them at most; the token cache of prompt segments holds at most
+    # token_cache_mb
     prepare_threads: int = 4
     token_cache_mb: int = 256
     # a body of 512 KB or more is measured in a helper process before it is parsed: over this many JSON values

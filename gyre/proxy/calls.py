@@ -10,8 +10,10 @@ before tokenizing).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -67,6 +69,27 @@ def cut_at_stop(tokenizer: Tokenizer, output_ids: list[int], stops: list[str]) -
     return lo, text[:pos]
 
 
+class SlotsPerKey:
+    """At most `limit` holders of a slot per key at once (event-loop side; a key's semaphore lives while used)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._semaphores: dict[str, asyncio.Semaphore] = {}
+        self._users: Counter[str] = Counter()
+
+    @contextlib.asynccontextmanager
+    async def slot(self, key: str) -> AsyncIterator[None]:
+        semaphore = self._semaphores.setdefault(key, asyncio.Semaphore(self.limit))
+        self._users[key] += 1
+        try:
+            async with semaphore:
+                yield
+        finally:
+            self._users[key] -= 1
+            if not self._users[key]:
+                del self._users[key], self._semaphores[key]
+
+
 class CallRunner:
     def __init__(
         self,
@@ -84,6 +107,7 @@ class CallRunner:
         self.renderer = TitoRenderer(tokenizer, call_log, cfg.token_cache_mb << 20)
         self.pool = ThreadPoolExecutor(cfg.prepare_threads, thread_name_prefix="gyre-proxy-prepare")
         self.body_checker = BodyChecker(min(2, cfg.prepare_threads))
+        self._rollout_threads = SlotsPerKey(max(1, cfg.prepare_threads // 2))
         self.spliced_turns = 0
         self.retokenized_turns = 0
         self._forced_limits: dict[str, int] = {}
@@ -113,9 +137,11 @@ class CallRunner:
             raise context_length_exceeded(limit, at_least, at_least=True)
         return n_messages + n_tools
 
-    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` on one of the proxy's worker threads (bounded: `proxy.prepare_threads`)."""
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+    async def off_loop(self, rollout_id: str, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on one of the proxy's worker threads (`proxy.prepare_threads`), of which one rollout
+        holds half at most: the others' calls keep threads while one rollout sends megabytes."""
+        async with self._rollout_threads.slot(rollout_id):
+            return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     async def parse(self, rollout_id: str, parse: Callable[[Any, str], T], raw: bytes, model_name: str) -> T:
         """`parse(body, model_name)` of the JSON body `raw`: refused by `refuse_by_count` or validated. A large
@@ -127,11 +153,11 @@ class CallRunner:
         body = parse_json(raw)
         if self.refuse_by_count(rollout_id, body) <= SMALL_BODY_ITEMS:
             return parse(body, model_name)
-        return await self.off_loop(parse, body, model_name)
+        return await self.off_loop(rollout_id, parse, body, model_name)
 
     async def check_large_body(self, rollout_id: str, raw: bytes) -> None:
         limit = self.context_limit(rollout_id)
-        shape = await self.off_loop(self.body_checker.shape, raw, 2 * limit)
+        shape = await self.off_loop(rollout_id, self.body_checker.shape, raw, 2 * limit)
         if shape.error:
             raise invalid_request(f"request body is not valid JSON: {shape.error}")
         self.refuse_by_count(rollout_id, {"messages": range(shape.messages), "tools": range(shape.tools)})
@@ -166,7 +192,7 @@ class CallRunner:
         """The prompt's ids, rendered off the event loop; refused early when it cannot fit `limit` (default:
         the rollout's context limit)."""
         limit = self.context_limit(rollout_id) if limit is None else limit
-        return await self.off_loop(self.prepare, rollout_id, messages, tools, limit)
+        return await self.off_loop(rollout_id, self.prepare, rollout_id, messages, tools, limit)
 
     def max_new_tokens(self, prompt_tokens: int, requested: int | None, rollout_id: str = "") -> int:
         limit = self.context_limit(rollout_id)
