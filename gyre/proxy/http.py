@@ -12,6 +12,7 @@ one answered 503. Closing an idle kept-alive connection is what HTTP allows a se
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 from typing import Any
 
@@ -95,8 +96,7 @@ class _JsonErrorRequestHandler(RequestHandler):
         """Close `count` idle connections of `among` (never this one): those that never sent a request first,
         then the longest idle. False when fewer were idle."""
         idle = [h for h in among if h is not self and h.is_idle()]
-        idle.sort(key=lambda h: (h.rollout is not None, h.active_at))
-        for h in idle[:count]:
+        for h in heapq.nsmallest(count, idle, key=lambda h: (h.rollout is not None, h.active_at)):
             h.evicted = True
             h.force_close()
         return len(idle) >= count
