@@ -24,6 +24,7 @@ import pytest
 from test_proxy_hardening import USER, chat_request, engine, engine_call, http, model_dir, running_proxy  # noqa: F401
 
 from gyre.model.tokenizer import Tokenizer
+from gyre.proxy.body_check import BodyChecker, BodyShape
 from gyre.proxy.call_log import CallLog
 from gyre.proxy.calls import SlotsPerKey
 from gyre.proxy.errors import ProxyError
@@ -269,3 +270,30 @@ def test_one_rollout_holds_at_most_its_share_of_the_worker_threads():
 
     most, order = asyncio.run(scenario())
     assert most == 2 and order[:3] == ["a", "a", "b"] and len(order) == 6
+
+
+def test_a_large_body_of_too_many_json_values_is_refused_before_it_is_parsed(model_dir, engine):  # noqa: F811
+    """Values nobody renders (an extra field the schemas allow) still cost parsing: over the cap, 413."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi", "junk": list(range(150_000))}]}
+    with running_proxy(model_dir, [engine.url], max_body_values=100_000) as server:
+        status, reply = http(server.url, chat_request(server.url, body))
+        assert status == 413 and reply["error"]["code"] == "request_too_large", reply
+        assert "proxy.max_body_values" in reply["error"]["message"]
+        status, reply = http(server.url, chat_request(server.url, {**body, "messages": [{"role": "user"}]}))
+        assert status == 400  # small bodies are parsed and validated as ever
+
+
+@pytest.mark.unit
+def test_body_check_helpers_measure_bodies_and_are_replaced_when_they_die():
+    checker = BodyChecker(1)
+    try:
+        raw = json.dumps({"messages": [{"role": "user", "content": "x"}] * 3, "tools": [{"a": [1, 2]}]}).encode()
+        assert checker.shape(raw, 100) == BodyShape(messages=3, tools=1, values=1 + 1 + 3 * 3 + 1 + 1 + 1 + 2)
+        assert checker.shape(raw, 4) == BodyShape(messages=3, tools=1, values=0)  # over max_items: not counted
+        assert checker.shape(b"{", 100).error
+        checker._all[0].proc.kill()
+        with pytest.raises(OSError):
+            checker.shape(raw, 100)
+        assert checker.shape(raw, 100).messages == 3  # a fresh helper took its place
+    finally:
+        checker.close()

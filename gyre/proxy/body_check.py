@@ -11,6 +11,7 @@ stdin closes).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import struct
@@ -83,7 +84,8 @@ class _Helper:
 
     def close(self) -> None:
         if self.proc.stdin is not None:
-            self.proc.stdin.close()
+            with contextlib.suppress(OSError):  # a dead helper's pipe cannot take what was buffered
+                self.proc.stdin.close()
         try:
             self.proc.wait(5)
         except subprocess.TimeoutExpired:
@@ -119,18 +121,18 @@ class BodyChecker:
         return self._idle.get()
 
     def shape(self, raw: bytes, max_items: int) -> BodyShape:
+        """The shape of `raw`; OSError or ValueError when the helper died (a fresh one takes its place)."""
         helper = self._take()
         try:
-            result = helper.ask(raw, max_items)
+            return helper.ask(raw, max_items)
         except (OSError, ValueError):
             helper.close()
-            helper = _Helper()  # a fresh one for the next body
+            helper = _Helper()
             with self._lock:
                 self._all.append(helper)
             raise
         finally:
             self._idle.put(helper)
-        return result
 
     def close(self) -> None:
         with self._lock:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -29,6 +30,7 @@ from gyre.proxy.errors import ProxyError, context_length_exceeded, invalid_reque
 from gyre.proxy.http import parse_json
 from gyre.proxy.tito import RenderedPrompt, TitoRenderer
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 # every message renders at least its two special tokens (start and end of turn; the first may merge into the
 # system block), every tool at least one (its name, one line of the tools block)
@@ -67,6 +69,14 @@ def cut_at_stop(tokenizer: Tokenizer, output_ids: list[int], stops: list[str]) -
         else:
             lo = mid + 1
     return lo, text[:pos]
+
+
+def item_counts(body: Any) -> tuple[int, int]:
+    """(messages, tools) of a parsed body, each 0 when not a list (validation will say what is wrong)."""
+    if not isinstance(body, dict):
+        return 0, 0
+    messages, tools = body.get("messages"), body.get("tools")
+    return len(messages) if isinstance(messages, list) else 0, len(tools) if isinstance(tools, list) else 0
 
 
 class SlotsPerKey:
@@ -123,19 +133,13 @@ class CallRunner:
     def context_limit(self, rollout_id: str) -> int:
         return min(self.cfg.max_context_tokens, self._forced_limits.get(rollout_id, self.cfg.max_context_tokens))
 
-    def refuse_by_count(self, rollout_id: str, body: Any) -> int:
+    def refuse_by_count(self, rollout_id: str, n_messages: int, n_tools: int) -> None:
         """Refuse a body whose messages and tools alone cannot fit, before validating it (131K messages take
-        seconds to validate): each renders at least a token or two, whatever it holds. Returns their number."""
-        if not isinstance(body, dict):
-            return 0
-        messages, tools = body.get("messages"), body.get("tools")
-        n_messages = len(messages) if isinstance(messages, list | range) else 0
-        n_tools = len(tools) if isinstance(tools, list | range) else 0
+        seconds to validate): each renders at least a token or two, whatever it holds."""
         at_least = MIN_TOKENS_PER_MESSAGE * max(0, n_messages - 1) + n_tools
         limit = self.context_limit(rollout_id)
         if at_least >= limit:
             raise context_length_exceeded(limit, at_least, at_least=True)
-        return n_messages + n_tools
 
     async def off_loop(self, rollout_id: str, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on one of the proxy's worker threads (`proxy.prepare_threads`), of which one rollout
@@ -151,16 +155,22 @@ class CallRunner:
         if len(raw) >= LARGE_BODY_BYTES:
             await self.check_large_body(rollout_id, raw)
         body = parse_json(raw)
-        if self.refuse_by_count(rollout_id, body) <= SMALL_BODY_ITEMS:
+        n_messages, n_tools = item_counts(body)
+        self.refuse_by_count(rollout_id, n_messages, n_tools)
+        if n_messages + n_tools <= SMALL_BODY_ITEMS:
             return parse(body, model_name)
         return await self.off_loop(rollout_id, parse, body, model_name)
 
     async def check_large_body(self, rollout_id: str, raw: bytes) -> None:
         limit = self.context_limit(rollout_id)
-        shape = await self.off_loop(rollout_id, self.body_checker.shape, raw, 2 * limit)
+        try:
+            shape = await self.off_loop(rollout_id, self.body_checker.shape, raw, 2 * limit)
+        except (OSError, ValueError) as e:  # the helper died (it is replaced): parse here, as for a small body
+            log.warning("could not measure a body of %d bytes in a helper process: %s", len(raw), e)
+            return
         if shape.error:
             raise invalid_request(f"request body is not valid JSON: {shape.error}")
-        self.refuse_by_count(rollout_id, {"messages": range(shape.messages), "tools": range(shape.tools)})
+        self.refuse_by_count(rollout_id, shape.messages, shape.tools)
         if shape.values > self.cfg.max_body_values:
             message = f"request body of {shape.values} JSON values; the proxy takes {self.cfg.max_body_values} at most"
             raise ProxyError(
@@ -183,15 +193,10 @@ class CallRunner:
         return self.renderer.encode(plan)
 
     async def render(
-        self,
-        rollout_id: str,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None,
-        limit: int | None = None,
+        self, rollout_id: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
     ) -> RenderedPrompt:
-        """The prompt's ids, rendered off the event loop; refused early when it cannot fit `limit` (default:
-        the rollout's context limit)."""
-        limit = self.context_limit(rollout_id) if limit is None else limit
+        """The prompt's ids, rendered off the event loop; refused early when it cannot fit the rollout's context."""
+        limit = self.context_limit(rollout_id)
         return await self.off_loop(rollout_id, self.prepare, rollout_id, messages, tools, limit)
 
     def max_new_tokens(self, prompt_tokens: int, requested: int | None, rollout_id: str = "") -> int:
