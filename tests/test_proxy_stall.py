@@ -23,12 +23,15 @@ from collections.abc import Callable
 import pytest
 from test_proxy_hardening import USER, chat_request, engine, engine_call, http, model_dir, running_proxy  # noqa: F401
 
+from gyre.config.schema import ProxyConfig
 from gyre.model.tokenizer import Tokenizer
 from gyre.proxy.body_check import BodyChecker, BodyShape
 from gyre.proxy.call_log import CallLog
 from gyre.proxy.calls import SlotsPerKey
 from gyre.proxy.errors import ProxyError
+from gyre.proxy.keys import RolloutKeys
 from gyre.proxy.openai_api import parse_chat_request
+from gyre.proxy.server import ProxyServer
 from gyre.proxy.tito import TitoRenderer, TokenCache
 
 pytestmark = pytest.mark.integration
@@ -297,3 +300,18 @@ def test_body_check_helpers_measure_bodies_and_are_replaced_when_they_die():
         assert checker.shape(raw, 100).messages == 3  # a fresh helper took its place
     finally:
         checker.close()
+
+
+def test_a_call_without_its_rollouts_key_is_refused_before_its_body_is_read(model_dir):  # noqa: F811
+    keys = RolloutKeys()
+    server = ProxyServer(Tokenizer.load(model_dir), [], ProxyConfig(), CallLog(), keys=keys)
+    server.start()
+    try:
+        big = {"model": "m", "messages": [{"role": "user", "content": FIVE_MB}]}
+        t0 = time.perf_counter()
+        status, body = http(server.url, chat_request(server.url, big))
+        assert status == 401 and body["error"]["code"] == "invalid_api_key" and time.perf_counter() - t0 < 2.0
+        status, _ = http(server.url, chat_request(server.url, {"model": "m"}, "/v1/no/such/route"))
+        assert status == 404  # unknown routes answer as ever, key or not
+    finally:
+        server.stop()

@@ -34,7 +34,7 @@ class RolloutLimits:
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.method != "POST":
+        if request.method != "POST" or request.match_info.http_exception is not None:  # 404/405 as ever
             return await handler(request)
         rollout_id = self.rollout_of(request)  # a 401 for a call without a live key, before its body is read
         request[ROLLOUT_KEY] = rollout_id
