@@ -11,31 +11,31 @@ message, and 1,044 idle connections held open. Reported per phase: p50/p99 of th
 /health (answers other than 200 counted as errors), and how long the bad body took to be refused.
 Loopback only; each bad body gives up after `--timeout-s`.
 
-Measured on the 2-core dev machine shared with other sessions (load average 10-12), 2026-12-02, old = main
-at 8b49e1b, new = the proxy that refuses from lower bounds, works off the loop and caps per rollout
-(ms: p50 / p99, answers other than 200 in brackets; refusal: median seconds per bad body, its status):
+Measured on the 2-core dev machine shared with other sessions, 2026-12-02, old = main at 8b49e1b, new = the
+proxy that refuses from lower bounds, works off the event loop and caps per rollout (ms: p50 / p99, answers
+other than 200 in brackets; refusal: median seconds per bad body and its status). Load average ~4:
 
-    | phase                 | proxy | valid calls         | /health            | bad body refused |
-    |-----------------------|-------|---------------------|--------------------|------------------|
-    | quiet                 | old   | 8 / 22              | 1 / 8              | -                |
-    | quiet                 | new   | 10 / 37             | 1 / 12             | -                |
-    | 5 MB assistant turn   | old   | 5026 / 10012        | 480 / 9061         | 10.07 s (400)    |
-    | 5 MB assistant turn   | new   | 18 / 153            | 7 / 74             | 0.14 s (400)     |
-    | 5 MB tool description | old   | 11358 / 11358       | 22 / 11327         | 11.41 s (400)    |
-    | 5 MB tool description | new   | 28 / 338            | 7 / 74             | 0.06 s (400)     |
-    | 131K tiny messages    | old   | 724 / 740           | 719 / 1867         | 0.74 s (400)     |
-    | 131K tiny messages    | new   | 16 / 37             | 3 / 19             | 0.12 s (400)     |
-    | 60K tools             | old   | 233 / 12933         | 78 / 12859         | 26.03 s (400)    |
-    | 60K tools             | new   | 16 / 56             | 2 / 24             | 1.12 s (400)     |
-    | 5 MB count_tokens     | old   | 1148 / 18686        | 1084 / 18678       | 19.85 s (200)    |
-    | 5 MB count_tokens     | new   | 21 / 58             | 7 / 25             | 0.04 s (400)     |
-    | 1044 idle connections | old   | 18 / 76 (40 x 503)  | 2 / 77 (93 x 503)  | -                |
-    | 1044 idle connections | new   | 6 / 48              | 2 / 173            | -                |
+    | phase                 | proxy | valid calls        | /health            | bad body refused |
+    |-----------------------|-------|--------------------|--------------------|------------------|
+    | quiet                 | old   | 4 / 10             | 1 / 28             | -                |
+    | quiet                 | new   | 4 / 13             | 1 / 8              | -                |
+    | 5 MB assistant turn   | old   | 5037 / 5037        | 2514 / 5024        | 5.05 s (400)     |
+    | 5 MB assistant turn   | new   | 17 / 80            | 8 / 49             | 0.06 s (400)     |
+    | 5 MB tool description | old   | 47 / 5145          | 10 / 5131          | 5.23 s (400)     |
+    | 5 MB tool description | new   | 13 / 55            | 4 / 23             | 0.05 s (400)     |
+    | 131K tiny messages    | old   | 687 / 873          | 667 / 864          | 0.69 s (400)     |
+    | 131K tiny messages    | new   | 4 / 11             | 1 / 5              | 0.06 s (400)     |
+    | 60K tools             | old   | 44 / 2457          | 7 / 2419           | 4.84 s (400)     |
+    | 60K tools             | new   | 4 / 15             | 1 / 10             | 0.30 s (400)     |
+    | 5 MB count_tokens     | old   | 115 / 115          | 1833 / 3661        | 3.70 s (200)     |
+    | 5 MB count_tokens     | new   | 7 / 16             | 2 / 10             | 0.02 s (400)     |
+    | 1044 idle connections | old   | 4 / 10 (7 x 503)   | 1 / 1037 (2 x 503) | -                |
+    | 1044 idle connections | new   | 4 / 9              | 1 / 31             | -                |
 
-An earlier run of the same code (load ~12) gave new p99s of 165/125 (assistant turn), 168/55, 96/61, 120/66,
-282/51 and 42/55 ms (calls / health): the p99s over 100 ms move from phase to phase with the machine's load,
-the old proxy's stalls are the length of the bad body's tokenization or validation, every time. Old refuses
-count_tokens never: it answers 200 after tokenizing 5 MB.
+Under load average 10-12 (other sessions' test runs), the old proxy's stalls grew to 10-26 s per bad body
+(health p99 9-19 s) and the new one's p99s were 37-338 ms (calls) and 12-173 ms (health), refusals 0.04-1.1 s:
+the p99s over 100 ms there move from phase to phase with the machine's load. The old proxy never refuses
+count_tokens: it answers 200 after tokenizing the 5 MB.
 """
 
 from __future__ import annotations
