@@ -200,13 +200,26 @@ def test_http_layer_errors_limits_and_timeouts_answer_in_api_shape(model_dir, en
             s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
             t0 = time.monotonic()
             assert s.recv(100) == b"" and time.monotonic() - t0 < 5
-        # connections over the cap are answered 503 and closed; the ones within it still work
+        # connections over the cap, when every open one is busy (a body on its way), are answered 503 and closed;
+        # the ones within it still work
         held = [socket.create_connection(tuple(host.split(":"))) for _ in range(4)]  # type: ignore[arg-type]
         try:
+            for s in held:
+                s.sendall(f"POST /v1/messages HTTP/1.1\r\nHost: {host}\r\nContent-Length: 100\r\n\r\n{{".encode())
             time.sleep(0.2)
             with socket.create_connection(tuple(host.split(":")), timeout=10) as s:  # type: ignore[arg-type]
                 reply = s.recv(1000)
             assert reply.startswith(b"HTTP/1.1 503") and b"too many connections" in reply
+        finally:
+            for s in held:
+                s.close()
+        time.sleep(0.2)
+        # idle connections (never a request) give way to a new one: the longest idle is closed for it
+        held = [socket.create_connection(tuple(host.split(":")), timeout=10) for _ in range(4)]  # type: ignore[arg-type]
+        try:
+            time.sleep(0.2)
+            assert http(server.url, f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())[0] == 200
+            assert held[0].recv(100) == b""  # closed for the newcomer
         finally:
             for s in held:
                 s.close()
@@ -217,7 +230,11 @@ def test_http_layer_errors_limits_and_timeouts_answer_in_api_shape(model_dir, en
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("key", ["max_body_mb", "body_timeout_s", "idle_timeout_s", "max_connections"])
+@pytest.mark.parametrize(
+    "key",
+    ["max_body_mb", "body_timeout_s", "idle_timeout_s", "max_connections", "max_rollout_requests",
+     "max_rollout_connections", "prepare_threads", "token_cache_mb", "max_body_values"],
+)  # fmt: skip
 def test_proxy_limits_must_be_positive(key):
     with pytest.raises(ConfigValueError, match=f"proxy.{key}=0"):
         ProxyConfig(**{key: 0})

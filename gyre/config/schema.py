@@ -140,6 +140,19 @@ class ProxyConfig:
     body_timeout_s: float = ranged(60.0, POSITIVE)
     idle_timeout_s: float = ranged(75.0, POSITIVE)
     max_connections: int = ranged(1024, POSITIVE)
+    # per rollout (its key, or its path/header id without keys): calls in flight beyond max_rollout_requests get
+    # 429, connections beyond max_rollout_connections close that rollout's idle ones first, then get 429; when
+    # max_connections is reached, an idle connection (one that never sent a request first) is closed for the new one
+    max_rollout_requests: int = ranged(32, POSITIVE)
+    max_rollout_connections: int = ranged(64, POSITIVE)
+    # every request's work before the engine (validation, rendering, tokenizing) runs on this many threads, off
+    # the event loop, one rollout holding half of them at most; the token cache of prompt segments holds at most
+    # token_cache_mb
+    prepare_threads: int = ranged(4, POSITIVE)
+    token_cache_mb: int = ranged(256, POSITIVE)
+    # a body of 512 KB or more is measured in a helper process before it is parsed: over this many JSON values
+    # (parsing holds the event loop ~0.3 us per value) it gets 413
+    max_body_values: int = ranged(250_000, POSITIVE)
 
     def __post_init__(self) -> None:
         from gyre.config.validate import check_proxy

@@ -38,6 +38,12 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._hf.encode(text, add_special_tokens=False).ids
 
+    def encode_unlocked(self, text: str) -> list[int]:
+        """The same ids as `encode`, computed with the GIL released (the batch entry points of `tokenizers`
+        release it, `encode` does not): megabytes tokenized in a worker thread leave other threads running."""
+        batch = getattr(self._hf, "encode_batch_fast", self._hf.encode_batch)  # no offsets: ~3x faster
+        return batch([text], add_special_tokens=False)[0].ids
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -16,15 +16,17 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter
 
 from gyre.model.chat_template import THINK_END, THINK_START
-from gyre.proxy.anthropic_schema import MessagesBody
+from gyre.proxy.anthropic_schema import Message, MessagesBody, Tool
 from gyre.proxy.calls import GenParams
 from gyre.proxy.errors import validation_error
+from gyre.proxy.schema_util import validate_in_slices
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 _OUR_TOOL_ID = re.compile(r"toolu_\d+_\d+")
+LISTS = {"messages": TypeAdapter(list[Message]), "tools": TypeAdapter(list[Tool])}
 
 
 @dataclass
@@ -137,10 +139,9 @@ def convert_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | 
 
 def parse_messages_request(body: Any, default_model: str) -> MessagesRequest:
     """A validated, converted request (gyre.proxy.anthropic_schema); raises a 400 ProxyError otherwise."""
-    try:
-        req = MessagesBody.model_validate(body)
-    except ValidationError as e:
-        raise validation_error(e) from e
+    req, errors = validate_in_slices(MessagesBody, body, LISTS)
+    if errors or req is None:
+        raise validation_error(errors)
     params = GenParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,

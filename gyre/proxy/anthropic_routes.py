@@ -12,7 +12,6 @@ import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from aiohttp import web
 
@@ -28,6 +27,7 @@ from gyre.proxy.anthropic_api import (
 )
 from gyre.proxy.call_log import CallRecord
 from gyre.proxy.calls import CallRunner
+from gyre.proxy.errors import ProxyError
 from gyre.proxy.roles import anthropic_call_role
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class AnthropicRoutes:
         tokenizer: Tokenizer,
         rollout_of: Callable[[web.Request], str],
         model_name: str,
-        read_body: Callable[[web.Request], Awaitable[Any]],
+        read_body: Callable[[web.Request], Awaitable[bytes]],
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -57,14 +57,16 @@ class AnthropicRoutes:
     async def base_url(_request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
-    async def _request(self, request: web.Request) -> MessagesRequest:
-        return parse_messages_request(await self.read_body(request), self.model_name)
+    async def _request(self, request: web.Request, rollout_id: str) -> MessagesRequest:
+        body = await self.read_body(request)
+        return await self.runner.parse(rollout_id, parse_messages_request, body, self.model_name)
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
-        req = await self._request(request)
+        rollout_id = self.rollout_of(request)
+        req = await self._request(request, rollout_id)
         role = anthropic_call_role(request.headers, req.system_text, req.user_text, bool(req.tools))
         record = await self.runner.run(
-            self.rollout_of(request), "anthropic", req.messages, req.tools, req.params, req.tool_names, role
+            rollout_id, "anthropic", req.messages, req.tools, req.params, req.tool_names, role
         )
         msg_id = f"msg_gyre{record.call_id}_{uuid.uuid4().hex[:12]}"
         blocks = reply_blocks(record.content, record.tool_calls, record.tool_call_ids, f"gyre-call-{record.call_id}")
@@ -88,7 +90,14 @@ class AnthropicRoutes:
         return STOP_REASONS.get(record.finish_reason, "end_turn"), None
 
     async def count_tokens(self, request: web.Request) -> web.Response:
-        """The prompt's length exactly as a /v1/messages call would report it in usage.input_tokens."""
-        req = await self._request(request)
-        prompt = await self.runner.render(self.rollout_of(request), req.messages, req.tools)
+        """The prompt's length exactly as a /v1/messages call would report it in usage.input_tokens. A prompt
+        that cannot fit the context by its lengths alone is answered "prompt is too long" instead of being
+        tokenized (without the header that attributes a rollout's end to its context: nothing was generated)."""
+        rollout_id = self.rollout_of(request)
+        try:
+            req = await self._request(request, rollout_id)
+            prompt = await self.runner.render(rollout_id, req.messages, req.tools)
+        except ProxyError as e:
+            e.limit_header = False
+            raise
         return web.json_response({"input_tokens": len(prompt.input_ids)})

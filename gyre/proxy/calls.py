@@ -1,20 +1,41 @@
-"""One model call, independent of the API dialect: render (TITO), fit the context, generate, parse, record."""
+"""One model call, independent of the API dialect: render (TITO), fit the context, generate, parse, record.
+
+Everything before the engine that grows with the request (validating a large body, rendering, tokenizing)
+runs on a few worker threads (`proxy.prepare_threads`), never on the event loop, and a prompt that cannot
+fit the context is refused from lower bounds before that work: first from its number of messages and
+tools (`refuse_by_count`, before validation), then from the length of its text (`PromptPlan.min_tokens`,
+before tokenizing).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from gyre.config.schema import ProxyConfig
 from gyre.engine.client import SamplingParams
-from gyre.model.chat_template import TemplateError, content_text, parse_assistant_text
+from gyre.model.chat_template import TemplateError, parse_assistant_text
 from gyre.model.tokenizer import Tokenizer
+from gyre.proxy.body_check import LARGE_BODY_BYTES, BodyChecker
 from gyre.proxy.call_log import CallLog, CallRecord
 from gyre.proxy.dispatch import EngineDispatcher
-from gyre.proxy.errors import context_length_exceeded, invalid_request
+from gyre.proxy.errors import ProxyError, context_length_exceeded, invalid_request
+from gyre.proxy.http import parse_json
 from gyre.proxy.tito import RenderedPrompt, TitoRenderer
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+# every message renders at least its two special tokens (start and end of turn; the first may merge into the
+# system block), every tool at least one (its name, one line of the tools block)
+MIN_TOKENS_PER_MESSAGE = 2
+SMALL_BODY_ITEMS = 256  # messages + tools of a body validated on the event loop (more: on a worker thread)
 
 
 @dataclass
@@ -50,6 +71,35 @@ def cut_at_stop(tokenizer: Tokenizer, output_ids: list[int], stops: list[str]) -
     return lo, text[:pos]
 
 
+def item_counts(body: Any) -> tuple[int, int]:
+    """(messages, tools) of a parsed body, each 0 when not a list (validation will say what is wrong)."""
+    if not isinstance(body, dict):
+        return 0, 0
+    messages, tools = body.get("messages"), body.get("tools")
+    return len(messages) if isinstance(messages, list) else 0, len(tools) if isinstance(tools, list) else 0
+
+
+class SlotsPerKey:
+    """At most `limit` holders of a slot per key at once (event-loop side; a key's semaphore lives while used)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._semaphores: dict[str, asyncio.Semaphore] = {}
+        self._users: Counter[str] = Counter()
+
+    @contextlib.asynccontextmanager
+    async def slot(self, key: str) -> AsyncIterator[None]:
+        semaphore = self._semaphores.setdefault(key, asyncio.Semaphore(self.limit))
+        self._users[key] += 1
+        try:
+            async with semaphore:
+                yield
+        finally:
+            self._users[key] -= 1
+            if not self._users[key]:
+                del self._users[key], self._semaphores[key]
+
+
 class CallRunner:
     def __init__(
         self,
@@ -64,7 +114,10 @@ class CallRunner:
         self.call_log = call_log
         self.dispatcher = dispatcher
         self.cfg = cfg
-        self.renderer = TitoRenderer(tokenizer, call_log)
+        self.renderer = TitoRenderer(tokenizer, call_log, cfg.token_cache_mb << 20)
+        self.pool = ThreadPoolExecutor(cfg.prepare_threads, thread_name_prefix="gyre-proxy-prepare")
+        self.body_checker = BodyChecker(min(2, cfg.prepare_threads))
+        self._rollout_threads = SlotsPerKey(max(1, cfg.prepare_threads // 2))
         self.spliced_turns = 0
         self.retokenized_turns = 0
         self._forced_limits: dict[str, int] = {}
@@ -80,23 +133,71 @@ class CallRunner:
     def context_limit(self, rollout_id: str) -> int:
         return min(self.cfg.max_context_tokens, self._forced_limits.get(rollout_id, self.cfg.max_context_tokens))
 
-    def check_length(self, rollout_id: str, messages: list[dict[str, Any]]) -> None:
-        """Refuse a prompt that cannot fit before tokenizing it (megabytes take seconds): its text alone
-        has at least chars / max_token_chars tokens. Assistant turns are left out: one may be spliced in as
-        ids that cover less text than the harness re-sent."""
-        chars = sum(len(content_text(m.get("content"))) for m in messages if m.get("role") != "assistant")
-        at_least = chars // self.tokenizer.max_token_chars
+    def refuse_by_count(self, rollout_id: str, n_messages: int, n_tools: int) -> None:
+        """Refuse a body whose messages and tools alone cannot fit, before validating it (131K messages take
+        seconds to validate): each renders at least a token or two, whatever it holds."""
+        at_least = MIN_TOKENS_PER_MESSAGE * max(0, n_messages - 1) + n_tools
         limit = self.context_limit(rollout_id)
         if at_least >= limit:
             raise context_length_exceeded(limit, at_least, at_least=True)
 
+    async def off_loop(self, rollout_id: str, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on one of the proxy's worker threads (`proxy.prepare_threads`), of which one rollout
+        holds half at most: the others' calls keep threads while one rollout sends megabytes."""
+        async with self._rollout_threads.slot(rollout_id):
+            return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def parse(self, rollout_id: str, parse: Callable[[Any, str], T], raw: bytes, model_name: str) -> T:
+        """`parse(body, model_name)` of the JSON body `raw`: refused by `refuse_by_count` or validated. A large
+        body is measured in a helper process first (gyre.proxy.body_check) and parsed here only if it passes;
+        one of many messages or tools is validated on a worker thread (pydantic holds the GIL while it
+        validates: the parsers validate long lists in slices)."""
+        if len(raw) >= LARGE_BODY_BYTES:
+            await self.check_large_body(rollout_id, raw)
+        body = parse_json(raw)
+        n_messages, n_tools = item_counts(body)
+        self.refuse_by_count(rollout_id, n_messages, n_tools)
+        if n_messages + n_tools <= SMALL_BODY_ITEMS:
+            return parse(body, model_name)
+        return await self.off_loop(rollout_id, parse, body, model_name)
+
+    async def check_large_body(self, rollout_id: str, raw: bytes) -> None:
+        limit = self.context_limit(rollout_id)
+        try:
+            shape = await self.off_loop(rollout_id, self.body_checker.shape, raw, 2 * limit)
+        except (OSError, ValueError) as e:  # the helper died (it is replaced): parse here, as for a small body
+            log.warning("could not measure a body of %d bytes in a helper process: %s", len(raw), e)
+            return
+        if shape.error:
+            raise invalid_request(f"request body is not valid JSON: {shape.error}")
+        self.refuse_by_count(rollout_id, shape.messages, shape.tools)
+        if shape.values > self.cfg.max_body_values:
+            message = f"request body of {shape.values} JSON values; the proxy takes {self.cfg.max_body_values} at most"
+            raise ProxyError(
+                413, message + " (proxy.max_body_values)", "invalid_request_error", None, "request_too_large"
+            )
+
+    def prepare(
+        self, rollout_id: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, limit: int
+    ) -> RenderedPrompt:
+        """The prompt's ids; a prompt whose text alone cannot fit `limit` is refused before tokenizing.
+        Assistant turns the proxy produced count as their ids: one may be spliced in as ids that cover less
+        text than the harness re-sent. Runs on a worker thread."""
+        try:
+            plan = self.renderer.plan(rollout_id, messages, tools)
+        except TemplateError as e:
+            raise invalid_request(str(e), "messages") from e
+        at_least = plan.min_tokens(self.tokenizer.max_token_chars)
+        if at_least >= limit:
+            raise context_length_exceeded(limit, at_least, at_least=True)
+        return self.renderer.encode(plan)
+
     async def render(
         self, rollout_id: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
     ) -> RenderedPrompt:
-        try:
-            return await asyncio.to_thread(self.renderer.render, rollout_id, messages, tools)
-        except TemplateError as e:
-            raise invalid_request(str(e), "messages") from e
+        """The prompt's ids, rendered off the event loop; refused early when it cannot fit the rollout's context."""
+        limit = self.context_limit(rollout_id)
+        return await self.off_loop(rollout_id, self.prepare, rollout_id, messages, tools, limit)
 
     def max_new_tokens(self, prompt_tokens: int, requested: int | None, rollout_id: str = "") -> int:
         limit = self.context_limit(rollout_id)
@@ -118,7 +219,6 @@ class CallRunner:
         role: str = "main",
     ) -> CallRecord:
         t_start = time.time()
-        self.check_length(rollout_id, messages)
         prompt = await self.render(rollout_id, messages, tools)
         sampling = SamplingParams(
             temperature=params.temperature,

@@ -47,6 +47,8 @@ class ProxyError(Exception):
         self.code = code
         self.details = details  # numbers behind the message, for other API dialects to word it their way
         self.close_connection = False  # the request left the connection unusable: answer, then close it
+        self.retry_after_s: int | None = None  # sent as Retry-After
+        self.limit_header = True  # a context overflow carries CONTEXT_LIMIT_HEADER (not for count_tokens)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -105,9 +107,10 @@ def _describe(err: dict[str, Any]) -> str:
     return f"{where}: {msg}"
 
 
-def validation_error(e: ValidationError) -> ProxyError:
-    """The first problem of a request that does not fit its API's schema, as a 400 naming the field."""
-    errors = e.errors(include_url=False, include_input=False)
+def validation_error(e: ValidationError | list[Any]) -> ProxyError:
+    """The first problem of a request that does not fit its API's schema, as a 400 naming the field;
+    `e` is pydantic's error or the list of its `errors()`."""
+    errors = e.errors(include_url=False, include_input=False) if isinstance(e, ValidationError) else e
     unknown = [str(err["loc"][0]) for err in errors if err["type"] == "extra_forbidden" and len(err["loc"]) == 1]
     if unknown:
         return invalid_request(f"Unrecognized request argument supplied: {', '.join(unknown)}", unknown[0])
@@ -144,7 +147,9 @@ def error_response(err: ProxyError, request: web.BaseRequest | None = None) -> w
         resp = web.json_response(body, status=status)
     else:
         resp = web.json_response(err.body(), status=err.status)
-    if err.code == "context_length_exceeded" and err.details:
+    if err.retry_after_s is not None:
+        resp.headers["Retry-After"] = str(err.retry_after_s)
+    if err.code == "context_length_exceeded" and err.details and err.limit_header:
         resp.headers[CONTEXT_LIMIT_HEADER] = f"{err.details['prompt_tokens']} > {err.details['limit']}"
     if err.close_connection:
         resp.force_close()

@@ -11,12 +11,14 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter
 
 from gyre.proxy.errors import validation_error
-from gyre.proxy.openai_schema import ChatCompletionBody
+from gyre.proxy.openai_schema import ChatCompletionBody, Message, Tool
+from gyre.proxy.schema_util import validate_in_slices
 
 KNOWN_FIELDS = frozenset(ChatCompletionBody.model_fields)
+LISTS = {"messages": TypeAdapter(list[Message]), "tools": TypeAdapter(list[Tool])}
 
 
 @dataclass
@@ -55,10 +57,9 @@ def parse_chat_request(body: Any, default_model: str) -> ChatRequest:
 
     Messages are passed on as sent (the schema checked them), `developer` turned into `system`: the
     template has no developer role."""
-    try:
-        req = ChatCompletionBody.model_validate(body)
-    except ValidationError as e:
-        raise validation_error(e) from e
+    req, errors = validate_in_slices(ChatCompletionBody, body, LISTS)
+    if errors or req is None:
+        raise validation_error(errors)
     messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in body["messages"]]
     return ChatRequest(
         model=req.model or default_model,

@@ -7,9 +7,13 @@ are dropped (gyre.proxy.errors.validation_error).
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from collections.abc import Mapping
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, model_validator
+
+M = TypeVar("M", bound=BaseModel)
+SLICE = 256  # list items validated per call of pydantic (~25 ms of the largest items the schemas take)
 
 NonEmpty = Annotated[str, Field(min_length=1)]
 
@@ -66,3 +70,28 @@ def str_or_list(item: Any, message: str) -> Any:
 
     members = Annotated[str, Tag("~string")] | Annotated[list[item], Tag("~list")]
     return Annotated[members, Discriminator(pick, custom_error_type="str_or_list", custom_error_message=message)]
+
+
+def validate_in_slices(model: type[M], body: Any, lists: Mapping[str, TypeAdapter]) -> tuple[M | None, list[Any]]:
+    """`model.model_validate(body)`, the fields of `lists` longer than SLICE validated SLICE items at a time:
+    pydantic holds the GIL through a whole call (131K messages: seconds), so slices let the event loop run
+    in between. (The model of the body with those lists cut to their first item or None, every error as
+    pydantic's `errors()` lists them, located in the whole body.)"""
+    if not isinstance(body, dict):
+        long: dict[str, list[Any]] = {}
+    else:
+        long = {k: v for k in lists if isinstance(v := body.get(k), list) and len(v) > SLICE}
+    errors: list[Any] = []
+    validated = None
+    try:
+        validated = model.model_validate({**body, **{k: v[:1] for k, v in long.items()}} if long else body)
+    except ValidationError as e:
+        errors.extend(e.errors(include_url=False, include_input=False))
+    for key, items in long.items():
+        for start in range(1, len(items), SLICE):
+            try:
+                lists[key].validate_python(items[start : start + SLICE])
+            except ValidationError as e:
+                for err in e.errors(include_url=False, include_input=False):
+                    errors.append({**err, "loc": (key, start + err["loc"][0], *err["loc"][1:])})
+    return validated, errors

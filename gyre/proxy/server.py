@@ -6,9 +6,11 @@ call carries; a call without a live key is refused (401, in the API's own error 
 header rollout id other than the key's is refused too. Without one (a standalone proxy, tests): path
 prefix `/rollout/{rollout_id}/v1/...`, else header `X-Rollout-Id`, else "default".
 Bad input and load are held off before any model work: a body size limit (`proxy.max_body_mb`), a
-deadline for the body and for idle connections, a connection cap, pydantic request schemas, a prompt
-length bound checked before tokenizing; a client that goes away cancels its handler, which aborts
-its engine request (gyre.proxy.dispatch) and records nothing.
+deadline for the body and for idle connections, connection caps proxy-wide and per rollout (idle ones
+give way: gyre.proxy.http), a cap on each rollout's calls in flight (gyre.proxy.limits), pydantic request
+schemas, prompt length bounds checked before validating and before tokenizing, and all of that work off
+the event loop on a few threads (gyre.proxy.calls); a client that goes away cancels its handler, which
+aborts its engine request (gyre.proxy.dispatch) and records nothing.
 Run standalone with `python -m gyre.proxy.server --tokenizer DIR --engine URL [--engine URL ...]`.
 """
 
@@ -34,8 +36,9 @@ from gyre.proxy.call_log import CallLog, CallRecord
 from gyre.proxy.calls import CallRunner, GenParams
 from gyre.proxy.dispatch import EngineDispatcher
 from gyre.proxy.errors import ProxyError, error_middleware
-from gyre.proxy.http import ProxyAppRunner, read_json
+from gyre.proxy.http import ProxyAppRunner, read_raw
 from gyre.proxy.keys import KeyRefused, RolloutKeys, presented_keys
+from gyre.proxy.limits import ROLLOUT_KEY, RolloutLimits
 from gyre.proxy.openai_api import ChatRequest, Reply, completion_body, parse_chat_request, stream_chunks
 from gyre.proxy.routing import EngineRouter
 
@@ -105,12 +108,18 @@ class ProxyServer:
         self.runner.force_context_limit(rollout_id, limit)  # one dict store: atomic under the GIL
 
     def rollout_id_of(self, request: web.Request) -> str:
+        """The call's rollout (resolved once, by the limits middleware, for POST calls)."""
+        if ROLLOUT_KEY in request:
+            return request[ROLLOUT_KEY]
         return rollout_id_of(request) if self.keys is None else keyed_rollout_id(self.keys, request)
 
     # ---- HTTP ----------------------------------------------------------------------------
     def build_app(self) -> web.Application:
-        app = web.Application(middlewares=[error_middleware], client_max_size=self.cfg.max_body_mb << 20)
-        self.read_body = partial(read_json, timeout_s=self.cfg.body_timeout_s)
+        limits = RolloutLimits(self.rollout_id_of, self.cfg.max_rollout_requests, self.cfg.max_rollout_connections)
+        app = web.Application(
+            middlewares=[error_middleware, limits.middleware], client_max_size=self.cfg.max_body_mb << 20
+        )
+        self.read_body = partial(read_raw, timeout_s=self.cfg.body_timeout_s)
         anthropic = AnthropicRoutes(self.runner, self.tokenizer, self.rollout_id_of, self.model_name, self.read_body)
         for prefix in ("", "/rollout/{rollout_id}"):
             anthropic.add_to(app, prefix)
@@ -122,6 +131,7 @@ class ProxyServer:
 
     async def _on_cleanup(self, _app: web.Application) -> None:
         await self.dispatcher.close()
+        self.runner.body_checker.close()
 
     async def health(self, _request: web.Request) -> web.Response:
         """Counts only: engine URLs are internal (harnesses must not learn where to reach engines)."""
@@ -143,10 +153,10 @@ class ProxyServer:
         return web.json_response({"object": "list", "data": [model]})
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        req = parse_chat_request(await self.read_body(request), self.model_name)
-        record = await self.runner.run(
-            self.rollout_id_of(request), "openai", req.messages, req.tools, _gen_params(req), req.tool_names
-        )
+        rollout_id = self.rollout_id_of(request)
+        body = await self.read_body(request)
+        req = await self.runner.parse(rollout_id, parse_chat_request, body, self.model_name)
+        record = await self.runner.run(rollout_id, "openai", req.messages, req.tools, _gen_params(req), req.tool_names)
         reply = self._reply(record, req)
         completion_id = f"chatcmpl-{record.call_id}-{uuid.uuid4().hex[:12]}"
         created = int(record.t_start)
@@ -190,6 +200,7 @@ class ProxyServer:
             keepalive_timeout=self.cfg.idle_timeout_s,  # also bounds the wait for a request's headers
         )
         await self._app_runner.setup()
+        self.runner.body_checker.warm()
         site = web.TCPSite(self._app_runner, self.cfg.host, self.cfg.port)
         await site.start()
         port = self._app_runner.addresses[0][1]
