@@ -124,7 +124,6 @@ class CellWorker:
             except OSError as e:  # the run goes on; this cell's death is then seen only by sched.cell_timeout_s
                 liveness_error = f"cannot connect to the controller's liveness watch at {msg.liveness}: {e}"
         return {
-            "liveness_error": liveness_error,
             "cell": self.cell,
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -134,6 +133,7 @@ class CellWorker:
             "engine_pid": self.engine.pid,
             "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
             "ranks": self.group.ranks,  # the cell's ranks (world rank, host, Slurm node), its leader first
+            "liveness_error": liveness_error,
         }
 
     def switch(self, msg: RoleSwitch) -> dict[str, Any]:

@@ -1,9 +1,10 @@
 """The controller's view of the cells, and its mailbox to them.
 
 `CellTable` holds each cell's rank, role, engine and liveness. A cell counts as dead once its rank
-process is gone (its liveness connection closed, gyre.sched.liveness; or, on this host, seen through
-/proc) or it has owed an answer for longer than `sched.cell_timeout_s`. `Outbox` sends control messages without waiting and matches the
-acks that come back, so micro-batch completions, role switches and weight syncs can overlap.
+process is gone (its liveness connection closed, gyre.sched.liveness; on this host also seen through
+/proc) or it has owed an answer for longer than `sched.cell_timeout_s`. `Outbox` sends control
+messages without waiting and matches the acks that come back, so micro-batch completions, role
+switches and weight syncs can overlap.
 """
 
 from __future__ import annotations
