@@ -35,10 +35,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # micro-batches out the moment its shard is written, to the cells then training; under elastic the core trains
 # alone while the satellites still serve, and a micro-batch takes it a tenth of a second, so with two groups per
 # step the core drained the earlier group before a satellite was released (a fresh-clone run: core 6 + 3,
-# satellites none). With one group per step, the run's last group is complete only once no session is left:
-# every satellite has been released as surplus before its micro-batches go out, and idle cells take work
-# satellites first (gyre.sched.ledger.hand_out), so each satellite trains as long as that step has two or more
-# (512-token micro-batches: a group of 16 gave 5 in each of 5 runs). Same 32 rollouts over 2 steps.
+# satellites none). With one group per step, the run's last group is complete only once no session is left,
+# and each pass of the controller's loop switches roles before it hands out work: every satellite is released
+# as surplus before that group's micro-batches go out, and idle cells take work satellites first
+# (gyre.sched.ledger.hand_out), so each satellite trains as long as that step has two or more (512-token
+# micro-batches: a group of 16 gave 5 in every run here). Same 32 rollouts over 2 steps.
 EVERY_CELL_TRAINS = ["rl.groups_per_step=1", "rl.group_size=16", "train.micro_batch_tokens=512"]
 
 
