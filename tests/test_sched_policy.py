@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gyre.comm.messages import MicroBatchRef
-from gyre.sched.ledger import LedgerError, MicroBatchLedger
+from gyre.sched.ledger import LedgerError, MicroBatchLedger, hand_out
 from gyre.sched.policy import (
     CellState,
     Load,
@@ -113,6 +113,16 @@ def test_ledger_hands_out_largest_first_and_closes_a_step_once_all_are_done() ->
     assert book.total(0) == 0 and book.total(1) == 1
     with pytest.raises(LedgerError, match="added twice"):
         book.add(1, [ref(0, 1, "b.h5")])
+
+
+def test_hand_out_serves_idle_satellites_before_the_core_then_whoever_has_room() -> None:
+    """Cells that have just joined a step get its work first (tests/test_slurm_cell_job.py relies on it)."""
+    book = MicroBatchLedger()
+    book.add(1, [ref(i, 10 * (i + 1)) for i in range(5)])
+    assert [(cell, r.index) for cell, r in hand_out(book, 1, [0, 1, 2], depth=1)] == [(1, 4), (2, 3), (0, 2)]
+    assert hand_out(book, 1, [0, 1, 2], depth=1) == []  # every cell holds `depth`
+    book.done(2, ref(3, 40))
+    assert [(cell, r.index) for cell, r in hand_out(book, 1, [0, 1, 2], depth=1)] == [(2, 1)]
 
 
 def test_ledger_requeues_everything_a_dead_cell_trained_in_open_steps() -> None:

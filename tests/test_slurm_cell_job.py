@@ -21,13 +21,26 @@ import h5py
 import pytest
 from conftest import CELL_WORKLOAD, slurm_host_modes
 from resume_job import adam_steps, shard_ids_by_step, wait_until
-from slurm_jobs import job_active, wait_for_end
+from slurm_jobs import job_active, job_record, wait_for_end
 
+from gyre.sched.launch import DEAD_CELLS_EXIT_CODE
 from launch.slurm.het_executor import ACTIVE, HetSlurmJob, het_job_state
 from launch.submit import main as submit_main
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[1]
+
+
+# Who trains, decided by the scheduler's rules rather than by timing. Streaming training hands a group's
+# micro-batches out the moment its shard is written, to the cells then training; under elastic the core trains
+# alone while the satellites still serve, and a micro-batch takes it a tenth of a second, so with two groups per
+# step the core drained the earlier group before a satellite was released (a fresh-clone run: core 6 + 3,
+# satellites none). With one group per step, the run's last group is complete only once no session is left,
+# and each pass of the controller's loop switches roles before it hands out work: every satellite is released
+# as surplus before that group's micro-batches go out, and idle cells take work satellites first
+# (gyre.sched.ledger.hand_out), so each satellite trains as long as that step has two or more (512-token
+# micro-batches: a group of 16 gave 5 in every run here). Same 32 rollouts over 2 steps.
+EVERY_CELL_TRAINS = ["rl.groups_per_step=1", "rl.group_size=16", "train.micro_batch_tokens=512"]
 
 
 def _wait_for_end(job_id: str, timeout_s: float) -> str:
@@ -42,8 +55,7 @@ def _wait_for_end(job_id: str, timeout_s: float) -> str:
 def test_embedded_rl_run_as_a_het_job_across_three_nodes(tmp_path: Path, via: str, slurm_hosts: str, capsys) -> None:
     out = tmp_path / "run"
     args = ["--via", via, "--out", str(out), "cluster=slurm_cpu", f"cluster.python={sys.executable}"]
-    # micro-batches of 512 tokens: enough of them per step for every cell to train some
-    submit_main([*args, f"cluster.workdir={ROOT}", *CELL_WORKLOAD, "train.micro_batch_tokens=512"])
+    submit_main([*args, f"cluster.workdir={ROOT}", *CELL_WORKLOAD, *EVERY_CELL_TRAINS])
     job_id = capsys.readouterr().out.split("submitted job ")[1].split(";")[0]
     if via == "submitit":  # submitit's own handle: one result per task, rank 0's the run's summary
         job = HetSlurmJob(folder=out / "slurm", job_id=job_id, tasks=range(4))
@@ -62,7 +74,7 @@ def test_embedded_rl_run_as_a_het_job_across_three_nodes(tmp_path: Path, via: st
     assert_every_cell_served_and_trained(out, cells, slurm_hosts)
     assert (out / "checkpoint" / "trainer" / ".metadata").stat().st_size > 0
     shards = sorted((out / "shards").glob("step*-group*.h5"))
-    assert len(shards) == 4  # one per group
+    assert len(shards) == 2  # one per group (one group per step)
     ids = []
     for path in shards:
         with h5py.File(path, "r") as f:
@@ -125,6 +137,43 @@ def test_het_job_stopped_mid_run_resumes_from_its_checkpoint(tmp_path: Path, slu
     assert adam_steps(out) == sum(1 for r in st["ledger"] if r["trained"]), "optimizer state not carried over"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["event"] == "step"] == list(range(steps))
+
+
+@pytest.mark.parametrize("slurm_hosts", slurm_host_modes("netns"), indirect=True)
+@pytest.mark.parametrize("allow_dead_cells", [True, False])
+def test_a_satellite_killed_holding_a_micro_batch_is_seen_at_once_and_the_job_exits_as_the_controller_decides(
+    tmp_path: Path, allow_dead_cells: bool, slurm_hosts: str, capsys
+) -> None:
+    """Satellite 2 SIGKILLed on its own host right after its first micro-batch is sent (colocate_cells: every
+    cell trains the step, satellites served first). /proc cannot see another host and sched.cell_timeout_s is
+    120 s: the controller sees the rank gone within seconds because its liveness connection closed, and the
+    micro-batch is trained elsewhere, so the step does not stall. srun's status is its worst task's (the
+    killed one: 137); the job's is the controller's: COMPLETED with sched.allow_dead_cells=true, else FAILED
+    with exit code 3 (DEAD_CELLS_EXIT_CODE)."""
+    out = tmp_path / "run"
+    args = ["--via", "sbatch", "--out", str(out), "cluster=slurm_cpu", f"cluster.python={sys.executable}"]
+    args += [f"cluster.workdir={ROOT}", *CELL_WORKLOAD, "steps=1", "scheduler=colocate_cells"]
+    args += ["train.micro_batch_tokens=512", "sched.faults=[kill_cell:2:after_micro_batches:1]"]
+    submit_main([*args, f"sched.allow_dead_cells={str(allow_dead_cells).lower()}"])
+    job = capsys.readouterr().out.split("submitted job ")[1].split(";")[0]
+    state = _wait_for_end(job, 600)
+    logs = job_logs(out)
+    assert state == ("COMPLETED" if allow_dead_cells else "FAILED"), f"{state}\n{logs}"
+    code = 0 if allow_dead_cells else DEAD_CELLS_EXIT_CODE
+    assert job_record(job).get("ExitCode") == f"{code}:0", f"{job_record(job)}\n{logs}"
+    assert f"gyre: exit {code}, the controller's (srun: 137, its worst task)" in logs, logs
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["dead_cells"] == [2]
+    assert summary["dead_cell_reasons"] == {"2": "its rank died"}
+    (killed,) = summary["faults"]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    (died,) = [r for r in rows if r["event"] == "cell_died"]
+    assert died["cell"] == 2 and died["requeued_micro_batches"] >= 1
+    assert died["t"] - killed["t"] < 10.0, (killed, died)  # within seconds, not sched.cell_timeout_s (120 s)
+    (step,) = [r for r in rows if r["event"] == "step"]
+    assert step["mb_reassigned"] >= 1 and "2" not in step["contributors"]
+    assert sum(step["contributors"].values()) == step["micro_batches"]  # each micro-batch reduced exactly once
 
 
 def assert_every_cell_served_and_trained(out: Path, cells: list[dict], slurm_hosts: str) -> None:

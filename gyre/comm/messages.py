@@ -66,7 +66,10 @@ class MicroBatchAssignment:
 
 @dataclass(frozen=True)
 class Hello:
-    """The controller asks a cell for what it needs to drive it (engine URL, process ids, host)."""
+    """The controller asks a cell for what it needs to drive it (engine URL, process ids, host); the cell
+    connects to `liveness` ("host:port"), so that its death is seen at once (gyre.sched.liveness)."""
+
+    liveness: str = ""
 
 
 @dataclass(frozen=True)

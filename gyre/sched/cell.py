@@ -37,6 +37,7 @@ from gyre.resume.checkpoint import load_checkpoint, save_checkpoint
 from gyre.resume.state import RunState
 from gyre.sched.cell_engine import CellEngine
 from gyre.sched.cell_group import CellGroup, GroupCheckpoint, load_local_shard, local_shard, reduce_shard
+from gyre.sched.liveness import connect
 from gyre.sched.replica import MicroBatchSource, grad_numel
 from gyre.train.megatron_trainer import MegatronTrainer
 from gyre.train.warm_start import Policy
@@ -87,6 +88,7 @@ class CellWorker:
         self.batches = MicroBatchSource(cfg)
         self.loss_fn = tree_gspo_loss_fn(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high)
         self.timeout = cfg.sched.cell_timeout_s
+        self.liveness: socket.socket | None = None  # open until this process ends: the controller sees it close
 
     def handlers(self) -> dict[type, Any]:
         return {
@@ -115,6 +117,12 @@ class CellWorker:
 
     # ----- handlers -----
     def hello(self, msg: Hello) -> dict[str, Any]:
+        liveness_error = ""
+        if msg.liveness and self.liveness is None:
+            try:
+                self.liveness = connect(msg.liveness, self.cp.rank)
+            except OSError as e:  # the run goes on; this cell's death is then seen only by sched.cell_timeout_s
+                liveness_error = f"cannot connect to the controller's liveness watch at {msg.liveness}: {e}"
         return {
             "cell": self.cell,
             "pid": os.getpid(),
@@ -125,6 +133,7 @@ class CellWorker:
             "engine_pid": self.engine.pid,
             "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
             "ranks": self.group.ranks,  # the cell's ranks (world rank, host, Slurm node), its leader first
+            "liveness_error": liveness_error,
         }
 
     def switch(self, msg: RoleSwitch) -> dict[str, Any]:

@@ -1,9 +1,10 @@
 """The controller's view of the cells, and its mailbox to them.
 
 `CellTable` holds each cell's rank, role, engine and liveness. A cell counts as dead once its rank
-process is gone (checked through /proc when it runs on this host) or it has owed an answer for
-longer than `sched.cell_timeout_s`. `Outbox` sends control messages without waiting and matches the
-acks that come back, so micro-batch completions, role switches and weight syncs can overlap.
+process is gone (its liveness connection closed, gyre.sched.liveness; on this host also seen through
+/proc) or it has owed an answer for longer than `sched.cell_timeout_s`. `Outbox` sends control
+messages without waiting and matches the acks that come back, so micro-batch completions, role
+switches and weight syncs can overlap.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from gyre.comm.control import CONTROL_TAG, ControlError, ControlPlane
 from gyre.comm.messages import Ack, Role
+from gyre.sched.liveness import LivenessWatch
 from gyre.sched.policy import CellState
 
 
@@ -56,6 +58,7 @@ def pid_alive(pid: int) -> bool:
 @dataclass
 class CellTable:
     cells: list[Cell]
+    liveness: LivenessWatch | None = None  # the leaders' connections: closed when a rank's process ends
 
     def alive(self) -> list[Cell]:
         return [c for c in self.cells if c.alive]
@@ -72,9 +75,14 @@ class CellTable:
     def states(self, busy: Callable[[Cell], bool]) -> list[CellState]:
         return [CellState(c.index, c.role, busy(c), c.alive) for c in self.cells]
 
+    def process_gone(self, cell: Cell) -> bool:
+        """Its rank's process has ended: its liveness connection closed, or /proc says so on this host."""
+        gone = self.liveness.gone() if self.liveness is not None else set()
+        return cell.rank in gone or (cell.local and cell.pid > 0 and not pid_alive(cell.pid))
+
     def newly_dead(self) -> list[Cell]:
-        """Cells whose process is gone (local cells only; remote ones die by timeout)."""
-        return [c for c in self.cells if c.alive and c.local and c.pid > 0 and not pid_alive(c.pid)]
+        """Living cells whose process is gone (a silent one that still runs dies by timeout)."""
+        return [c for c in self.cells if c.alive and self.process_gone(c)]
 
 
 @dataclass

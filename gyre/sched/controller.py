@@ -30,6 +30,7 @@ from gyre.resume.state import RunState
 from gyre.sandbox import make_sandbox
 from gyre.sched.cells import Cell, CellDied, CellTable, Outbox, kill_pid, pid_alive
 from gyre.sched.faults import FaultInjector
+from gyre.sched.liveness import LivenessWatch
 from gyre.sched.policy import Load, PolicyConfig, Switch, decide, initial_roles, may_start
 from gyre.sched.rollout_driver import RolloutDriver
 from gyre.sched.steps import StepBook
@@ -69,7 +70,7 @@ class Controller:
         sandbox = make_sandbox(cfg.sandbox)  # fails here, before any cell works, when it cannot run
         self.driver = RolloutDriver(self.proxy.start(), out / "rollouts", cfg.harness, cfg.tasks, sandbox, keys)
         self.table = self.hello()
-        self.faults = FaultInjector(cfg.sched.faults, self.pcfg.n_cells)
+        self.faults = FaultInjector(cfg.sched.faults, self.pcfg.n_cells, self.timeline.now)
         self.book = StepBook(cfg, out)
         self.train = TrainPlane(cfg, self.table, self.outbox, self.book, self.faults, out, self.cells_died, self.log)
         self.switcher = Switcher(
@@ -91,7 +92,10 @@ class Controller:
         self.abandoned: set[int] = set()  # ranks declared dead whose process may still run (told to stop at the end)
 
     def hello(self) -> CellTable:
-        acks = self.cp.request(self.cp.layout.leaders, Hello(), timeout=self.cfg.sched.cell_timeout_s)
+        liveness = LivenessWatch(self.cfg.comm.hostname or "127.0.0.1")  # rank 0's address, as its preflight found
+        leaders = self.cp.layout.leaders
+        acks = self.cp.request(leaders, Hello(liveness.address), timeout=self.cfg.sched.cell_timeout_s)
+        unwatched = liveness.identify(leaders)
         cells = []
         for ack in acks:
             d = ack.detail
@@ -107,8 +111,12 @@ class Controller:
                 )
             )
             self.timeline.set_role(d["cell"], "rollout")
+            if ack.rank in unwatched:
+                why = d.get("liveness_error") or "it did not connect"
+                print(f"gyre: cell {d['cell']}: no liveness connection ({why}); its death is seen only after "
+                      f"sched.cell_timeout_s={self.cfg.sched.cell_timeout_s:g} s without an answer", flush=True)  # fmt: skip
         (self.out / "cells.json").write_text(json.dumps([a.detail for a in acks], indent=1))
-        return CellTable(sorted(cells, key=lambda c: c.index))
+        return CellTable(sorted(cells, key=lambda c: c.index), liveness)
 
     # ----- the loop -----
     def run(self) -> None:
@@ -209,6 +217,7 @@ class Controller:
 
     def abandon(self) -> None:
         """The run failed here: stop what would outlive the job (harness groups, every local engine)."""
+        self.stop_watching()
         self.driver.close()
         for c in self.table.cells:
             if c.local and c.engine_pid > 0:
@@ -230,7 +239,7 @@ class Controller:
             c = self.table.by_rank(rank)
             if not c.alive:
                 continue
-            why = reason or ("its rank died" if c.local and not pid_alive(c.pid) else "it stopped answering")
+            why = reason or ("its rank died" if self.table.process_gone(c) else "it stopped answering")
             if c.index == 0:
                 raise RuntimeError(f"the core cell (rank {rank}) is lost: {why}; it holds the only optimizer state")
             print(f"gyre: cell {c.index} (rank {rank}, {c.host}) is dead: {why}", flush=True)
@@ -305,7 +314,13 @@ class Controller:
         return not self.driver.events.empty() or self.outbox.has_mail()
 
     # ----- the end -----
+    def stop_watching(self) -> None:
+        """Before the cells are told to shut down: from then on a closed liveness connection is no death."""
+        if self.table.liveness is not None:
+            self.table.liveness.close()
+
     def finish(self, wall_s: float, stopped: str = "") -> None:
+        self.stop_watching()
         self.driver.close()
         self.proxy.stop()
         alive = [c.rank for c in self.table.alive()]

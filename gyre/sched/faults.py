@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gyre.sched.cells import Cell, CellTable, kill_pid
@@ -55,8 +57,9 @@ def stalls_start(specs: list[str], cell: int, attempt: int) -> bool:
 
 
 class FaultInjector:
-    def __init__(self, specs: list[str], n_cells: int) -> None:
+    def __init__(self, specs: list[str], n_cells: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.faults = parse_faults(specs)
+        self.clock = clock  # each logged fault's "t" (the controller's timeline: as its metrics rows)
         if bad := [f.cell for f in self.faults if not 0 <= f.cell < n_cells]:
             raise ValueError(f"sched.faults names cells {bad}; cells are 0..{n_cells - 1}")
         if any(f.kind in ("kill_cell", "unreachable_engine") and f.cell == 0 for f in self.faults):
@@ -68,7 +71,10 @@ class FaultInjector:
             if f.kind == "kill_cell" and not f.fired and f.cell == cell.index and cell.micro_batches >= f.n:
                 f.fired = True
                 kill_pid(cell.pid, signal.SIGKILL)
-                self.log.append({"fault": "kill_cell", "cell": cell.index, "pid": cell.pid})
+                self.log.append({"fault": "kill_cell", "cell": cell.index, "pid": cell.pid, "t": self._now()})
+
+    def _now(self) -> float:
+        return round(self.clock(), 3)
 
     def hide_engines(self, table: CellTable, calls_served: int) -> list[tuple[str, str]]:
         """unreachable_engine faults due now: (old, new) engine URLs, the new one refusing connections."""
@@ -80,7 +86,9 @@ class FaultInjector:
                 parts = urllib.parse.urlsplit(cell.engine_url)
                 old, cell.engine_url = cell.engine_url, parts._replace(netloc=f"{parts.hostname}:1").geturl()
                 moved.append((old, cell.engine_url))
-                self.log.append({"fault": "unreachable_engine", "cell": cell.index, "engine_url": cell.engine_url})
+                self.log.append(
+                    {"fault": "unreachable_engine", "cell": cell.index, "engine_url": cell.engine_url, "t": self._now()}
+                )
         return moved
 
     def tick(self, table: CellTable, calls_served: int, in_flight: dict[str, int]) -> None:
@@ -94,4 +102,6 @@ class FaultInjector:
                     os.killpg(cell.engine_pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-                self.log.append({"fault": "kill_engine", "cell": cell.index, "engine_pid": cell.engine_pid})
+                self.log.append(
+                    {"fault": "kill_engine", "cell": cell.index, "engine_pid": cell.engine_pid, "t": self._now()}
+                )

@@ -48,6 +48,7 @@ from gyre.sched.slurm_env import (
     cell_rank_from_env,
     mark_world_up,
     place_in_job,
+    record_exit_status,
     start_attempt,
 )
 
@@ -55,7 +56,8 @@ from gyre.sched.slurm_env import (
 def run(out: Path) -> tuple[bool, dict[str, Any], int]:
     """This rank's part of the job; returns (whether to MPI_Finalize, what this rank reports: the run's
     summary on rank 0, the cell index on the others; the exit code: PREEMPTED_EXIT_CODE on rank 0 after
-    a stop signal, once the run is checkpointed and the cells are shut down)."""
+    a stop signal, once the run is checkpointed and the cells are shut down; DEAD_CELLS_EXIT_CODE when it lost
+    cells and sched.allow_dead_cells is not set). Rank 0's code is the job's: recorded for the Slurm script."""
     # mpiexec's -disable-auto-cleanup tells the survivors of a dead rank with SIGUSR1, whose default kills
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     cfg = to_run_config(OmegaConf.load(out / "config.yaml"))
@@ -100,6 +102,8 @@ def run(out: Path) -> tuple[bool, dict[str, Any], int]:
         finalize, report = run_cell(cfg, cp, out, start_id), {"cell": cp.cell}
     if finalize:
         cp.close()
+    if cp.is_controller:
+        record_exit_status(os.environ, code)
     return finalize, report, code
 
 

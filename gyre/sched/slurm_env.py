@@ -32,6 +32,9 @@ HET_TASKS_VAR = "GYRE_HET_TASKS"  # a step's tasks per component ("2,1,1"), when
 # every rank is past MPI_Init; START_ATTEMPT_VAR counts the starts of this run of the script (1, 2, ...)
 WORLD_UP_VAR = "GYRE_WORLD_UP_FILE"
 START_ATTEMPT_VAR = "GYRE_START_ATTEMPT"
+# rank 0 writes its exit status there: the job's, rather than srun's worst task status (a satellite the run
+# went on without exits 137; the controller's 0 or DEAD_CELLS_EXIT_CODE says what the run came to)
+EXIT_STATUS_VAR = "GYRE_EXIT_STATUS_FILE"
 
 
 class NotInSlurmStep(RuntimeError):
@@ -201,6 +204,15 @@ def mark_world_up(env: Mapping[str, str]) -> None:
     if path := env.get(WORLD_UP_VAR):
         with open(path, "w") as f:
             f.write(f"{os.getpid()}\n")
+
+
+def record_exit_status(env: Mapping[str, str], code: int) -> None:
+    """Tell the generated script the status the controller (rank 0) decided for the job."""
+    if path := env.get(EXIT_STATUS_VAR):
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.write(f"{code}\n")
+        os.replace(tmp, path)  # the script never reads half a number
 
 
 def describe(rank: CellRank, env: Mapping[str, str]) -> str:

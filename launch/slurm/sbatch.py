@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from gyre.config.schema import CellResources, ClusterConfig, RunConfig
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE
-from gyre.sched.slurm_env import HET_TASKS_VAR, START_ATTEMPT_VAR, WORLD_UP_VAR
+from gyre.sched.slurm_env import EXIT_STATUS_VAR, HET_TASKS_VAR, START_ATTEMPT_VAR, WORLD_UP_VAR
 from launch.slurm.plan import ComponentLayout, Step, cells, component_layout
 
 LogNames = Callable[[Step], tuple[str, str | None]]
@@ -88,6 +88,20 @@ def _wait_lines(pid: str) -> list[str]:
     ]
 
 
+def _controller_status_lines() -> list[str]:
+    """The job's status is the one rank 0 recorded (gyre.sched.job): srun's is the worst of its tasks, so a
+    satellite killed mid-run (137) would fail a run that finished without it as sched.allow_dead_cells
+    allows, and would hide the dead-cells exit (3). No record (rank 0 itself failed): srun's."""
+    return [
+        "# the job's status is the one the controller decided (rank 0 records it); srun's is its worst task's",
+        "srun_status=$status",
+        f'if [ -s "${EXIT_STATUS_VAR}" ]; then',
+        f'    status=$(cat "${EXIT_STATUS_VAR}")',
+        '    [ "$status" = "$srun_status" ] || echo "gyre: exit $status, the controller\'s (srun: $srun_status, its worst task)"',
+        "fi",
+    ]
+
+
 def _requeue_lines(cluster: ClusterConfig) -> list[str]:
     if not cluster.requeue:
         return []
@@ -115,7 +129,16 @@ def _srun_lines(step: Step, layout: ScriptLayout) -> list[str]:
     mpi = [f"--mpi={step.mpi}"] if step.mpi else []
     lines = []
     for i, comp in enumerate(step.components):
-        srun = [*(["srun"] if i == 0 else [":"]), f"--het-group={comp.group}", "--overlap", *mpi, *comp.srun_args]
+        # a task that fails does not end the others: the controller decides whether the run goes on without it
+        keep = ["--kill-on-bad-exit=0"]
+        srun = [
+            *(["srun"] if i == 0 else [":"]),
+            f"--het-group={comp.group}",
+            "--overlap",
+            *keep,
+            *mpi,
+            *comp.srun_args,
+        ]
         lines += [("" if i == 0 else "    ") + f"{shlex.join(srun)} \\"]
         lines += [f"    {shlex.join(_task_wrapper(step, layout))} \\"]
         lines.append(f"    {shlex.join(step.argv)}" + (" \\" if i + 1 < len(step.components) else " &"))
@@ -150,6 +173,7 @@ def render_sbatch(cfg: RunConfig, step: Step, layout: ScriptLayout) -> str:
     env = [(HET_TASKS_VAR, ",".join(str(c.tasks) for c in step.components)), *CELL_JOB_ENV]
     env += [("OMP_NUM_THREADS", str(cfg.sched.threads_per_cell)), *layout.exports]
     lines += [f"export {key}={shlex.quote(value)}" for key, value in env]
+    lines.append(f'export {EXIT_STATUS_VAR}="$GYRE_LOG_DIR/${{SLURM_JOB_ID}}_${{SLURM_RESTART_COUNT:-0}}.exit_status"')
     # srun ends the step on SIGTERM but forwards SIGUSR2 to every rank: the controller checkpoints, exits 75
     lines += ["", "job=", *_start_lines("$job", "as SIGUSR2, which srun forwards to the ranks", "USR2"), ""]
     lines += [
@@ -159,9 +183,11 @@ def render_sbatch(cfg: RunConfig, step: Step, layout: ScriptLayout) -> str:
         "set +e",
     ]
     lines += (
-        _guarded_start_lines(step, layout, cluster) if layout.start_guard else [*_srun_lines(step, layout), "job=$!"]
+        _guarded_start_lines(step, layout, cluster)
+        if layout.start_guard
+        else [f'rm -f "${EXIT_STATUS_VAR}"', *_srun_lines(step, layout), "job=$!"]
     )
-    lines += [*_wait_lines("$job"), *_requeue_lines(cluster), 'exit "$status"', ""]
+    lines += [*_wait_lines("$job"), *_controller_status_lines(), *_requeue_lines(cluster), 'exit "$status"', ""]
     return "\n".join(lines)
 
 
@@ -176,6 +202,7 @@ def _guarded_start_lines(step: Step, layout: ScriptLayout, cluster: ClusterConfi
         "attempt=$((attempt + 1))",
         f"export {START_ATTEMPT_VAR}=$attempt",
         f'export {WORLD_UP_VAR}="$GYRE_LOG_DIR/${{SLURM_JOB_ID}}_${{SLURM_RESTART_COUNT:-0}}_$attempt.world_up"',
+        f'rm -f "${EXIT_STATUS_VAR}"',
         *_srun_lines(step, layout),
         "job=$!",
         "waited=0",
