@@ -215,8 +215,10 @@ def test_harbor_grading_gives_partial_credit_and_reads_tests_read_only(tmp_path,
                                     b"echo 0 > /logs/verifier/reward.txt\n").decode()})  # fmt: skip
     assert grade_workspace(sneaky, ws, sandbox=sandbox).score == 0.0
     crash = dataclasses.replace(task, hidden_files={"test.sh": base64.b64encode(b"exit 1\n").decode()})
-    failed = grade_workspace(crash, ws, sandbox=sandbox)  # no reward file: the grade fails, never a pass or a 0
-    assert failed.status == "failed" and failed.score is None and "no reward file" in failed.reason
+    # no reward file once the tests (which run the agent's code) have run: never a pass, and never an exclusion
+    # a losing agent could choose (tools.check_tasks names such a task broken: its oracle gets no reward either)
+    failed = grade_workspace(crash, ws, sandbox=sandbox)
+    assert failed.status == "agent_failed" and failed.score == 0.0 and "no reward file" in failed.reason
 
 
 # What agent code run by a task's tests may try, to win or to have a losing rollout excluded.
@@ -325,7 +327,8 @@ def test_oracle_check_passes_the_shipped_suites_and_reports_broken_tasks(suite, 
     out = capsys.readouterr().out
     if suite == "harbor":
         assert "nop-passes: oracle 1, do-nothing 1 -> BROKEN: the do-nothing agent gets the full reward" in out
-        assert "no-reward: oracle failed" in out and "0 of 2 tasks sound" in out
+        assert "no-reward: oracle 0, do-nothing 0 -> BROKEN: the oracle gets 0, not the full reward 1: " in out
+        assert "no reward file" in out and "0 of 2 tasks sound" in out
     else:
         assert "broken__wrong-patch: oracle 0, do-nothing 0 -> BROKEN: the oracle gets 0" in out
 

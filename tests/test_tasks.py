@@ -209,7 +209,8 @@ def test_missing_workspace_is_a_failed_evaluation(tmp_path):
 
 def test_attribution_follows_the_checkers_report_not_its_exit_code():
     """Once the checker has said the agent's code starts, no verdict is the agent's failure whatever the
-    exit (any signal, a stop, a plain exit code); before that it is a failed grade; a verdict stands."""
+    exit (any signal, a stop, a plain exit code, an evaluation that broke); before that it is a failed grade;
+    a verdict stands."""
     verdict = json.dumps({"results": [{"name": "a", "passed": True}]})
     for code in (0, -9, 137, None):  # a verdict stands however the checker ended afterwards
         assert _grade_from(code, "", CheckerReport(True, verdict), False, 5.0).status == "ok"
@@ -219,8 +220,13 @@ def test_attribution_follows_the_checkers_report_not_its_exit_code():
         grade = _grade_from(code, "boom", CheckerReport(agent_code_started=True), False, 5.0)
         assert (grade.status, grade.score) == ("agent_failed", 0.0) and grade.reason.startswith(reason + ":"), grade
         assert _grade_from(code, "boom", CheckerReport(), False, 5.0).status == "failed"
-    broken = _grade_from(3, "", CheckerReport(True, None, "test_patch does not apply"), False, 5.0)
+    # the evaluation broke before the agent's code ran (a test patch that does not apply): excluded
+    broken = _grade_from(3, "", CheckerReport(False, None, "test_patch does not apply"), False, 5.0)
     assert (broken.status, broken.score) == ("failed", None) and "test_patch does not apply" in broken.reason
+    # once it had run (no reward file after the tests): the agent's failure, since its code may be why
+    after = _grade_from(3, "", CheckerReport(True, None, "no reward file"), False, 5.0)
+    assert (after.status, after.score) == ("agent_failed", 0.0) and after.reason.startswith("grading_interrupted:")
+    assert "no reward file" in after.reason
 
 
 def test_swebench_statuses_come_from_complete_runner_records(tmp_path):

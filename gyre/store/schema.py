@@ -134,7 +134,7 @@ ROLLOUT_COLUMNS: tuple[Column, ...] = (
         "grade_reason",
         STR,
         "why the grade is what it is: for failed the evaluation's problem, for agent_failed `<code>: <detail>` "
-        "(codes: harness_exit, harness_protocol, checker_killed, workspace_limits); empty when graded normally",
+        "(codes: gyre.tasks.grading.AGENT_FAILURES); empty when graded normally",
         since=2,
         default="",
     ),

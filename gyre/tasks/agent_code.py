@@ -103,8 +103,10 @@ def run_tests(
     started: Callable[[subprocess.Popen[bytes]], None] | None = None,
 ) -> TestsRun:
     """Run the tests with `out` as their stdout and stderr (a file, never a pipe a child could hold open);
-    `started(proc)` runs as soon as they are started (a handshake with descriptors of `pass_fds`)."""
-    agent_code_starts()
+    `started(proc)` runs as soon as they are started (a handshake with descriptors of `pass_fds`): the tests
+    then wait for it, and it says agent_code_starts() before it lets them go on."""
+    if started is None:
+        agent_code_starts()
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                             shell=isinstance(argv, str), start_new_session=True, pass_fds=pass_fds)  # fmt: skip
     if started is not None:

@@ -363,8 +363,11 @@ def _no_verdict(code: int | None, err: str, report: CheckerReport, check_timeout
     """The checker ended without a verdict: the agent's failure once its code had started, else a failed grade."""
     ended = f"timed out after {check_timeout_s:g}s" if code is None else f"exited with code {code}"
     detail = f"checker {ended}: {_tail(err) or '(no stderr)'}"
-    if report.broken is not None:
+    if report.broken is not None and not report.agent_code_started:
         return Grade.failed(f"the evaluation broke: {_tail(report.broken)}")
+    if report.broken is not None:  # e.g. no reward file: the agent's code ran, and may be why
+        return Grade.agent_failed("grading_interrupted", f"the evaluation broke once the agent's code had run: "
+                                  f"{_tail(report.broken)}")  # fmt: skip
     if not report.agent_code_started:  # the sandbox did not start, or the checker broke on its own
         return Grade.failed(detail)
     if code is None:

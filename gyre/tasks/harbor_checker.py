@@ -153,6 +153,7 @@ class RewardGuard:
             os.close(self.gate_w)
             evaluation_broken(f"the reward guard did not arm in the test script's shell (it said {said!r}): "
                               "the library did not load there (another C library in the task's image?)")  # fmt: skip
+        agent_code.agent_code_starts()  # the script's shell waits at the gate until now: nothing of the agent's ran
         os.write(self.gate_w, b"go\n")
         os.close(self.gate_w)
 

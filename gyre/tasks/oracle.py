@@ -252,6 +252,10 @@ def _causes(oracle: Grade, nop: Grade, solve_problem: str, tests_log: str) -> li
     said = name_cause(tests_log)
     if oracle.score is None:
         causes.append(f"the oracle's grade failed: {oracle.reason}" + (f"; the test run {said}" if said else ""))
+    elif oracle.status == "agent_failed" and not solve_problem:  # e.g. its tests wrote no reward file
+        causes.append(
+            f"the oracle gets 0, not the full reward 1: {oracle.reason}" + (f"; the test run {said}" if said else "")
+        )
     elif oracle.score != 1.0 and not solve_problem:
         causes.append(
             f"the oracle gets {oracle.score:g}, not the full reward 1: {_why_tests_failed(said, oracle)}"
