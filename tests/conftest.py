@@ -94,3 +94,8 @@ def _slurm_cluster_for_marked_tests(request: pytest.FixtureRequest, monkeypatch:
 @pytest.fixture
 def slurm_conf(_slurm_cluster_for_marked_tests: None) -> Path:
     return Path(os.environ["SLURM_CONF"])
+
+
+# tests/data holds task suites whose own tests (a Harbor task's tests/test_outputs.py) are the tasks', run by
+# their graders inside sandboxes, never by this suite
+collect_ignore = ["data"]
