@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from gyre.config.schema import HarnessConfig, ModelConfig, ProxyConfig, TaskConfig
+from gyre.config.schema import HarnessConfig, ModelConfig, ProxyConfig, SandboxConfig, TaskConfig
 from gyre.engine.launcher import start_engine
 from gyre.harness.runner import RolloutOutcome, run_rollout
 from gyre.model.chat_template import IM_END, render_text
@@ -43,6 +43,7 @@ from gyre.model.tokenizer import Tokenizer
 from gyre.proxy.call_log import CallLog, CallRecord
 from gyre.proxy.keys import RolloutKeys
 from gyre.proxy.server import ProxyServer
+from gyre.sandbox import make_sandbox
 from gyre.tasks.suite import sample_tasks
 from gyre.tasks.task import Task
 
@@ -183,14 +184,18 @@ def record_session(root: Path, blocks: int = 15, extra_tokens: int = 3000, timeo
     }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    # bwrap as by default, but without the seccomp filter: it refuses ptrace, which the strace of the trace needs
+    sandbox = make_sandbox(SandboxConfig(seccomp=False))
     watcher = threading.Thread(target=_watch_limits, args=(proxy, extra_tokens, done, rec), daemon=True)
     try:
         proxy.start()
         watcher.start()
         harness = HarnessConfig(kind="claude_code", max_turns=4 * blocks, timeout_s=timeout_s)
         rec.outcome = asyncio.run(
-            run_rollout(task, ROLLOUT_ID, proxy.url, root / "rollout", harness, TaskConfig(), keys=keys)
-        )  # in the default sandbox (bwrap)
+            run_rollout(
+                task, ROLLOUT_ID, proxy.url, root / "rollout", harness, TaskConfig(), keys=keys, sandbox=sandbox
+            )
+        )
     finally:
         done.set()
         for k, v in saved.items():
