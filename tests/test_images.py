@@ -415,5 +415,6 @@ def test_claude_codes_bash_tool_runs_inside_the_task_image(bases, tmp_path, caps
     with capsys.disabled():
         print(
             f"\n[images] claude code in the image: build {build_s:.1f}s, policy {train_s:.1f}s, rollout "
-            f"{rollout_s:.1f}s ({len(records)} calls, stop {outcome.stop_reason}, turns {outcome.turns})"
+            f"{rollout_s:.1f}s ({len(records)} calls, stop {outcome.stop_reason}, turns {outcome.turns}, least token "
+            f"logprob of the tool call {min(records[0].output_logprobs):.2g})"
         )
