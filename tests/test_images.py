@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import shutil
 import subprocess
 import tarfile
@@ -16,11 +17,20 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from test_harness import ScriptedServer, tool_reply
 
-from gyre.config.schema import HarnessConfig, SandboxConfig, TaskConfig
+from gyre.config.schema import HarnessConfig, ModelConfig, ProxyConfig, SandboxConfig, TaskConfig
+from gyre.engine.launcher import start_engine
 from gyre.harness.claude_code import claude_bin
 from gyre.harness.runner import run_rollout
+from gyre.model.chat_template import IM_END, TOOL_CALL_END, TOOL_CALL_START, render_text, tool_call_json
+from gyre.model.hf_io import save_hf_checkpoint
+from gyre.model.llama import LlamaForCausalLM
+from gyre.model.tokenizer import Tokenizer
+from gyre.proxy.call_log import CallLog
+from gyre.proxy.keys import RolloutKeys
+from gyre.proxy.server import ProxyServer
 from gyre.sandbox import ApptainerSandbox, SandboxJob, SandboxUnavailable, make_sandbox
 from gyre.sandbox.backends import PYTHON_ROOT, BwrapSandbox, image_env, relocated_python_mounts
 from gyre.sandbox.base import GYRE_ROOT, Mount, code_mounts
@@ -42,8 +52,10 @@ from gyre.tasks.offline_tests import uv_version, uvx_commands
 from gyre.tasks.oracle import check_task
 from gyre.tasks.source import load_instances
 from tools.make_base_images import make_base
+from tools.record_claude_code import CONTEXT_TOKENS, english_corpus
 
 IMAGE_TASKS = Path(__file__).parent / "data" / "image_tasks"
+MARKER_TASK = Path(__file__).parent / "data" / "claude_code_image_task" / "image-marker"
 
 
 @pytest.mark.unit
@@ -328,3 +340,81 @@ def test_the_claude_code_cli_runs_inside_a_task_image(bases, tmp_path):
     job = SandboxJob(argv=[cli, "--version"], cwd="/tmp", mounts=code_mounts(), image=built.image)
     out = subprocess.run(make_sandbox(SandboxConfig()).command(job), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "(Claude Code)" in out.stdout, out.stderr
+
+
+def one_reply_policy(root: Path, reply: str, instruction: str, steps: int = 300, sharpen: float = 4.0) -> Path:
+    """A tiny Llama trained to answer any prompt (stdlib text as the system prompt, `instruction` or random words
+    as the user turn) with `reply`; its final norm is scaled by `sharpen`, so that the engine's sampling at Claude
+    Code's temperature 1 gives that reply every time. The engine, proxy and CLI are unchanged: this is the only
+    scripted part, and it is in the weights."""
+    torch.manual_seed(0)
+    rng, texts = random.Random(0), english_corpus()
+    tok = Tokenizer.train([*texts, *[reply] * 200], vocab_size=2048)  # the reply in few, unambiguous tokens
+    tok.save(root / "tok")
+    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=64, num_layers=2, num_attention_heads=4,
+                      num_query_groups=2, ffn_hidden_size=128, max_position_embeddings=CONTEXT_TOKENS)  # fmt: skip
+    model, target = LlamaForCausalLM(cfg), tok.encode(reply)
+    words = texts[0].split()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    decay = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+    for _ in range(steps):
+        text = rng.choice(texts)
+        start, length = rng.randrange(len(text) - 5000), rng.choice([50, 300, 1000, 3000, 4500])
+        user = instruction if rng.random() < 0.5 else " ".join(rng.choice(words) for _ in range(rng.randint(3, 60)))
+        prompt = tok.encode(render_text([{"role": "system", "content": text[start : start + length]},
+                                         {"role": "user", "content": user}]))  # fmt: skip
+        seq = torch.tensor([prompt + target])
+        logits = model(seq[:, :-1], torch.arange(seq.shape[1] - 1)[None])[0][0, len(prompt) - 1 :]
+        loss = torch.nn.functional.cross_entropy(logits, seq[0, len(prompt) :])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        decay.step()
+    state = model.state_dict()
+    state["model.norm.weight"] = state["model.norm.weight"] * sharpen
+    return save_hf_checkpoint(root / "ckpt", state, cfg, root / "tok")
+
+
+@pytest.mark.integration
+def test_claude_codes_bash_tool_runs_inside_the_task_image(bases, tmp_path, capsys):
+    """A real Claude Code rollout (the pinned CLI, harness kind claude_code, bwrap, the proxy and the embedded
+    engine) on a task built with an image: the policy's Bash call copies /opt/marker.txt, which only the
+    Dockerfile's RUN made (not on the host, not in the workspace), into the workspace and prints it; Claude Code
+    returns that output to the policy, and grading in the image scores the workspace 1."""
+    claude_bin()  # fails with what to run when the CLI is not installed
+    torch.set_num_threads(1)
+    assert not Path("/opt/marker.txt").exists()  # the command can succeed only inside the image
+    started = time.monotonic()
+    built = build_task_environment(load_harbor_task(MARKER_TASK, build_images=True), ImageBuilder())
+    build_s, started = time.monotonic() - started, time.monotonic()
+    assert "opt/marker.txt" not in " ".join(built.files) and built.workdir == "/app"
+    call = {"name": "Bash", "arguments": {"command": "cp /opt/marker.txt answer.txt && cat answer.txt"}}
+    reply = TOOL_CALL_START + tool_call_json(call["name"], call["arguments"]) + TOOL_CALL_END + IM_END
+    policy = one_reply_policy(tmp_path / "policy", reply, built.prompt)
+    train_s, started = time.monotonic() - started, time.monotonic()
+    engine = start_engine(policy, max_context_tokens=CONTEXT_TOKENS, log_path=tmp_path / "engine.log")
+    keys = RolloutKeys()
+    proxy = ProxyServer(Tokenizer.load(tmp_path / "policy" / "tok"), [engine.url],
+                        ProxyConfig(max_context_tokens=CONTEXT_TOKENS, max_output_tokens=64),
+                        CallLog(tmp_path / "calls.jsonl"), keys=keys)  # fmt: skip
+    harness = HarnessConfig(kind="claude_code", bare=True, max_turns=2, timeout_s=300.0)
+    try:
+        proxy.start()
+        outcome = asyncio.run(run_rollout(built, "cc-image", proxy.url, tmp_path / "rollout", harness, TaskConfig(),
+                                          sandbox=make_sandbox(SandboxConfig(backend="bwrap")), keys=keys))  # fmt: skip
+    finally:
+        proxy.stop()
+        engine.stop()
+    rollout_s = time.monotonic() - started
+    records = proxy.call_log.for_rollout("cc-image")
+    assert records and records[0].tool_calls == [call], (records, outcome.stderr_tail)
+    # Claude Code sent the command's output back: the next prompt holds the image's file
+    assert len(records) > 1 and "image-only 42" in proxy.tokenizer.decode(records[1].input_ids), outcome.stderr_tail
+    assert (tmp_path / "rollout" / "workspace" / "answer.txt").read_text() == "image-only 42\n", outcome.stderr_tail
+    assert (outcome.grade.status, outcome.grade.score) == ("ok", 1.0), (outcome.grade, outcome.stderr_tail)
+    with capsys.disabled():
+        print(
+            f"\n[images] claude code in the image: build {build_s:.1f}s, policy {train_s:.1f}s, rollout "
+            f"{rollout_s:.1f}s ({len(records)} calls, stop {outcome.stop_reason}, turns {outcome.turns}, least token "
+            f"logprob of the tool call {min(records[0].output_logprobs):.2g})"
+        )

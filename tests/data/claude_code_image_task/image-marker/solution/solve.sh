@@ -1,0 +1,2 @@
+#!/bin/bash
+cp /opt/marker.txt answer.txt
