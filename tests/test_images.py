@@ -47,6 +47,7 @@ from gyre.tasks.images import (
     base_images,
     build_task_environment,
     qualified,
+    workspace_from_rootfs,
 )
 from gyre.tasks.offline_tests import uv_version, uvx_commands
 from gyre.tasks.oracle import check_task
@@ -294,6 +295,18 @@ def test_apptainer_runs_a_built_image_from_its_sif_in_the_cache(tmp_path, monkey
     assert sandbox.image_for(IMAGE_PREFIX + "d2") == str(tmp_path / "images" / "d2" / "image.sif")
     with pytest.raises(SandboxUnavailable, match="apptainer build .*image.sif oci-archive:.*image.oci.tar"):
         sandbox.image_for(IMAGE_PREFIX + "not-converted")  # never the default .sif: the task's image is its own
+
+
+@pytest.mark.unit
+def test_binary_files_in_the_images_working_directory_are_kept_as_bytes(tmp_path):
+    """A PNG the Dockerfile COPYs into WORKDIR (public tasks do) is workspace, kept as bytes, not a refused task."""
+    png = b"\x89PNG\r\n\x1a\n\x00\xff"
+    (tmp_path / "task" / "tools").mkdir(parents=True)
+    (tmp_path / "task" / "puzzle.png").write_bytes(png)
+    (tmp_path / "task" / "tools" / "run.sh").write_text("#!/bin/sh\n")
+    (tmp_path / "task" / "tools" / "run.sh").chmod(0o755)
+    files, executables = workspace_from_rootfs(tmp_path, "/task")
+    assert files == {"puzzle.png": png, "tools/run.sh": "#!/bin/sh\n"} and executables == ["tools/run.sh"]
 
 
 @pytest.mark.unit

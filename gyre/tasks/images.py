@@ -32,7 +32,7 @@ from typing import Any
 
 from gyre.sandbox.rootfs import IMAGE_PREFIX, ImageRoot, cache_root, image_root, images_dir, passwd_ids
 from gyre.tasks import offline_tests
-from gyre.tasks.task import Task, TaskFormatError
+from gyre.tasks.task import Task, TaskFormatError, WorkspaceFile, as_text, check_workspace_size
 
 MAKE_BASES = "python -m tools.make_base_images"
 
@@ -284,20 +284,15 @@ def offline_grading(task: Task, image: str, root: ImageRoot) -> dict[str, Any]:
     return {**task.grading, "env": env, "offline_tests": prepared, "offline_pythons": pythons}
 
 
-def workspace_from_rootfs(rootfs: Path, workdir: str) -> tuple[dict[str, str], list[str]]:
-    """(files, executable ones) under the image's working directory: what the task starts its agent with."""
+def workspace_from_rootfs(rootfs: Path, workdir: str) -> tuple[dict[str, WorkspaceFile], list[str]]:
+    """(files, executable ones) under the image's working directory: what the task starts its agent with. Files
+    that are not UTF-8 (a PNG the Dockerfile copied in, a fixture a RUN step made) are kept as bytes."""
     top = rootfs / workdir.lstrip("/")
-    files: dict[str, str] = {}
     if not top.is_dir():
-        return files, []
+        return {}, []
     if not top.resolve().is_relative_to(rootfs.resolve()):  # an image's symlink, resolved on the host
         raise ImageBuildError(f"the working directory {workdir} is a symlink in the image; make it a directory")
-    for path in sorted(p for p in top.rglob("*") if p.is_file() and not p.is_symlink()):
-        rel = path.relative_to(top).as_posix()
-        try:
-            files[rel] = path.read_text()
-        except UnicodeDecodeError:
-            raise ImageBuildError(
-                f"{workdir}/{rel} in the built image is not UTF-8 text; workspace files must be text"
-            ) from None
+    paths = sorted(p for p in top.rglob("*") if p.is_file() and not p.is_symlink())
+    files = as_text({path.relative_to(top).as_posix(): path.read_bytes() for path in paths})
+    check_workspace_size(files, f"{workdir} in the built image")
     return files, sorted(rel for rel in files if os.access(top / rel, os.X_OK))
