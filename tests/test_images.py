@@ -49,7 +49,7 @@ from gyre.tasks.images import (
     qualified,
     workspace_from_rootfs,
 )
-from gyre.tasks.offline_tests import uv_version, uvx_commands
+from gyre.tasks.offline_tests import PIP_DIR, offline_env, pip_requirements, uv_version, uvx_commands
 from gyre.tasks.oracle import check_task
 from gyre.tasks.source import load_instances
 from tools.make_base_images import make_base
@@ -236,6 +236,25 @@ def test_the_uvx_commands_a_test_script_runs_are_what_gets_prepared():
     assert uv_version(TB2_TEST) == "0.9.7" and uvx_commands("python3 -m pytest /tests\n") == []
 
 
+PIP_TEST = """#!/bin/bash
+set -uo pipefail
+pip install --quiet --no-cache-dir pytest==8.2.2 2>/dev/null || \\
+pip install --quiet --no-cache-dir --break-system-packages pytest==8.2.2
+python3 -m pip install -q -r /tests/requirements.txt numpy==1.26.4 -i https://example.org/simple && echo ok
+pip3 install --target /tmp/x ./local-dir requests; pytest /tests/test_outputs.py > /logs/verifier/out.txt
+"""
+
+
+@pytest.mark.unit
+def test_the_packages_a_test_scripts_pip_installs_name_are_what_gets_prepared():
+    """Options and their values, requirement files and local paths are left out; each package once, in order."""
+    assert pip_requirements(PIP_TEST) == ["pytest==8.2.2", "numpy==1.26.4", "requests"]
+    assert pip_requirements("python3 -m pytest /tests\necho pip install x\n") == []
+    env = offline_env("/usr/bin", pip=True)
+    assert env["PATH"].split(":")[1] == f"{PIP_DIR}/site/bin" and env["PYTHONPATH"] == f"{PIP_DIR}/site"
+    assert env["PIP_NO_INDEX"] == "1" and "PYTHONPATH" not in offline_env("/usr/bin")
+
+
 @pytest.mark.unit
 def test_network_failures_are_named_unless_the_tests_ran():
     hint = network_hint("curl: (6) Could not resolve host: astral.sh\nbash: uvx: command not found\n")
@@ -253,6 +272,23 @@ def test_a_terminal_bench_style_test_that_fetches_uv_and_pytest_runs_offline(bas
     report = check_task(built, make_sandbox(SandboxConfig()), check_timeout_s=120)
     assert (report.oracle.score, report.nop.score, report.problem) == (1.0, 0.0, ""), report.line()
     assert {c["name"]: c["passed"] for c in report.oracle.checks}["test: test_outputs.py::test_count_is_right"]
+
+
+@pytest.mark.integration
+def test_a_test_that_pip_installs_pytest_at_test_time_runs_offline(bases, tmp_path):
+    """tests/test.sh `pip install pytest==8.2.2` (the image has no pytest), then `pytest`: prepared at build time
+    by the image's pip, it grades with no network: the oracle 1, the no-op 0."""
+    task_dir = tmp_path / "word-count-pip"
+    shutil.copytree(IMAGE_TASKS / "word-count-uvx", task_dir)
+    (task_dir / "tests" / "test.sh").write_text(
+        "pip install --quiet --no-cache-dir pytest==8.2.2\n"
+        "pytest /tests/test_outputs.py -rA && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n"
+    )
+    built = build_task_environment(load_harbor_task(task_dir, build_images=True), ImageBuilder())
+    assert built.grading["env"]["PIP_NO_INDEX"] == "1"
+    assert Path(built.grading["offline_tests"], "pip", "site", "bin", "pytest").is_file()
+    report = check_task(built, make_sandbox(SandboxConfig()), check_timeout_s=120)
+    assert (report.oracle.score, report.nop.score, report.problem) == (1.0, 0.0, ""), report.line()
 
 
 @pytest.mark.integration

@@ -237,6 +237,8 @@ def test_logs_are_named_in_words():
                                              "in name resolution>")  # fmt: skip
     assert "needs the network" in name_cause("curl: (6) Could not resolve host: astral.sh")
     assert "needs pytest" in name_cause("/usr/bin/python3: No module named pytest")
+    said = name_cause("OSError: [Errno 30] Read-only file system: '/tests/score.txt'")
+    assert "writes /tests/score.txt" in said and "read-only" in said
     assert "needs pytest" in name_cause("tests/test.sh: line 3: uvx: command not found")
     assert name_cause("ModuleNotFoundError: No module named 'numpy'").startswith("needs the Python module numpy")
     assert name_cause("bash: jq: command not found") == "needs `jq`, which the environment it runs in lacks"

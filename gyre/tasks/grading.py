@@ -51,7 +51,7 @@ from gyre.sandbox.backends import NoSandbox
 from gyre.sandbox.base import WORKSPACE, code_mounts, host_env
 from gyre.tasks import checker, harbor_checker, swebench_checker
 from gyre.tasks.checker_report import CheckerReport, ReportListener
-from gyre.tasks.offline_tests import UV_DIR
+from gyre.tasks.offline_tests import PIP_DIR, UV_DIR
 from gyre.tasks.reward_guard import GuardUnavailable, reward_guard_library
 from gyre.tasks.task import Task
 
@@ -239,14 +239,8 @@ def _grading_mounts(task: Task, sandbox: Sandbox, scratch: Path, copy: Path) -> 
             path.write_bytes(base64.b64decode(content))
         mounts.append(Mount(tests, TESTS_DIR))
         where["tests_dir"] = place(sandbox, mounts[-1])
-    if task.grading.get("offline_tests") and sandbox.isolated:  # gyre/tasks/offline_tests.py: uv, its cache (a copy)
-        prepared = Path(task.grading["offline_tests"])
-        shutil.copytree(prepared / "cache", scratch / "uv-cache", symlinks=True)
-        mounts += [
-            Mount(prepared / "bin", f"{UV_DIR}/bin"),
-            Mount(scratch / "uv-cache", f"{UV_DIR}/cache", writable=True),
-        ]
-        mounts += [Mount(Path(prefix), prefix) for prefix in task.grading.get("offline_pythons", [])]
+    if sandbox.isolated:
+        mounts += offline_test_mounts(task, scratch)
     if task.checker == "harbor":
         (scratch / "logs").mkdir()
         mounts.append(Mount(scratch / "logs", LOGS_DIR, writable=True))
@@ -254,6 +248,20 @@ def _grading_mounts(task: Task, sandbox: Sandbox, scratch: Path, copy: Path) -> 
         mounts.append(Mount(reward_guard_library(), REWARD_GUARD))
         where["reward_guard"] = place(sandbox, mounts[-1])
     return mounts, where
+
+
+def offline_test_mounts(task: Task, scratch: Path) -> list[Mount]:
+    """What gyre/tasks/offline_tests.py prepared for the task's tests at build time: uv and a copy of its cache
+    (uv writes to it), the packages its pip installs name, the host interpreters uvx asked for. Every run of the
+    tests needs them: grading and the oracle check's showing of the tests' output alike."""
+    if not task.grading.get("offline_tests"):
+        return []
+    prepared = Path(task.grading["offline_tests"])
+    shutil.copytree(prepared / "cache", scratch / "uv-cache", symlinks=True)
+    mounts = [Mount(prepared / "bin", f"{UV_DIR}/bin"), Mount(scratch / "uv-cache", f"{UV_DIR}/cache", writable=True)]
+    if (prepared / "pip").is_dir():
+        mounts.append(Mount(prepared / "pip", PIP_DIR))
+    return mounts + [Mount(Path(prefix), prefix) for prefix in task.grading.get("offline_pythons", [])]
 
 
 def _checker_inputs(task: Task) -> dict[str, Any]:

@@ -277,8 +277,12 @@ def offline_grading(task: Task, image: str, root: ImageRoot) -> dict[str, Any]:
         raise ImageBuildError(f"{task.source_path}: cannot prepare its tests to run offline: {e}") from None
     if not prepared:
         return task.grading
-    pythons = json.loads((Path(prepared) / "prepared.json").read_text()).get("pythons", [])
-    env = {**task.grading.get("env", {}), **offline_tests.offline_env(root.env.get("PATH", "/usr/bin:/bin"), pythons)}
+    made = json.loads((Path(prepared) / "prepared.json").read_text())
+    pythons, own = made.get("pythons", []), task.grading.get("env", {})
+    offline = offline_tests.offline_env(root.env.get("PATH", "/usr/bin:/bin"), pythons, pip=bool(made.get("pip")))
+    if "PYTHONPATH" in offline and own.get("PYTHONPATH"):  # the task's own first
+        offline["PYTHONPATH"] = f"{own['PYTHONPATH']}:{offline['PYTHONPATH']}"
+    env = {**own, **offline}
     if (python := offline_tests.fallback_python(root)) is not None:
         env["UV_PYTHON"] = python[1]
     return {**task.grading, "env": env, "offline_tests": prepared, "offline_pythons": pythons}

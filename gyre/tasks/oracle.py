@@ -30,7 +30,7 @@ from typing import Any
 
 from gyre.sandbox import Mount, Sandbox, SandboxJob, place
 from gyre.sandbox.base import WORKSPACE, code_mounts, host_env
-from gyre.tasks.grading import LOGS_DIR, TESTS_DIR, Grade, grade_workspace
+from gyre.tasks.grading import LOGS_DIR, TESTS_DIR, Grade, grade_workspace, offline_test_mounts
 from gyre.tasks.swebench_checker import reset_and_patch
 from gyre.tasks.task import GIT_ENV, SkippedTask, Task
 
@@ -50,6 +50,9 @@ _LOG_CAUSES: list[tuple[re.Pattern[str], str]] = [
      "needs the Python module {0}, which the environment it runs in lacks"),
     (re.compile(r"(?:^|\s)([\w.+-]+): (?:command )?not found", re.MULTILINE),
      "needs `{0}`, which the environment it runs in lacks"),
+    (re.compile(r"(?:Read-only file system|Permission denied): '(/tests/[^']*)'"),
+     "writes {0}, but /tests is read-only in grading (Gyre keeps the tests out of reach of the agent's code they "
+     "run; Harbor copies them in writable): the task's tests must write elsewhere, e.g. /logs/verifier or /tmp"),
     (re.compile(r"Permission denied|Read-only file system|are you root"),
      "writes where it may not (only the working directory is writable; no root)"),
 ]  # fmt: skip
@@ -212,6 +215,7 @@ def test_output(task: Task, workspace: Path, sandbox: Sandbox, timeout: float) -
             for sub in ("verifier", "agent", "artifacts"):
                 (logs / sub).mkdir(parents=True)
             mounts += [Mount(tests, TESTS_DIR), Mount(logs, LOGS_DIR, writable=True)]
+            mounts += offline_test_mounts(task, scratch) if sandbox.isolated else []
             argv, env = (
                 ["bash", f"{TESTS_DIR}/{task.grading.get('test_script', 'test.sh')}"],
                 task.grading.get("env", {}),
