@@ -45,6 +45,7 @@ from gyre.tasks.images import (
     apptainer_build_argv,
     archive_stem,
     base_images,
+    build_host_trust,
     build_task_environment,
     qualified,
     workspace_from_rootfs,
@@ -331,6 +332,25 @@ def test_apptainer_runs_a_built_image_from_its_sif_in_the_cache(tmp_path, monkey
     assert sandbox.image_for(IMAGE_PREFIX + "d2") == str(tmp_path / "images" / "d2" / "image.sif")
     with pytest.raises(SandboxUnavailable, match="apptainer build .*image.sif oci-archive:.*image.oci.tar"):
         sandbox.image_for(IMAGE_PREFIX + "not-converted")  # never the default .sif: the task's image is its own
+
+
+@pytest.mark.unit
+def test_run_steps_trust_the_build_hosts_bundle_as_build_arguments_only(tmp_path, monkeypatch):
+    """Behind a TLS-inspecting proxy a RUN step's pip needs the host's CA bundle: bound for the RUN steps and named
+    by ARGs after each FROM (never ENV: the image stays what the Dockerfile makes); without one, nothing changes."""
+    (tmp_path / "Dockerfile").write_text("FROM python:3.11-slim AS b\nRUN pip install x\nFROM b\nENV A=1\n")
+    (tmp_path / "ca.pem").write_text("---\n")
+    (tmp_path / "out").mkdir()
+    monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "ca.pem"))
+    dockerfile, args = build_host_trust(tmp_path / "Dockerfile", tmp_path / "out")
+    lines = dockerfile.read_text().splitlines()
+    assert lines[0] == "FROM python:3.11-slim AS b" and lines[1] == "ARG SSL_CERT_FILE" and "ARG PIP_CERT" in lines
+    assert [ln for ln in lines if not ln.startswith("ARG ")] == ["FROM python:3.11-slim AS b", "RUN pip install x",
+                                                                  "FROM b", "ENV A=1"]  # fmt: skip
+    assert args[:2] == ["-v", f"{tmp_path / 'ca.pem'}:/opt/gyre/host-ca.crt:ro"]
+    assert "--build-arg=PIP_CERT=/opt/gyre/host-ca.crt" in args
+    monkeypatch.delenv("SSL_CERT_FILE")
+    assert build_host_trust(tmp_path / "Dockerfile", tmp_path / "out") == (tmp_path / "Dockerfile", [])
 
 
 @pytest.mark.unit

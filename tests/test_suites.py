@@ -195,6 +195,21 @@ def test_a_compose_build_context_is_the_task_root(tmp_path):
     assert plain.build_context == str(tmp_path / "answer" / "environment")
 
 
+@pytest.mark.unit
+def test_a_compose_files_sidecars_are_not_the_agents_environment(tmp_path):
+    """Harbor's compose file adds services beside `main` (an API server, a simulated user) with builds of their
+    own: the agent's environment stays environment/Dockerfile (the cookbook's multi-container, mcp-tools)."""
+    d = sound_task(tmp_path)
+    (d / "environment" / "api-server").mkdir()
+    (d / "environment" / "api-server" / "Dockerfile").write_text("FROM python:3.11-slim\n")
+    sidecar = "  api-server:\n    build:\n      context: ./api-server\n"
+    for spec in (f"services:\n  main:\n    depends_on: [api-server]\n{sidecar}", f"services:\n{sidecar}"):
+        (d / "environment" / "docker-compose.yaml").write_text(spec)
+        task = load_harbor_task(d)
+        assert task.dockerfile == str(d / "environment" / "Dockerfile"), spec
+        assert task.build_context == str(d / "environment")
+
+
 # ---------------------------------------------------------------- binary workspaces (unit)
 
 

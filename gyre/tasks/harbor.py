@@ -149,9 +149,16 @@ def workspace_from_dockerfile(
     return final, files, sorted(set(executables) & set(files))
 
 
+AGENT_SERVICES = ("main", "client")  # the agent's container: Harbor's `main`, Terminal-Bench 1's `client`
+
+
 def compose_build(task_dir: Path) -> tuple[Path, Path] | None:
-    """(build context, Dockerfile) of the first service with a `build` in the task's compose file, if any:
-    Terminal-Bench-style tasks build from the task root, not environment/."""
+    """(build context, Dockerfile) of the agent's own container in the task's compose file, if the compose file
+    says how to build it: Terminal-Bench-style tasks build from the task root, not environment/. The agent's
+    service is `main` (Harbor) or `client` (Terminal-Bench 1); other services with a build are sidecars (an API
+    server, a simulated user) that Gyre does not run, never the agent's environment. None (environment/Dockerfile)
+    when the agent's service has no build of its own (Harbor builds `main` from environment/), or when only
+    sidecars build and environment/Dockerfile exists."""
     for base in (task_dir / "environment", task_dir):
         for name in COMPOSE_FILES:
             if (base / name).is_file():
@@ -165,7 +172,12 @@ def _compose_build(path: Path, task_dir: Path) -> tuple[Path, Path] | None:
     except yaml.YAMLError as e:
         raise TaskFormatError(f"{path}: not YAML: {e}") from None
     services = compose.get("services") if isinstance(compose, dict) else None
-    for service in services.values() if isinstance(services, dict) else ():
+    services = services if isinstance(services, dict) else {}
+    agent = [n for n in AGENT_SERVICES if n in services]
+    if not agent and (task_dir / "environment" / "Dockerfile").is_file():
+        return None
+    for name in agent or list(services):
+        service = services[name]
         build = service.get("build") if isinstance(service, dict) else None
         build = {"context": build} if isinstance(build, str) else build
         if isinstance(build, dict):
@@ -173,6 +185,8 @@ def _compose_build(path: Path, task_dir: Path) -> tuple[Path, Path] | None:
             if not context.is_relative_to(task_dir.resolve()):
                 raise TaskFormatError(f"{path}: build context {context} is outside the task directory")
             return context, context / str(build.get("dockerfile", "Dockerfile"))
+        if agent:
+            return None
     return None
 
 

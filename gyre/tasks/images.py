@@ -165,8 +165,10 @@ class ImageBuilder:
         for base in base_images(spec.dockerfile.read_text()):
             self.ensure_base(base)
         tag = IMAGE_PREFIX + digest
-        proc = self.run("bud", "--isolation", "chroot", "--pull=never", "--layers", "--quiet", "-f",
-                        str(spec.dockerfile), "-t", tag, str(spec.context), timeout=timeout)  # fmt: skip
+        with tempfile.TemporaryDirectory(prefix="gyre-bud-") as scratch:
+            dockerfile, trust = build_host_trust(spec.dockerfile, Path(scratch))
+            proc = self.run("bud", "--isolation", "chroot", "--pull=never", "--layers", "--quiet", *trust, "-f",
+                            str(dockerfile), "-t", tag, str(spec.context), timeout=timeout)  # fmt: skip
         if proc.returncode != 0:
             tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
             raise ImageBuildError(f"{spec.dockerfile}: buildah bud failed (exit {proc.returncode}):\n{tail}")
@@ -232,6 +234,33 @@ class ImageBuilder:
         """The command line that writes a built image as an OCI archive (what `apptainer build` converts)."""
         storage = ["--root", str(self.cache / "storage"), "--runroot", str(self.cache / "run")]
         return [self.buildah, *storage, "push", "--quiet", image, f"oci-archive:{archive}:{image}"]
+
+
+TRUST_VARIABLES = ("SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
+
+
+def build_host_trust(dockerfile: Path, scratch: Path) -> tuple[Path, list[str]]:
+    """(Dockerfile to build, extra buildah arguments) so that RUN steps trust what the build host trusts.
+
+    Where the host reaches registries through a TLS-inspecting proxy ($SSL_CERT_FILE names a bundle with its
+    CA), a RUN step's `pip install` or `curl` would fail certificate checks with the image's own bundle. The
+    host's bundle is bound read-only at offline_tests.HOST_CA_BUNDLE for the RUN steps only, and a copy of the
+    Dockerfile declares TRUST_VARIABLES as build arguments after each FROM: set for RUN steps, never part of
+    the image's ENV (ARG, not ENV), so the image is what the task's Dockerfile makes. The digest stays that of
+    the task's own Dockerfile. Without $SSL_CERT_FILE: the Dockerfile as it is, nothing added."""
+    bundle = os.environ.get("SSL_CERT_FILE", "")
+    if not bundle or not os.path.isfile(bundle):
+        return dockerfile, []
+    lines = []
+    for line in dockerfile.read_text().splitlines():
+        lines.append(line)
+        if line.strip().upper().startswith("FROM ") and not line.rstrip().endswith("\\"):
+            lines += [f"ARG {name}" for name in TRUST_VARIABLES]
+    copy = scratch / "Dockerfile"
+    copy.write_text("\n".join(lines) + "\n")
+    args = ["-v", f"{bundle}:{offline_tests.HOST_CA_BUNDLE}:ro"]
+    args += [f"--build-arg={name}={offline_tests.HOST_CA_BUNDLE}" for name in TRUST_VARIABLES]
+    return copy, args
 
 
 def apptainer_build_argv(archive: Path, sif: Path, apptainer: str = "apptainer") -> list[str]:
