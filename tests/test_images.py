@@ -133,6 +133,28 @@ def test_bwrap_uses_the_image_rootfs_env_and_user(tmp_path, monkeypatch):
 
 
 @pytest.mark.unit
+def test_a_root_image_knows_the_sandbox_uid_it_runs_as(tmp_path, monkeypatch):
+    """A root image runs as uid 1000, which its /etc/passwd lacks: a copy with an `agent` entry is bound over it
+    (ssh-keygen and whoami look the user up); an image that has the uid keeps its own files."""
+    monkeypatch.setenv("GYRE_CACHE", str(tmp_path))
+    image_dir = tmp_path / "images" / "d2"
+    (image_dir / "rootfs" / "etc").mkdir(parents=True)
+    (image_dir / "rootfs" / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/bash\n")
+    (image_dir / "rootfs" / "etc" / "group").write_text("root:x:0:\n")
+    meta = {"env": {"PATH": "/usr/bin:/bin"}, "workdir": "/", "user": "", "uid": 0, "gid": 0}
+    (image_dir / "image.json").write_text(json.dumps(meta))
+    argv = BwrapSandbox(SandboxConfig()).command(SandboxJob(argv=["true"], cwd="/", image=IMAGE_PREFIX + "d2"))
+    binds = {argv[i + 2]: argv[i + 1] for i, a in enumerate(argv) if a == "--ro-bind"}
+    passwd = Path(binds["/etc/passwd"]).read_text().splitlines()
+    assert passwd == ["root:x:0:0:root:/root:/bin/bash", "agent:x:1000:1000:agent:/home/agent:/bin/sh"]
+    assert Path(binds["/etc/group"]).read_text().splitlines()[-1] == "agent:x:1000:"
+    assert (image_dir / "rootfs" / "etc" / "passwd").read_text().count("\n") == 1  # the image is not changed
+    (image_dir / "rootfs" / "etc" / "passwd").write_text("u:x:1000:1000::/home/u:/bin/sh\n")
+    argv = BwrapSandbox(SandboxConfig()).command(SandboxJob(argv=["true"], cwd="/", image=IMAGE_PREFIX + "d2"))
+    assert "/etc/passwd" not in argv
+
+
+@pytest.mark.unit
 def test_a_host_python_in_usr_moves_out_of_the_images_usr(monkeypatch):
     monkeypatch.setattr("sys.base_prefix", "/usr")
     mounts, relocate = relocated_python_mounts([Mount(Path("/usr"), "/usr"), Mount(Path("/w"), "/app", True)])

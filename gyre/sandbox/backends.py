@@ -111,12 +111,22 @@ class BwrapSandbox:
                 "--proc", "/proc", "--dev", "/dev", *self.scratch_args()]  # fmt: skip
         for m in mounts:
             argv += ["--bind" if m.writable else "--ro-bind", str(m.source), m.target]
+        try:
+            users = rootfs.user_files(root, uid, HOME) if not root.uid else {}
+        except OSError:  # a read-only image cache: run without the entry rather than not at all
+            users = {}
+        for target, source in users.items():
+            argv += ["--ro-bind", str(source), target]
         if job.proxy_socket is not None:
             argv += ["--bind", str(job.proxy_socket), SOCKET_PATH]
-        points = [(t, False) for t in ("/proc", "/dev", "/tmp", HOME)] + [
-            (m.target, not m.source.is_dir())
-            for m in mounts  # a file or a socket
-        ]
+        points = (
+            [(t, False) for t in ("/proc", "/dev", "/tmp", HOME)]
+            + [(t, True) for t in users]
+            + [
+                (m.target, not m.source.is_dir())
+                for m in mounts  # a file or a socket
+            ]
+        )
         try:  # what bwrap mounts on must exist in the read-only root
             for target, is_file in [*points, *([(SOCKET_PATH, True)] if job.proxy_socket is not None else [])]:
                 rootfs.ensure_mountpoint(root.rootfs, target, is_file)

@@ -110,3 +110,32 @@ def passwd_ids(rootfs: Path, user: str) -> tuple[int, int]:
     if group:
         gid = int(group) if group.isdigit() else int(lookup("group", group)[2])
     return uid, gid
+
+
+def user_files(root: ImageRoot, uid: int, home: str) -> dict[str, Path]:
+    """Copies of the image's /etc/passwd and /etc/group with an entry for `uid` added where the image has none
+    (made once per image beside its rootfs), keyed by where they are bound; {} when the image names `uid`.
+    A root image runs as the sandbox uid, which the image's files do not know: without an entry, tools that look
+    the user up (ssh-keygen, whoami, git's ident) fail with "No user exists for uid 1000", where under Docker they
+    run as root and find one."""
+    etc = root.rootfs / "etc"
+    try:
+        passwd = (etc / "passwd").read_text(errors="replace")
+    except OSError:
+        passwd = ""
+    if any(line.split(":")[2:3] == [str(uid)] for line in passwd.splitlines()):
+        return {}
+    try:
+        group = (etc / "group").read_text(errors="replace")
+    except OSError:
+        group = ""
+    made: dict[str, Path] = {}
+    for name, text, entry in (("passwd", passwd, f"agent:x:{uid}:{uid}:agent:{home}:/bin/sh"),
+                              ("group", group, f"agent:x:{uid}:")):  # fmt: skip
+        path = root.rootfs.parent / f"etc-{name}-{uid}"
+        if not path.is_file():
+            staging = path.with_name(f".{path.name}.{os.getpid()}")
+            staging.write_text(text + ("" if not text or text.endswith("\n") else "\n") + entry + "\n")
+            staging.replace(path)
+        made[f"/etc/{name}"] = path
+    return made
