@@ -45,6 +45,7 @@ from gyre.tasks.images import (
     apptainer_build_argv,
     archive_stem,
     base_images,
+    build_error,
     build_host_trust,
     build_task_environment,
     qualified,
@@ -354,6 +355,14 @@ def test_apptainer_runs_a_built_image_from_its_sif_in_the_cache(tmp_path, monkey
     assert sandbox.image_for(IMAGE_PREFIX + "d2") == str(tmp_path / "images" / "d2" / "image.sif")
     with pytest.raises(SandboxUnavailable, match="apptainer build .*image.sif oci-archive:.*image.oci.tar"):
         sandbox.image_for(IMAGE_PREFIX + "not-converted")  # never the default .sif: the task's image is its own
+
+
+@pytest.mark.unit
+def test_a_failed_builds_cause_starts_with_the_builders_error():
+    out = ["WARNING: Running pip as the 'root' user", "debconf: delaying package configuration",
+           "Error: building at STEP \"COPY environment/data/ /task/\": checking on sources: no such file"]  # fmt: skip
+    assert build_error(out).startswith("Error: building at STEP") and build_error([]) == "(no output)"
+    assert build_error(["E: Unable to locate package nope", "exit status 100"]) == "E: Unable to locate package nope"
 
 
 @pytest.mark.unit

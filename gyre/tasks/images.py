@@ -170,8 +170,9 @@ class ImageBuilder:
             proc = self.run("bud", "--isolation", "chroot", "--pull=never", "--layers", "--quiet", *trust, "-f",
                             str(dockerfile), "-t", tag, str(spec.context), timeout=timeout)  # fmt: skip
         if proc.returncode != 0:
-            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-            raise ImageBuildError(f"{spec.dockerfile}: buildah bud failed (exit {proc.returncode}):\n{tail}")
+            lines = (proc.stdout + proc.stderr).strip().splitlines()
+            raise ImageBuildError(f"{spec.dockerfile}: buildah bud failed (exit {proc.returncode}): "
+                                  f"{build_error(lines)}\n" + "\n".join(lines[-15:]))  # fmt: skip
         built_s = time.monotonic() - started
         staging = Path(tempfile.mkdtemp(prefix=f".{digest}-", dir=self.cache))
         try:
@@ -234,6 +235,14 @@ class ImageBuilder:
         """The command line that writes a built image as an OCI archive (what `apptainer build` converts)."""
         storage = ["--root", str(self.cache / "storage"), "--runroot", str(self.cache / "run")]
         return [self.buildah, *storage, "push", "--quiet", image, f"oci-archive:{archive}:{image}"]
+
+
+def build_error(lines: list[str]) -> str:
+    """The line of the builder's output that says what went wrong (its last `Error:` line, else its last line):
+    first in the cause, since a one-line report shows only the cause's beginning, and RUN steps' warnings
+    (pip as root, debconf) come before it."""
+    errors = [line for line in lines if line.lstrip().lower().startswith(("error:", "error ", "e: "))]
+    return (errors or lines or ["(no output)"])[-1].strip()
 
 
 TRUST_VARIABLES = ("SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
