@@ -254,6 +254,14 @@ def test_logs_are_named_in_words():
     assert "needs pytest" in name_cause("/usr/bin/python3: No module named pytest")
     said = name_cause("OSError: [Errno 30] Read-only file system: '/tests/score.txt'")
     assert "writes /tests/score.txt" in said and "read-only" in said
+    # pytest reported: the test script's offline setup (apt-get, the uv installer) is not the cause, nor is
+    # pytest's own cache under /tests; a wrong answer is left to the failed tests
+    ran = ("curl: (6) Could not resolve host: astral.sh\n/tests/test.sh: line 6: curl: command not found\n"
+           "W: Problem unlinking the file /var/cache/apt/pkgcache.bin - RemoveCaches (30: Read-only file system)\n"
+           "could not create cache path: [Errno 30] Read-only file system: '/tests/pytest-cache-files-x1'\n"
+           "=================== 4 failed, 1 passed, 2 warnings in 0.22s ====================\n")  # fmt: skip
+    assert name_cause(ran) == ""
+    assert "writes /tests/score.txt" in name_cause(ran + "OSError: Read-only file system: '/tests/score.txt'\n")
     assert "needs pytest" in name_cause("tests/test.sh: line 3: uvx: command not found")
     assert name_cause("ModuleNotFoundError: No module named 'numpy'").startswith("needs the Python module numpy")
     assert name_cause("bash: jq: command not found") == "needs `jq`, which the environment it runs in lacks"

@@ -31,6 +31,7 @@ from typing import Any
 from gyre.sandbox import Mount, Sandbox, SandboxJob, place
 from gyre.sandbox.base import WORKSPACE, code_mounts, host_env
 from gyre.tasks.grading import LOGS_DIR, TESTS_DIR, Grade, grade_workspace, offline_test_mounts
+from gyre.tasks.harbor_checker import _PYTEST_SUMMARY
 from gyre.tasks.swebench_checker import reset_and_patch
 from gyre.tasks.task import GIT_ENV, SkippedTask, Task
 
@@ -38,6 +39,10 @@ SOLUTION_DIR = "/solution"
 DEFAULT_SOLVE_TIMEOUT_S = 600.0
 TAIL_LINES = 15
 VERDICTS = ("sound", "broken", "skipped")
+_NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'")
+_WRITES_TESTS = re.compile(
+    r"(?:Read-only file system|Permission denied): '(/tests/(?!\.pytest_cache|pytest-cache)[^']*)'"
+)
 # What a test or solution log says, in the words a task's author can act on (first match wins)
 _LOG_CAUSES: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"Could not resolve host|Temporary failure in name resolution|Name or service not known|"
@@ -46,16 +51,17 @@ _LOG_CAUSES: list[tuple[re.Pattern[str], str]] = [
      "needs the network, which tests and solutions do not have (offline at rollout time)"),
     (re.compile(r"No module named '?pytest'?|pytest: (?:command )?not found|uvx?: (?:command )?not found"),
      "needs pytest (or uv), which the environment it runs in lacks"),
-    (re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'"),
+    (_NO_MODULE,
      "needs the Python module {0}, which the environment it runs in lacks"),
     (re.compile(r"(?:^|\s)([\w.+-]+): (?:command )?not found", re.MULTILINE),
      "needs `{0}`, which the environment it runs in lacks"),
-    (re.compile(r"(?:Read-only file system|Permission denied): '(/tests/[^']*)'"),
+    (_WRITES_TESTS,
      "writes {0}, but /tests is read-only in grading (Gyre keeps the tests out of reach of the agent's code they "
      "run; Harbor copies them in writable): the task's tests must write elsewhere, e.g. /logs/verifier or /tmp"),
     (re.compile(r"Permission denied|Read-only file system|are you root"),
      "writes where it may not (only the working directory is writable; no root)"),
 ]  # fmt: skip
+_CAUSES_WHILE_TESTS_RUN = {_NO_MODULE, _WRITES_TESTS}  # what a log says even when pytest reported
 
 
 @dataclass(frozen=True)
@@ -128,8 +134,13 @@ def tail_lines(text: str, n: int = TAIL_LINES) -> str:
 
 
 def name_cause(log: str) -> str:
-    """What a test or solution log says went wrong, when it says so recognisably; else ''."""
+    """What a test or solution log says went wrong, when it says so recognisably; else ''. A test log where
+    pytest reported its results is not blamed on a missing network or pytest: a test script's setup (apt-get,
+    the uv installer) fails offline before tests that then run from what was prepared at build time."""
+    tests_ran = _PYTEST_SUMMARY.search(log) is not None
     for pattern, words in _LOG_CAUSES:
+        if tests_ran and pattern not in _CAUSES_WHILE_TESTS_RUN:
+            continue
         m = pattern.search(log)
         if m:
             return words.format(*m.groups())
