@@ -261,6 +261,8 @@ def test_logs_are_named_in_words():
            "could not create cache path: [Errno 30] Read-only file system: '/tests/pytest-cache-files-x1'\n"
            "=================== 4 failed, 1 passed, 2 warnings in 0.22s ====================\n")  # fmt: skip
     assert name_cause(ran) == ""
+    forged = ran + "PermissionError: [Errno 13] Permission denied: '/logs/verifier/reward.json'\n"
+    assert "reward guard" in name_cause(forged)  # the cookbook's multi-reward writes it from python3 -c
     assert "writes /tests/score.txt" in name_cause(ran + "OSError: Read-only file system: '/tests/score.txt'\n")
     assert "needs pytest" in name_cause("tests/test.sh: line 3: uvx: command not found")
     assert name_cause("ModuleNotFoundError: No module named 'numpy'").startswith("needs the Python module numpy")

@@ -44,7 +44,12 @@ _WRITES_TESTS = re.compile(
     r"(?:Read-only file system|Permission denied): '(/tests/(?!\.pytest_cache|pytest-cache)[^']*)'"
 )
 # What a test or solution log says, in the words a task's author can act on (first match wins)
+_WRITES_REWARD = re.compile(r"(?:PermissionError|Permission denied).*/logs/verifier/reward\.(?:txt|json)")
 _LOG_CAUSES: list[tuple[re.Pattern[str], str]] = [
+    (_WRITES_REWARD,
+     "writes its reward file from a program test.sh runs, which Gyre's reward guard refuses: only the test "
+     "script's own shell may write /logs/verifier/reward.* (the agent's code runs as such programs); "
+     "write it from test.sh, e.g. `echo $score > /logs/verifier/reward.txt`"),
     (re.compile(r"Could not resolve host|Temporary failure in name resolution|Name or service not known|"
                 r"Network is unreachable|getaddrinfo|Failed to establish a new connection|No address associated|"
                 r"Could not fetch URL|Failed to download|error sending request|dns error"),  # fmt: skip
@@ -61,7 +66,7 @@ _LOG_CAUSES: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"Permission denied|Read-only file system|are you root"),
      "writes where it may not (only the working directory is writable; no root)"),
 ]  # fmt: skip
-_CAUSES_WHILE_TESTS_RUN = {_NO_MODULE, _WRITES_TESTS}  # what a log says even when pytest reported
+_CAUSES_WHILE_TESTS_RUN = {_WRITES_REWARD, _NO_MODULE, _WRITES_TESTS}  # what a log says even when pytest reported
 
 
 @dataclass(frozen=True)
