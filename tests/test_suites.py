@@ -26,7 +26,7 @@ from gyre.pipeline import FinishedRollout, task_provenance
 from gyre.sandbox import make_sandbox
 from gyre.tasks.grading import Grade
 from gyre.tasks.harbor import load_harbor_task
-from gyre.tasks.oracle import check_task, name_cause
+from gyre.tasks.oracle import _causes, check_task, name_cause
 from gyre.tasks.source import SuiteError, load_suite, read_suite
 from gyre.tasks.suite import TaskPool
 from gyre.tasks.swebench import load_swebench_tasks
@@ -263,6 +263,9 @@ def test_logs_are_named_in_words():
     assert name_cause(ran) == ""
     forged = ran + "PermissionError: [Errno 13] Permission denied: '/logs/verifier/reward.json'\n"
     assert "reward guard" in name_cause(forged)  # the cookbook's multi-reward writes it from python3 -c
+    # the guard acts only in the grade itself: its failed grade's output names the cause first
+    causes = _causes(Grade.failed("the evaluation broke: ...\n" + forged), Grade.failed("x"), "", "")
+    assert causes[0].startswith("the oracle's grade failed: the test run writes its reward file from a program")
     assert "writes /tests/score.txt" in name_cause(ran + "OSError: Read-only file system: '/tests/score.txt'\n")
     assert "needs pytest" in name_cause("tests/test.sh: line 3: uvx: command not found")
     assert name_cause("ModuleNotFoundError: No module named 'numpy'").startswith("needs the Python module numpy")

@@ -270,9 +270,12 @@ def _why_tests_failed(said: str, oracle: Grade) -> str:
 def _causes(oracle: Grade, nop: Grade, solve_problem: str, tests_log: str) -> list[str]:
     causes = [solve_problem] if solve_problem else []
     said = name_cause(tests_log)
-    if oracle.score is None:
-        causes.append(f"the oracle's grade failed: {oracle.reason}" + (f"; the test run {said}" if said else ""))
+    if oracle.score is None:  # what the grade's own output says first (the reward guard acts only there)
+        said = name_cause(oracle.reason) or said
+        causes.append("the oracle's grade failed: " + (f"the test run {said} ({_short(oracle.reason)})" if said
+                                                         else oracle.reason))  # fmt: skip
     elif oracle.status == "agent_failed" and not solve_problem:  # e.g. its tests wrote no reward file
+        said = name_cause(oracle.reason) or said
         causes.append(
             f"the oracle gets 0, not the full reward 1: {oracle.reason}" + (f"; the test run {said}" if said else "")
         )
