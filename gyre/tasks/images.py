@@ -171,8 +171,10 @@ class ImageBuilder:
                             str(dockerfile), "-t", tag, str(spec.context), timeout=timeout)  # fmt: skip
         if proc.returncode != 0:
             lines = (proc.stdout + proc.stderr).strip().splitlines()
-            raise ImageBuildError(f"{spec.dockerfile}: buildah bud failed (exit {proc.returncode}): "
-                                  f"{build_error(lines)}\n" + "\n".join(lines[-15:]))  # fmt: skip
+            error = build_error(lines)
+            tail = [line for line in lines[-15:] if line.strip() != error]  # the error once, first
+            raise ImageBuildError(f"{spec.dockerfile}: buildah bud failed (exit {proc.returncode}): {error}\n"
+                                  + "\n".join(tail))  # fmt: skip
         built_s = time.monotonic() - started
         staging = Path(tempfile.mkdtemp(prefix=f".{digest}-", dir=self.cache))
         try:
