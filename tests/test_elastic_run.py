@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CELL_WORKLOAD
+from conftest import CELL_WORKLOAD, EVERY_STEP_TRAINS
 from tracking_readers import tensorboard_scalars, tensorboard_tags
 
 from gyre.sched.launch import DEAD_CELLS_EXIT_CODE
@@ -153,7 +153,14 @@ def test_cells_of_two_ranks_train_tensor_parallel_and_resume(tmp_path: Path) -> 
     out = tmp_path / "cells"
     layout = ["train.tensor_parallel=2", "cluster.core.tasks_per_node=2", "cluster.satellites=[{tasks_per_node:2}]"]
     # micro-batches of 512 tokens: enough of them in every step for both cells to train some
-    args = ["scheduler=colocate_cells", *WORKLOAD, *layout, "train.micro_batch_tokens=512", "steps=3"]
+    args = [
+        "scheduler=colocate_cells",
+        *WORKLOAD,
+        *EVERY_STEP_TRAINS,
+        *layout,
+        "train.micro_batch_tokens=512",
+        "steps=3",
+    ]
     args += ["tasks.tool_time_s=0.5", f"output_dir={out}"]
     cmd = [sys.executable, "-m", "launch.run", *args, f"hydra.run.dir={tmp_path / 'hydra'}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

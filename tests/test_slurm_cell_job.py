@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import h5py
 import pytest
-from conftest import CELL_WORKLOAD, slurm_host_modes
+from conftest import CELL_WORKLOAD, EVERY_STEP_TRAINS, slurm_host_modes
 from resume_job import adam_steps, shard_ids_by_step, wait_until
 from slurm_jobs import job_active, job_record, wait_for_end
 
@@ -220,7 +220,13 @@ def test_cells_of_two_ranks_one_spanning_two_hosts_stopped_mid_run_resume(
     args = ["--via", "sbatch", "--out", str(out), "cluster=slurm_cpu_tp2_nodes", f"cluster.python={sys.executable}"]
     # micro-batches of 512 tokens: enough of them in every step for both cells to train some (one group with
     # signal and the default budget can make one micro-batch, which only one cell then trains)
-    workload = [*CELL_WORKLOAD, "scheduler=colocate_cells", "train.micro_batch_tokens=512", f"steps={steps}"]
+    workload = [
+        *CELL_WORKLOAD,
+        *EVERY_STEP_TRAINS,
+        "scheduler=colocate_cells",
+        "train.micro_batch_tokens=512",
+        f"steps={steps}",
+    ]
     submit_main([*args, f"cluster.workdir={ROOT}", *workload, "tasks.tool_time_s=0.5"])
     job = capsys.readouterr().out.split("submitted job ")[1].split(";")[0]
     log = out / "slurm" / f"{job}_batch.out"
