@@ -320,7 +320,7 @@ def test_a_test_that_still_needs_the_network_fails_the_oracle_check_saying_so(ba
     task_dir = tmp_path / "needs-net"
     shutil.copytree(IMAGE_TASKS / "word-count-uvx", task_dir)
     (task_dir / "tests" / "test.sh").write_text(
-        "python3 -c \"import urllib.request; urllib.request.urlopen('https://pypi.org/simple/', timeout=10)\" "
+        "python3 -c \"import urllib.request; urllib.request.urlopen('https://example.org/', timeout=10)\" "
         "&& echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n"
     )
     built = build_task_environment(load_harbor_task(task_dir, build_images=True), ImageBuilder())
