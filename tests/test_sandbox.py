@@ -219,8 +219,9 @@ def test_seccomp_filter_decides_each_syscall(arch):
 
 @pytest.mark.unit
 def test_relay_and_endpoint_refuse_in_the_same_words():
-    """inside.py (standard library only, in the sandbox) and the trainer's endpoint each write the 429 the
-    SDKs read as an API error: the same bytes, a body in OpenAI's shape with Anthropic's `type: error`."""
+    """inside.py (standard library only, in the sandbox, loaded here as the sandbox loads it) and the trainer's
+    endpoint (which imports it) write the same 429 the SDKs read as an API error: a body in OpenAI's shape with
+    Anthropic's `type: error`."""
     spec = importlib.util.spec_from_file_location("gyre_inside", INSIDE_SCRIPT)
     inside = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(inside)

@@ -32,6 +32,7 @@ import aiohttp
 from aiohttp import web
 
 from gyre.proxy.errors import CONTEXT_LIMIT_HEADER
+from gyre.sandbox.inside import too_many_connections  # the relay's refusal, word for word
 
 MAX_BODY_BYTES = 256 << 20
 DEFAULT_MAX_CONNECTIONS = 64
@@ -106,15 +107,6 @@ class _CappedAccept:
 
     def _made(self) -> None:
         self.just_accepted -= 1
-
-
-def too_many_connections(cap: int) -> bytes:
-    """HTTP 429 whose body both SDKs read as an API error (OpenAI's shape, Anthropic's `type: error`)."""
-    message = f"this rollout holds {cap} connections to the model API already (sandbox.relay_connections)"
-    error = {"message": message, "type": "rate_limit_error", "param": None, "code": "too_many_connections"}
-    body = json.dumps({"type": "error", "error": error}).encode()
-    head = f"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-    return (head + "Connection: close\r\n\r\n").encode() + body
 
 
 class ProxyEndpoint:
