@@ -7,6 +7,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,7 +20,8 @@ from resume_job import wait_until as wait_for
 
 from gyre.config.load import compose
 from gyre.config.schema import ModelConfig, TrainConfig
-from gyre.resume.checkpoint import load_checkpoint, save_checkpoint
+from gyre.resume import checkpoint as checkpoint_module
+from gyre.resume.checkpoint import Checkpointer, load_checkpoint, save_checkpoint
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionGuard
 from gyre.resume.recovery import ResumeError, prepare_resume
 from gyre.resume.state import RunState, find_checkpoint, write_state
@@ -68,6 +70,40 @@ def test_checkpoint_round_trip_restores_weights_optimizer_state_and_rng(tmp_path
     for (name, a), b in zip(reference.model.state_dict().items(), restored.model.state_dict().values(), strict=True):
         if torch.is_tensor(a):
             assert torch.equal(a, b), name
+
+
+@pytest.mark.unit
+def test_an_async_checkpoint_holds_its_snapshot_not_later_updates(tmp_path, monkeypatch):
+    """The write runs after the trainer and the run state moved on: it still holds the instant of save(), and
+    state.json appears only once the checkpoint is complete."""
+    torch.manual_seed(0)
+    trainer = _trainer()
+    _train_once(trainer)
+    expected = {k: v.clone() for k, v in trainer.model.state_dict().items() if torch.is_tensor(v)}
+    gate, real_publish = threading.Event(), checkpoint_module.publish_checkpoint
+
+    def held_publish(*args):
+        assert gate.wait(60)
+        return real_publish(*args)
+
+    monkeypatch.setattr(checkpoint_module, "publish_checkpoint", held_publish)
+    run = RunState()
+    run.record_step(0, ["s0-g0-r0"], ["s0-g0-r0"], ["step00000-group0000.h5"])
+    checkpointer = Checkpointer(tmp_path)
+    checkpointer.save(run, trainer)
+    run.record_step(1, ["s1-g0-r0"], [], [])
+    _train_once(trainer)  # the next step's update, before the write began
+    assert find_checkpoint(tmp_path) is None  # nothing published yet: no state.json points anywhere
+    gate.set()
+    assert checkpointer.wait() == tmp_path / "checkpoint"
+    checkpointer.close()
+    restored = _trainer()
+    loaded = load_checkpoint(find_checkpoint(tmp_path), restored)
+    assert loaded.next_step == 1 and [r.step for r in loaded.ledger] == [0]
+    assert restored.step == 1 and adam_steps(tmp_path) == 1
+    for name, value in restored.model.state_dict().items():
+        if torch.is_tensor(value):
+            assert torch.equal(value, expected[name]), name
 
 
 @pytest.mark.unit

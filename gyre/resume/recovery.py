@@ -96,6 +96,13 @@ def describe_start(point: ResumePoint, cfg: RunConfig, output_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def checkpoint_due(cfg: RunConfig, step: int) -> bool:
+    """Whether the run checkpoints once `step` is completed: every checkpoint_every steps (default 1: each
+    step, written in the background) and after the last."""
+    every = cfg.checkpoint_every
+    return bool(every and (step + 1) % every == 0) or step + 1 == cfg.steps
+
+
 def task_pool_position(cfg: RunConfig, next_step: int) -> dict[str, Any]:
     """Where the run is in its task pool. TaskPool.for_step is a pure function of (seed, step), so
     this is derived from next_step; it is saved to notice a resume with another pool."""
