@@ -13,7 +13,7 @@ from gyre.config.schema import RunConfig
 from gyre.harness.preflight import check_harness_fits
 from gyre.health import ExclusionWatch, success_over
 from gyre.metrics import MetricsWriter, plot_learning_curve
-from gyre.pipeline import loss_rollouts, rl_micro_batches, tree_gspo_loss_fn, with_signal, write_group_shard
+from gyre.pipeline import loss_rollouts, rl_micro_batches, tree_gspo_loss_fn, with_signal
 from gyre.resume.checkpoint import Checkpointer, load_checkpoint
 from gyre.resume.preemption import Preempted, PreemptionGuard
 from gyre.resume.recovery import checkpoint_due, describe_start, prepare_resume, task_pool_position
@@ -52,7 +52,7 @@ def run(cfg: RunConfig) -> Path:
     writer = MetricsWriter(out, open_trackers(cfg, out))
     writer.rows = start.metrics_rows
     watch = ExclusionWatch(cfg.rl.max_excluded_fraction, cfg.rl.max_excluded_steps)
-    with RolloutService(cfg, policy, out) as service, closing(writer), closing(checkpointer):
+    with RolloutService(cfg, policy, out, start.kept) as service, closing(writer), closing(checkpointer):
         if state.weight_version:  # engines serve the checkpoint's weights, not the warm start
             service.load_weights(trainer.hf_state_dict(), version=state.weight_version)
         bar = tqdm(range(state.next_step, cfg.steps), desc="gyre", unit="step", dynamic_ncols=True,
@@ -97,8 +97,7 @@ def run_step(
     rollouts = service.collect(step)
     t1 = time.perf_counter()
     service.release_engines()
-    skipped = service.task_pool.skipped_causes()
-    shard_metrics, shard_paths = write_shards(rollouts, cfg, out / "shards", step, skipped)
+    shard_metrics, shard_paths = step_shards(rollouts)
     with guard.deferred():
         shards = [read_shard(p) for p in shard_paths]
         train_metrics, trained = train_step(trainer, shards, cfg)
@@ -151,14 +150,9 @@ def check_supported(cfg: RunConfig) -> None:
             raise ValueError(f"{key}={value!r} is not available yet; supported: {', '.join(supported[key])}")
 
 
-def write_shards(
-    rollouts: StepRollouts, cfg: RunConfig, shard_dir: Path, step: int, skipped: dict[str, str] | None = None
-) -> tuple[dict, list[Path]]:
-    """One shard per group (`skipped`: the suite's unusable tasks, for provenance); returns token metrics and
-    the shard paths."""
-    shard_dir.mkdir(parents=True, exist_ok=True)
-    groups = sorted(rollouts.groups().items())
-    shards = [write_group_shard(cfg, shard_dir, step, g, members, skipped) for g, members in groups]
+def step_shards(rollouts: StepRollouts) -> tuple[dict, list[Path]]:
+    """The step's shards, one per group (written as each group completed); returns token metrics and paths."""
+    shards = rollouts.shards
     tokens, path_tokens = sum(s.tokens for s in shards), sum(s.path_tokens for s in shards)
     metrics = {
         "tree_tokens": float(tokens),

@@ -19,13 +19,19 @@ from resume_job import ROOT, STEPS, adam_steps, assert_each_rollout_once, in_fli
 from resume_job import wait_until as wait_for
 
 from gyre.config.load import compose
-from gyre.config.schema import ModelConfig, TrainConfig
+from gyre.config.schema import ModelConfig, RunConfig, TrainConfig
+from gyre.harness.runner import RolloutOutcome
+from gyre.pipeline import FinishedRollout, write_group_shard
 from gyre.resume import checkpoint as checkpoint_module
 from gyre.resume.checkpoint import Checkpointer, load_checkpoint, save_checkpoint
+from gyre.resume.kept_groups import restore_groups
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionGuard
 from gyre.resume.recovery import ResumeError, prepare_resume
 from gyre.resume.state import RunState, find_checkpoint, write_state
+from gyre.tasks.grading import Grade
+from gyre.tasks.task import Task
 from gyre.train.megatron_trainer import MegatronTrainer
+from gyre.traj.synthetic import make_record
 from launch.slurm.sbatch import render_main_job_sbatch
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -174,6 +180,56 @@ def test_outputs_of_unfinished_steps_are_moved_aside_not_deleted(tmp_path):
     assert len((aside / "calls.jsonl").read_text().splitlines()) == 3 and (aside / "metrics.jsonl").exists()
     manifest = json.loads((aside / "manifest.json").read_text())
     assert manifest["first_step"] == 2 and manifest["moved"]["call-log lines"] == 3
+
+
+def _finished_group(step: int, group: int, version: str, scores: list[float]) -> list[FinishedRollout]:
+    task = Task(task_id=f"t{group}", family="write_value", prompt="p")
+    members = []
+    for i, score in enumerate(scores):
+        rid = f"s{step}-g{group}-r{i}"
+        calls = [make_record(1, [5, 6, 7], [8, 9, 10 + i], rollout_id=rid), make_record(2, [5, 6, 7, 8], [11])]
+        calls[1].rollout_id = rid
+        for c in calls:
+            c.weight_version = version
+        grade = Grade("ok", score, int(score * 4), 4)
+        members.append(FinishedRollout(group, RolloutOutcome(rid, task, grade, 1.5, 2, "finish", False), calls))
+    return members
+
+
+@pytest.mark.unit
+def test_a_resume_keeps_the_completed_groups_of_the_interrupted_step(tmp_path):
+    """Stopped in step 2 (checkpoint: steps 0-1, weight version 2): step 2's complete shards served by version 2 stay
+    with their call-log lines and come back as finished groups; a shard served by a newer version, a half-written
+    one and a later step's are moved aside."""
+    (tmp_path / "checkpoint").mkdir()
+    write_state(tmp_path / "checkpoint", RunState(next_step=2, weight_version=2))
+    cfg, shards = RunConfig(), tmp_path / "shards"
+    shards.mkdir()
+    groups = {
+        (1, 0): _finished_group(1, 0, "1", [1.0, 0.0]),
+        (2, 0): _finished_group(2, 0, "2", [1.0, 0.25]),
+        (2, 1): _finished_group(2, 1, "3", [0.5, 0.0]),
+        (3, 0): _finished_group(3, 0, "2", [0.0, 1.0]),
+    }
+    written = {key: write_group_shard(cfg, shards, key[0], key[1], members) for key, members in groups.items()}
+    (shards / ".step00002-group0002.h5.9.cafe.tmp").write_bytes(b"half")
+    calls = [c.to_json() for members in groups.values() for m in members for c in m.calls]
+    _jsonl(tmp_path / "calls.jsonl", calls)
+
+    point = prepare_resume(tmp_path, "auto", log=lambda _: None)
+    assert sorted(point.kept) == [0] and point.kept[0].shard == written[(2, 0)].path
+    assert sorted(p.name for p in shards.iterdir()) == ["step00001-group0000.h5", "step00002-group0000.h5"]
+    kept_ids = {json.loads(line)["rollout_id"] for line in (tmp_path / "calls.jsonl").read_text().splitlines()}
+    assert kept_ids == {"s1-g0-r0", "s1-g0-r1", "s2-g0-r0", "s2-g0-r1"}
+    assert json.loads((point.set_aside / "manifest.json").read_text())["kept"] == {"0": "step00002-group0000.h5"}
+
+    tasks = [Task(task_id="t0", family="write_value", prompt="p")]
+    restored = restore_groups(point.kept, tasks, tmp_path)[0]
+    assert [m.outcome.rollout_id for m in restored.members] == ["s2-g0-r0", "s2-g0-r1"]
+    assert [m.outcome.grade.score for m in restored.members] == [1.0, 0.25]
+    assert [[c.call_id for c in m.calls] for m in restored.members] == [[1, 2], [1, 2]]
+    assert restored.shard == written[(2, 0)]
+    assert prepare_resume(tmp_path, "never", log=lambda _: None).kept == {}
 
 
 @pytest.mark.unit

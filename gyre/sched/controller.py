@@ -71,12 +71,12 @@ class Controller:
         self.driver = RolloutDriver(self.proxy.start(), out / "rollouts", cfg.harness, cfg.tasks, sandbox, keys)
         self.table = self.hello()
         self.faults = FaultInjector(cfg.sched.faults, self.pcfg.n_cells, self.timeline.now)
-        self.book = StepBook(cfg, out)
+        point = point or ResumePoint(RunState(), None)
+        self.book = StepBook(cfg, out, point.kept)
         self.train = TrainPlane(cfg, self.table, self.outbox, self.book, self.faults, out, self.cells_died, self.log)
         self.switcher = Switcher(
             cfg, self.pcfg, self.table, self.outbox, self.proxy, self.driver, self.timeline, self.metrics
         )
-        point = point or ResumePoint(RunState(), None)
         self.state = point.state  # completed steps (their rollouts, trained ids, shards), starts of the job
         self.state.begin()
         self.metrics.rows = list(point.metrics_rows)
@@ -148,7 +148,10 @@ class Controller:
 
     def admit(self) -> None:
         while self.submitted < self.cfg.steps and may_start(self.pcfg, self.submitted, self.train.version):
-            self.driver.submit(self.book.open(self.submitted))
+            jobs, kept = self.book.open(self.submitted)
+            for refs in kept:  # groups completed before a restart: trained, not run again
+                self.train.ledger.add(self.submitted, refs)
+            self.driver.submit(jobs)
             self.submitted += 1
 
     def _on_stop(self, signum: int, frame: object) -> None:
