@@ -15,12 +15,26 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from resume_job import ROOT, STEPS, adam_steps, assert_each_rollout_once, in_flight_after_trained_step, state, tiny_args
+from resume_job import (
+    GROUP_SIZE,
+    GROUPS,
+    ROOT,
+    STEPS,
+    adam_steps,
+    assert_each_rollout_once,
+    calls_by_rollout,
+    in_flight_after_trained_step,
+    mid_step_with_a_group_done,
+    shard_ids_by_step,
+    state,
+    tiny_args,
+)
 from resume_job import wait_until as wait_for
 
 from gyre.config.load import compose
 from gyre.config.schema import ModelConfig, RunConfig, TrainConfig
 from gyre.harness.runner import RolloutOutcome
+from gyre.metrics import read_metrics
 from gyre.pipeline import FinishedRollout, write_group_shard
 from gyre.resume import checkpoint as checkpoint_module
 from gyre.resume.checkpoint import Checkpointer, load_checkpoint, save_checkpoint
@@ -331,3 +345,72 @@ def test_main_job_stopped_by_sigterm_resumes_where_it_stopped(tmp_path, tmp_path
     (aside,) = (out / "preempted").iterdir()
     abandoned = {json.loads(line)["rollout_id"] for line in (aside / "calls.jsonl").read_text().splitlines()}
     assert abandoned and all(rid.startswith(f"s{stopped_in}-") for rid in abandoned)
+
+
+def _kill_job(proc: subprocess.Popen, out: Path, scheduler: str) -> None:
+    """SIGKILL the run's main process (the loop; under cells the controller, rank 0, which holds the step book), then
+    whatever of the job is left (mpirun and the cell ranks hold on without their controller): a crash, no clean-up."""
+    if scheduler != "colocate":
+        os.kill(int((out / "controller.pid").read_text()), signal.SIGKILL)
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("scheduler", ["colocate", "colocate_cells"])
+def test_a_run_killed_mid_step_keeps_the_steps_completed_groups(tmp_path, tmp_path_factory, scheduler):
+    """SIGKILL in the middle of step k >= 2, one group's shard written and another group's rollouts running: the
+    same command resumes at step k from the every-step checkpoint, keeps the written group (its shard untouched,
+    none of its rollouts run again), runs only the others, and every step is trained once."""
+    out = tmp_path / "run"
+    cache = tmp_path_factory.getbasetemp() / "resume-warm-start"
+    one_group_at_a_time = (  # 8 rollouts at once: a group's shard is written while the next group runs
+        ["harness.concurrency=8"]
+        if scheduler == "colocate"
+        else ["scheduler=colocate_cells", "cluster.satellites=[{}]", "sched.capacity_per_cell=4"]
+    )
+    args = tiny_args(cache, out, tmp_path / "hydra", *one_group_at_a_time)
+    cmd = [sys.executable, "-m", "launch.run", *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    log1 = tmp_path / "first.log"
+    with log1.open("w") as f:
+        first = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=f, env=env, start_new_session=True)
+    try:
+        found = wait_for("a group of step >= 2 written while another runs", lambda: mid_step_with_a_group_done(out),
+                         600, lambda: first.poll() is None)  # fmt: skip
+        before = calls_by_rollout(out)
+        _kill_job(first, out, scheduler)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    k, kept_shards = found
+    kept = sorted(int(name[-7:-3]) for name in kept_shards)
+    kept_ids = {f"s{k}-g{g}-r{i}" for g in kept for i in range(GROUP_SIZE)}
+
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"resuming {out} from {out / 'checkpoint'} at step {k} of {STEPS}" in again.stdout, again.stdout[-3000:]
+    assert f"keeping the completed groups {kept} of step {k}" in again.stdout
+    for name, (inode, mtime) in kept_shards.items():  # the same file, never rewritten
+        stat = (out / "shards" / name).stat()
+        assert (stat.st_ino, stat.st_mtime_ns) == (inode, mtime), name
+    after = calls_by_rollout(out)
+    assert {rid: after[rid] for rid in kept_ids} == {rid: before[rid] for rid in kept_ids}  # none of them ran again
+    assert all(after[f"s{k}-g{g}-r{i}"] for g in range(GROUPS) if g not in kept for i in range(GROUP_SIZE))
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if r.get("event", "step") == "step"]
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert [r["kept_groups"] for r in rows] == [kept if s == k else [] for s in range(STEPS)]
+    assert rows[k]["n_rollouts"] == GROUPS * GROUP_SIZE
+    final = state(out)
+    assert [s["from_step"] for s in final["starts"]] == [0, k]
+    assert kept_ids <= set(final["ledger"][k]["rollouts"]) and final["ledger"][k]["start"] == 1
+    if scheduler == "colocate":
+        assert_each_rollout_once(out)
+    else:  # the controller's ledger: every step once, each stored rollout once, the optimizer carried over
+        assert [r["step"] for r in final["ledger"]] == list(range(STEPS))
+        shards = shard_ids_by_step(out)
+        assert all(set(shards[r["step"]]) <= set(r["rollouts"]) for r in final["ledger"])
+
+        assert all(len(set(ids)) == len(ids) for ids in shards.values())
+        assert adam_steps(out) == sum(1 for r in final["ledger"] if r["trained"])
