@@ -431,7 +431,9 @@ class RunConfig:
     seed: int = ranged(0, SEED)
     scheduler: str = choice("colocate", SCHEDULERS, "scheduler")
     output_dir: str = ""  # empty: Hydra's run directory (outputs/<date>_<time>)
-    checkpoint_every: int = ranged(4, NON_NEGATIVE, why="0: at the end only")
+    checkpoint_every: int = ranged(1, NON_NEGATIVE, why="0: at the end only")
+    # write each checkpoint on a background thread from a snapshot, off the step's critical path (gyre/resume)
+    checkpoint_async: bool = True
     # auto: continue from output_dir/checkpoint/ when it is complete, else start at step 0; must: continue or
     # fail; never: start at step 0, moving an earlier run's outputs aside (gyre/resume/recovery.py)
     resume: str = choice("auto", RESUME_MODES)
