@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from gyre.config.schema import ModelConfig, TrainConfig
+from gyre.config.schema import ModelConfig, TrainBackend, TrainConfig
 
 if TYPE_CHECKING:
     import torch
@@ -64,7 +64,7 @@ class Trainer(Protocol):
 
 def make_trainer(model_cfg: ModelConfig, train_cfg: TrainConfig) -> Trainer:
     """The replica `train.backend` names. The config was checked at load (gyre.config.validate.check_run)."""
-    if train_cfg.backend == "megatron":
+    if train_cfg.backend == TrainBackend.megatron:
         from gyre.train.megatron_trainer import MegatronTrainer  # torch and megatron load only here
 
         return MegatronTrainer(model_cfg, train_cfg)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from gyre.config.schema import ModelConfig, RunConfig
+from gyre.config.schema import ModelConfig, ModelInit, RunConfig
 from gyre.harness.formats import demonstration
 from gyre.model.chat_template import AssistantTurn, assistant_body, render_segments, render_text
 from gyre.model.hf_io import load_hf_state, save_hf_checkpoint
@@ -125,9 +125,7 @@ def prepare_policy(
     # one process (rank 0 of the cell job, before the cells' trainer worlds exist); the cells shard what it writes
     one_process = {"tensor_parallel": 1, "pipeline_parallel": 1, "context_parallel": 1}
     trainer = make_trainer(model_cfg, dataclasses.replace(cfg.train, lr=cfg.warm_start.lr, **one_process))
-    if cfg.model.init not in ("torch", "megatron"):
-        raise ValueError(f"model.init must be 'torch' or 'megatron', got {cfg.model.init!r}")
-    if cfg.model.init == "torch":
+    if cfg.model.init == ModelInit.torch:
         trainer.load_hf_state_dict(torch_default_init(model_cfg))
     losses: list[float] = []
     if cfg.warm_start.enabled and cfg.warm_start.steps > 0:
