@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from gyre.config.domain import OneOf, fail
 from gyre.config.load import check_overrides, normalize_overrides, register_configs, to_run_config
-from gyre.config.schema import CELL_SCHEDULERS, RunConfig
+from gyre.config.schema import CELL_SCHEDULERS, RunConfig, TaskSourceKind
 from gyre.config.validate import check_run
 from gyre.errors import reported, take_verbose_flag
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted
@@ -60,7 +60,7 @@ def check_families(cfg: RunConfig) -> None:
     families = OneOf(tuple(sorted(FAMILIES)), "task family")
     families.check("tasks.families", cfg.tasks.families)
     families.check("warm_start.families", cfg.warm_start.families)
-    if cfg.tasks.source == "builtin" and not cfg.tasks.families:
+    if cfg.tasks.source == TaskSourceKind.builtin and not cfg.tasks.families:
         fail(
             "tasks.families",
             [],

@@ -21,31 +21,159 @@ from gyre.config.domain import (
     ranged,
 )
 
-# The choices of string fields (each field's domain is declared beside it: `ranged`, `choice`).
-MODEL_INITS = ("torch", "megatron")
-CHAT_TEMPLATES = ("directory", "gyre")
-ENGINE_BACKENDS = ("embedded", "sglang")
-ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-# SGLang's --load-format choices that read an HF-format directory or none (server_args.py has more).
-SGLANG_LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy", "fastsafetensors", "layered")
-WEIGHT_SYNCS = ("auto", "disk", "tensor", "distributed")
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-TASK_SOURCES = ("builtin", "harbor", "swebench")  # gyre/tasks/source.py
-TASK_SPLITS = ("train", "eval", "all")
-HARNESS_KINDS = ("builtin", "claude_code", "mini_swe_agent")
-SANDBOX_BACKENDS = ("bwrap", "apptainer", "none")
-RL_ALGORITHMS = ("gspo",)
-LOSS_NORMS = ("all_rollouts", "with_signal")
-TRAIN_BACKENDS = ("megatron",)
-TRANSFORMER_ENGINE = ("auto", "on", "off")
-MOONCAKE_PROTOCOLS = ("tcp", "rdma")
-CLUSTER_BACKENDS = ("local", "slurm")
-TRANSFER_BACKENDS = ("mooncake", "gloo")
-WANDB_MODES = ("offline", "online", "disabled")
-CELL_SCHEDULERS = ("colocate_cells", "async", "elastic")  # cells as an MPI job (gyre/sched)
-SCHEDULERS = ("colocate", *CELL_SCHEDULERS)  # colocate: one process alternates (gyre/loop.py)
-RESUME_MODES = ("auto", "never", "must")  # gyre/resume/recovery.py
-LOGGERS = ("jsonl", "tensorboard", "wandb")
+# The choices of string fields, each declared once as an enum; a field's domain is declared beside it from its
+# enum (`choice(Scheduler.colocate, Scheduler)`), and code compares against the members, never a string literal.
+# The fields stay `str` for Hydra (a StrEnum member equals its value), so an unknown value is refused by
+# gyre.config.domain with the allowed ones named, like every other out-of-domain value.
+
+
+class ModelInit(StrEnum):
+    torch = "torch"
+    megatron = "megatron"
+
+
+class ChatTemplate(StrEnum):
+    directory = "directory"
+    gyre = "gyre"
+
+
+class EngineBackend(StrEnum):
+    embedded = "embedded"
+    sglang = "sglang"
+
+
+class EngineDtype(StrEnum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class SGLangLoadFormat(StrEnum):
+    """SGLang's --load-format choices that read an HF-format directory or none (server_args.py has more)."""
+
+    auto = "auto"
+    safetensors = "safetensors"
+    pt = "pt"
+    dummy = "dummy"
+    fastsafetensors = "fastsafetensors"
+    layered = "layered"
+
+
+class WeightSync(StrEnum):
+    auto = "auto"
+    disk = "disk"
+    tensor = "tensor"
+    distributed = "distributed"
+
+
+class LogLevel(StrEnum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+    critical = "critical"
+
+
+class TaskSourceKind(StrEnum):
+    """Where tasks come from (gyre/tasks/source.py)."""
+
+    builtin = "builtin"
+    harbor = "harbor"
+    swebench = "swebench"
+
+
+class TaskSplit(StrEnum):
+    train = "train"
+    eval = "eval"
+    all = "all"
+
+
+class HarnessKind(StrEnum):
+    """The agent program a rollout runs; each kind's command, environment, trace, demos and preflight are one
+    object in gyre/harness/kinds.py."""
+
+    builtin = "builtin"
+    claude_code = "claude_code"
+    mini_swe_agent = "mini_swe_agent"
+
+
+class SandboxBackend(StrEnum):
+    bwrap = "bwrap"
+    apptainer = "apptainer"
+    none = "none"
+
+
+class RLAlgorithm(StrEnum):
+    gspo = "gspo"
+
+
+class LossNorm(StrEnum):
+    all_rollouts = "all_rollouts"
+    with_signal = "with_signal"
+
+
+class TrainBackend(StrEnum):
+    """The trainer gyre.train.trainer.make_trainer builds."""
+
+    megatron = "megatron"
+
+
+class TransformerEngine(StrEnum):
+    auto = "auto"
+    on = "on"
+    off = "off"
+
+
+class MooncakeProtocol(StrEnum):
+    tcp = "tcp"
+    rdma = "rdma"
+
+
+class ClusterBackend(StrEnum):
+    local = "local"
+    slurm = "slurm"
+
+
+class TransferBackend(StrEnum):
+    mooncake = "mooncake"
+    gloo = "gloo"
+
+
+class WandbMode(StrEnum):
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
+
+
+class Scheduler(StrEnum):
+    """colocate: one process alternates (gyre/loop.py); the others run cells as an MPI job (gyre/sched)."""
+
+    colocate = "colocate"
+    colocate_cells = "colocate_cells"
+    async_ = "async"
+    elastic = "elastic"
+
+    @property
+    def runs_cells(self) -> bool:
+        return self is not Scheduler.colocate
+
+
+CELL_SCHEDULERS = tuple(s for s in Scheduler if s.runs_cells)
+
+
+class ResumeMode(StrEnum):
+    """gyre/resume/recovery.py"""
+
+    auto = "auto"
+    never = "never"
+    must = "must"
+
+
+class Logger(StrEnum):
+    jsonl = "jsonl"
+    tensorboard = "tensorboard"
+    wandb = "wandb"
 
 
 @dataclass
@@ -62,7 +190,7 @@ class ModelConfig:
     rope_theta: float = ranged(10000.0, POSITIVE)
     norm_eps: float = ranged(1e-6, POSITIVE)
     # torch: PyTorch module defaults (learns copying far sooner); megatron: N(0, init_std)
-    init: str = choice("torch", MODEL_INITS)
+    init: str = choice(ModelInit.torch, ModelInit)
     init_std: float = ranged(0.02, POSITIVE)
     tie_embeddings: bool = False
     seed: int = ranged(1234, SEED)
@@ -74,7 +202,7 @@ class ModelConfig:
     path: str = ""
     # with model.path: "directory" checks that the directory's chat template renders as gyre's proxy does (the
     # proxy renders gyre/model/chat_template.py's, token in / token out); "gyre" accepts that it differs
-    chat_template: str = choice("directory", CHAT_TEMPLATES)
+    chat_template: str = choice(ChatTemplate.directory, ChatTemplate)
 
 
 @dataclass
@@ -85,7 +213,7 @@ class TokenizerConfig:
 
 @dataclass
 class EngineConfig:
-    backend: str = choice("embedded", ENGINE_BACKENDS, "engine backend")
+    backend: str = choice(EngineBackend.embedded, EngineBackend, "engine backend")
     host: str = "127.0.0.1"
     port: int = ranged(0, PORT)
     max_running_requests: int = ranged(64, AT_LEAST_1)
@@ -96,13 +224,17 @@ class EngineConfig:
     # sglang: GPU memory share for weights + KV cache
     mem_fraction_static: float = ranged(0.85, Range(0, 1, low_open=True, high_open=True), why="e.g. 0.8")
     device: str = "cpu"  # embedded: torch device of the model and KV cache ("cuda" on a GPU machine)
-    dtype: str = choice("auto", ENGINE_DTYPES)  # auto: fp32 for the embedded engine, SGLang's choice (bf16) for sglang
+    dtype: str = choice(
+        EngineDtype.auto, EngineDtype
+    )  # auto: fp32 for the embedded engine, SGLang's choice (bf16) for sglang
     # how new weights reach the engine: disk (a checkpoint), tensor (same node, SGLang), distributed (a
     # broadcast group with the trainer, SGLang); auto: disk for embedded, distributed for sglang
-    weight_sync: str = choice("auto", WEIGHT_SYNCS)
+    weight_sync: str = choice(WeightSync.auto, WeightSync)
     # backend=sglang only; each maps to the sglang.launch_server flag of the same name (server_args.py)
     python: str = "python"  # interpreter with sglang installed on the engine's node
-    load_format: str = choice("auto", SGLANG_LOAD_FORMATS)  # "dummy": random weights, nothing read from the checkpoint
+    load_format: str = choice(
+        SGLangLoadFormat.auto, SGLangLoadFormat
+    )  # "dummy": random weights, nothing read from the checkpoint
     enable_memory_saver: bool = True  # needed for /release_memory_occupation on role switches
     enable_weights_cpu_backup: bool = False  # release keeps a CPU copy of the weights (resume without a sync)
     # 0: SGLang's default
@@ -112,7 +244,7 @@ class EngineConfig:
     hicache_storage_backend: str = ""  # e.g. "mooncake": KV prefixes in a store other engines read
     base_gpu_id: int = ranged(0, NON_NEGATIVE)
     random_seed: int = ranged(0, SEED)
-    log_level: str = choice("info", LOG_LEVELS)
+    log_level: str = choice(LogLevel.info, LogLevel)
     extra_args: list[str] = field(default_factory=list)  # more launch_server flags, passed verbatim
 
     def __post_init__(self) -> None:
@@ -165,11 +297,11 @@ class TaskConfig:
     """Where tasks come from (gyre/tasks/source.py): builtin families, or a suite on disk at `path`."""
 
     # builtin | harbor (a directory of task dirs) | swebench (a JSONL file)
-    source: str = choice("builtin", TASK_SOURCES, "task source")
+    source: str = choice(TaskSourceKind.builtin, TaskSourceKind, "task source")
     path: str = ""  # harbor: directory of tasks (or one task); swebench: instances JSONL; relative: to the cwd
     repos: str = ""  # swebench: directory of repository snapshots (owner__name); empty: <path's dir>/repos
     # train | eval (held out) | all: which instances of a suite on disk the run uses
-    split: str = choice("train", TASK_SPLITS)
+    split: str = choice(TaskSplit.train, TaskSplit)
     # share of a suite's instances held out for eval (by a hash of the instance id)
     eval_fraction: float = ranged(0.25, Range(0, 1, high_open=True))
     # a suite on disk: a task that cannot be loaded is skipped and listed (summary, shard provenance);
@@ -201,7 +333,7 @@ class TaskConfig:
 class HarnessConfig:
     """The agent program each rollout runs (gyre/harness); presets: `harness=builtin|claude_code|mini_swe_agent`."""
 
-    kind: str = choice("builtin", HARNESS_KINDS, "harness")  # builtin | claude_code | mini_swe_agent
+    kind: str = choice(HarnessKind.builtin, HarnessKind, "harness")  # builtin | claude_code | mini_swe_agent
     max_turns: int = ranged(10, AT_LEAST_1)
     timeout_s: float = ranged(90.0, POSITIVE)
     # builtin and mini_swe_agent; Claude Code sends its own
@@ -234,7 +366,7 @@ class SandboxConfig:
     `apptainer_image`; none: the trainer's own user, files, network and environment (asked for only,
     recorded in every shard's provenance)."""
 
-    backend: str = choice("bwrap", SANDBOX_BACKENDS, "sandbox backend")  # bwrap | apptainer | none
+    backend: str = choice(SandboxBackend.bwrap, SandboxBackend, "sandbox backend")  # bwrap | apptainer | none
     apptainer_image: str = ""  # backend=apptainer: the image (.sif) harnesses and checkers run in
     # backend=apptainer: a task's environment image (Harbor's docker_image, a SWE-bench instance's image) -> .sif;
     # once given, a task whose image is not here fails; tasks naming no image use apptainer_image
@@ -263,7 +395,7 @@ class SandboxConfig:
 
 @dataclass
 class RLConfig:
-    algorithm: str = choice("gspo", RL_ALGORITHMS)
+    algorithm: str = choice(RLAlgorithm.gspo, RLAlgorithm)
     # 4 leaves a hard task's group all-fail too often: no advantage, nothing learned
     group_size: int = ranged(8, Range(low=2), why="advantages compare a group's rollouts: one alone trains nothing")
     groups_per_step: int = ranged(8, AT_LEAST_1)  # with tasks.pool_size 8: each step visits the training set once
@@ -274,7 +406,7 @@ class RLConfig:
     logprob_distribution: LogprobDistribution = LogprobDistribution.tempered
     # the step's loss is averaged over: all_rollouts (every rollout that entered the objective, zero advantage
     # included: the GSPO paper's and TRL's choice) or with_signal (only rollouts with a non-zero advantage)
-    loss_norm: str = choice("all_rollouts", LOSS_NORMS)
+    loss_norm: str = choice(LossNorm.all_rollouts, LossNorm)
     # a step with every rollout excluded (an infrastructure failure: nothing scored, nothing trained), or more
     # than this fraction of them, counts as failed; max_excluded_steps failed steps in a row stop the run with
     # the exclusion reasons counted (0: never stop)
@@ -289,7 +421,7 @@ class RLConfig:
 
 @dataclass
 class TrainConfig:
-    backend: str = choice("megatron", TRAIN_BACKENDS)
+    backend: str = choice(TrainBackend.megatron, TrainBackend)
     lr: float = ranged(1e-3, POSITIVE)
     weight_decay: float = ranged(0.0, NON_NEGATIVE)
     adam_beta2: float = ranged(0.95, Range(0, 1, high_open=True))
@@ -302,7 +434,7 @@ class TrainConfig:
     context_parallel: int = ranged(1, AT_LEAST_1)
     # on: megatron's Transformer Engine layer spec (CUDA; padded micro-batches only, tree plans need the local
     # spec); auto: on when CUDA and transformer_engine are importable; off: local spec everywhere
-    transformer_engine: str = choice("off", TRANSFORMER_ENGINE)
+    transformer_engine: str = choice(TransformerEngine.off, TransformerEngine)
     distributed_optimizer: bool = True  # CUDA: megatron's DDP + distributed optimizer; CPU: torch AdamW
 
 
@@ -339,7 +471,7 @@ class CellResources:
 class MooncakeConfig:
     """The cluster fabric as Mooncake Transfer Engine sees it (weights and KV between cells)."""
 
-    protocol: str = choice("tcp", MOONCAKE_PROTOCOLS)  # tcp | rdma
+    protocol: str = choice(MooncakeProtocol.tcp, MooncakeProtocol)  # tcp | rdma
     device_name: str = ""  # RDMA NICs, e.g. "mlx5_0,mlx5_1"; empty: let Mooncake choose
     metadata_server: str = "P2PHANDSHAKE"
 
@@ -348,7 +480,9 @@ class MooncakeConfig:
 class ClusterConfig:
     """Where cells run. slurm: one heterogeneous job, component 0 the core cell, 1..N the satellites."""
 
-    backend: str = choice("local", CLUSTER_BACKENDS)  # local: processes on this machine; slurm: launch/submit.py
+    backend: str = choice(
+        ClusterBackend.local, ClusterBackend
+    )  # local: processes on this machine; slurm: launch/submit.py
     job_name: str = "gyre"
     account: str = ""
     qos: str = ""
@@ -380,7 +514,9 @@ class CommConfig:
     """The control plane and weight/KV transfer between cells (gyre/comm); Mooncake's fabric is
     `cluster.mooncake`."""
 
-    transfer_backend: str = choice("mooncake", TRANSFER_BACKENDS)  # mooncake | gloo (torch.distributed fallback)
+    transfer_backend: str = choice(
+        TransferBackend.mooncake, TransferBackend
+    )  # mooncake | gloo (torch.distributed fallback)
     # the address peers reach this rank at (its engine, Mooncake, gloo), resolved once on the rank's node:
     # "auto": this node's host name resolved there (a loopback answer is refused once the job spans hosts)
     hostname: str = "127.0.0.1"
@@ -419,7 +555,7 @@ class TrackingConfig:
     run_name: str = ""  # empty: the Hydra job's overrides (one run per multirun job), else the output dir's name
     wandb_project: str = "gyre"
     # offline: compute nodes often have no internet; `wandb sync <run dir>` later
-    wandb_mode: str = choice("offline", WANDB_MODES)
+    wandb_mode: str = choice(WandbMode.offline, WandbMode)
 
     def __post_init__(self) -> None:
         check_fields(self, "tracking.")
@@ -429,16 +565,16 @@ class TrackingConfig:
 class RunConfig:
     steps: int = ranged(24, AT_LEAST_1, why="a run of no steps trains nothing")
     seed: int = ranged(0, SEED)
-    scheduler: str = choice("colocate", SCHEDULERS, "scheduler")
+    scheduler: str = choice(Scheduler.colocate, Scheduler, "scheduler")
     output_dir: str = ""  # empty: Hydra's run directory (outputs/<date>_<time>)
     checkpoint_every: int = ranged(1, NON_NEGATIVE, why="0: at the end only")
     # write each checkpoint on a background thread from a snapshot, off the step's critical path (gyre/resume)
     checkpoint_async: bool = True
     # auto: continue from output_dir/checkpoint/ when it is complete, else start at step 0; must: continue or
     # fail; never: start at step 0, moving an earlier run's outputs aside (gyre/resume/recovery.py)
-    resume: str = choice("auto", RESUME_MODES)
+    resume: str = choice(ResumeMode.auto, ResumeMode)
     # experiment trackers beside metrics.jsonl: jsonl, tensorboard, wandb; several at once: logger=[tensorboard,wandb]
-    logger: list[str] = choice(lambda: ["jsonl"], LOGGERS)
+    logger: list[str] = choice(lambda: [Logger.jsonl.value], Logger)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
