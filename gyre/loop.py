@@ -176,7 +176,7 @@ def train_step(trainer: Trainer, shards: list[Shard], cfg: RunConfig) -> tuple[d
     )
     if not batches:
         return {"trained": 0.0}, []
-    metrics = trainer.train_step(batches, tree_gspo_loss_fn(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high))
+    metrics = trainer.train_step(batches, tree_gspo_loss_fn(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high, cfg.rl.mismatch))
     trained = sorted({rid for b in batches for rid in b.batch.rollout_ids})
     return {"trained": 1.0, "train_tokens": float(sum(b.n_tokens for b in batches)), **metrics}, trained
 

@@ -393,6 +393,43 @@ class SandboxConfig:
         check_sandbox(self)
 
 
+class MismatchProximal(StrEnum):
+    """Whose logprobs are GSPO's old policy (rl.mismatch.proximal)."""
+
+    engine = "engine"  # the rollout engine's, recorded with each call (no extra forward)
+    trainer = "trainer"  # the trainer's, recomputed before the update (a no-grad forward per micro-batch)
+
+
+class MismatchCorrection(StrEnum):
+    """How the trainer/engine ratio pi_proximal / pi_engine of each sampled token reweights its loss."""
+
+    none = "none"
+    tis = "tis"  # truncated importance sampling: weight min(ratio, cap)
+    mask = "mask"  # IcePop / MIS: weight ratio inside [low, high], no loss outside
+
+
+class CorrectionLevel(StrEnum):
+    token = "token"  # each token's own ratio
+    sequence = "sequence"  # its rollout's: the geometric mean over the rollout's trained targets, as GSPO's ratio
+
+
+@dataclass
+class MismatchConfig:
+    """Train/inference mismatch correction (gyre/train/mismatch.py; README "Train/inference mismatch")."""
+
+    proximal: MismatchProximal = MismatchProximal.engine
+    correction: MismatchCorrection = MismatchCorrection.none
+    level: CorrectionLevel = CorrectionLevel.token
+    cap: float = ranged(2.0, Range(low=1), why="tis: below 1 it would cut on-policy tokens")
+    low: float = ranged(0.5, Range(0, 1, low_open=True), why="mask: the band must hold ratio 1 (no mismatch)")
+    high: float = ranged(2.0, Range(low=1), why="mask: the band must hold ratio 1 (no mismatch)")
+
+    def __post_init__(self) -> None:
+        from gyre.config.validate import check_mismatch
+
+        check_mismatch(self)
+
+
 @dataclass
 class RLConfig:
     algorithm: str = choice(RLAlgorithm.gspo, RLAlgorithm)
@@ -412,6 +449,7 @@ class RLConfig:
     # the exclusion reasons counted (0: never stop)
     max_excluded_fraction: float = ranged(0.5, UNIT_INTERVAL)
     max_excluded_steps: int = ranged(1, NON_NEGATIVE, why="0: never stop")
+    mismatch: MismatchConfig = field(default_factory=MismatchConfig)
 
     def __post_init__(self) -> None:
         from gyre.config.validate import check_rl

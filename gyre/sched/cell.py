@@ -86,7 +86,7 @@ class CellWorker:
             self.engine.load(self.gather(), self.version)
         self.weights = WeightTransport(make_transport(cfg.comm, cfg.cluster.mooncake))
         self.batches = MicroBatchSource(cfg)
-        self.loss_fn = tree_gspo_loss_fn(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high)
+        self.loss_fn = tree_gspo_loss_fn(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high, cfg.rl.mismatch)
         self.timeout = cfg.sched.cell_timeout_s
         self.checkpointer = Checkpointer(Path(cfg.output_dir), cfg.checkpoint_async)  # used by the core only
         self.liveness: socket.socket | None = None  # open until this process ends: the controller sees it close

@@ -192,7 +192,7 @@ class CellFollower:
 def _loss_fn(cfg: RunConfig) -> Any:
     from gyre.pipeline import tree_gspo_loss_fn
 
-    return tree_gspo_loss_fn(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high)
+    return tree_gspo_loss_fn(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high, cfg.rl.mismatch)
 
 
 class GroupCheckpoint:
