@@ -8,6 +8,12 @@ and Gyre's own agent_timeout_s (the instance's limit for the agent), test_cmd (a
 default: the test files of test_patch under `python3 -m unittest -v`, or `python3 -m pytest -rA` with
 log_parser pytest) and log_parser (unittest | pytest).
 
+With tasks.build_images (tools/check_tasks --build-images), each instance is built into the environment
+its install spec defines (`<jsonl dir>/specs.json`, chosen by repo and `version`; environment_setup_commit,
+else base_commit, for its requirement files; gyre/tasks/swebench_images.py), and its tests are the spec's
+test_cmd on the test files of test_patch, run in that image; without, they run on the sandbox's /usr with
+the instance's test_cmd.
+
 The snapshot of `owner/name` is `<repos>/owner__name`: a git repository holding base_commit, or a plain
 directory that is the tree at base_commit (Gyre commits it with a fixed identity and date, and the
 commit id must equal base_commit: `python -m tools.check_tasks --commit-id DIR` prints it).

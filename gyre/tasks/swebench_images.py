@@ -124,15 +124,15 @@ def load_specs(path: Path) -> Specs:
                  str(env.get("repo_dir", "/testbed")))  # fmt: skip
 
 
-def test_directives(test_patch: str) -> list[str]:
+def tested_files(test_patch: str) -> list[str]:
     """The files SWE-bench gives the test command: those test_patch touches, data files left out."""
     return [f for f in _TEST_PATCH_FILE.findall(test_patch) if not f.endswith(NON_TEST_EXTS)]
 
 
-def test_command(spec: InstallSpec, test_patch: str) -> list[str]:
+def spec_test_command(spec: InstallSpec, test_patch: str) -> list[str]:
     """The instance's tests as SWE-bench's eval script runs them: `eval_commands`, then `test_cmd` and the
     test files, in one shell."""
-    command = " ".join([spec.test_cmd, *map(shlex.quote, test_directives(test_patch))])
+    command = " ".join([spec.test_cmd, *map(shlex.quote, tested_files(test_patch))])
     return ["bash", "-c", "\n".join([*spec.eval_commands, command])]
 
 
@@ -243,4 +243,4 @@ def instance_environment(
     dockerfile = environment_dockerfile(spec, specs, requirements is not None)
     context = build_context(dockerfile, requirements, tree, executables)
     return {"dockerfile": str(context / "Dockerfile"), "build_context": str(context),
-            "test_cmd": test_command(spec, row["test_patch"])}  # fmt: skip
+            "test_cmd": spec_test_command(spec, row["test_patch"])}  # fmt: skip
