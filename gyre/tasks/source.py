@@ -85,13 +85,14 @@ def read_suite(cfg: TaskConfig) -> Suite:
     try:
         if cfg.source == TaskSourceKind.harbor:
             tasks, skipped = load_harbor_suite(resolve(cfg.path), cfg.build_images)
-            if cfg.build_images:
-                tasks, unbuilt = build_environments(tasks, cfg.images)
-                skipped += unbuilt
         elif cfg.source == TaskSourceKind.swebench:
-            tasks, skipped = load_swebench_suite(resolve(cfg.path), resolve(cfg.repos) if cfg.repos else None)
+            repos = resolve(cfg.repos) if cfg.repos else None
+            tasks, skipped = load_swebench_suite(resolve(cfg.path), repos, cfg.build_images)
         else:
             raise SuiteError(f"tasks.source={cfg.source!r}: choose one of {', '.join(TaskSourceKind)}")
+        if cfg.build_images:
+            tasks, unbuilt = build_environments(tasks, cfg.images)
+            skipped += unbuilt
     except TaskFormatError as e:
         raise SuiteError(str(e)) from None
     return Suite(tasks, skipped)
