@@ -138,7 +138,9 @@ def test_red_team_attacks_fail_as_an_unprivileged_user(user):
     suite = ET.parse(junit).getroot().find("testsuite")
     counts = {k: int(suite.get(k, "0")) for k in ("tests", "failures", "errors", "skipped")}
     assert counts["failures"] == counts["errors"] == counts["skipped"] == 0 and counts["tests"] >= 30, counts
-    (report_file,) = base.glob("test_attacks_fail_in_the_sandb*/run/rollouts/step0000/s0-g0-r0/workspace/report.json")
+    (report_file,) = base.glob(
+        "test_attacks_fail_in_the_sandb[0-9]*/run/rollouts/step0000/s0-g0-r0/workspace/report.json"
+    )
     assert report_file.stat().st_uid == user.uid  # written by the user's sandboxed agent
     report = json.loads(report_file.read_text())
     refused = [name for name in SANDBOX_ATTACKS if not report[name]["ok"]]
