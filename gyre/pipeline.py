@@ -69,7 +69,8 @@ def write_group_shard(
     path = shard_dir / f"step{step:05d}-group{group:04d}.h5"
     result = GroupShard(path, step, group, len(rollouts), 0, 0, 0, 0)
     producer = {"harness": cfg.harness.kind, "sandbox": cfg.sandbox.backend,  # "none" is on record in every shard
-                "tasks": task_provenance(cfg, rollouts, skipped)}  # fmt: skip
+                "tasks": task_provenance(cfg, rollouts, skipped),
+                "outcomes": [outcome_record(r.outcome) for r in rollouts]}  # fmt: skip
     with ShardWriter(path, run_id=cfg.output_dir or "gyre", step=step, producer=producer) as w:
         for r, adv in zip(rollouts, advantages, strict=True):
             rid, grade = r.outcome.rollout_id, r.outcome.grade
@@ -104,6 +105,16 @@ def write_group_shard(
             result.path_tokens += sum(c.n_input + c.n_output for c in sampled.tree.calls)
             result.policy_tokens += sampled.n_targets
     return result
+
+
+def outcome_record(outcome: RolloutOutcome) -> dict[str, Any]:
+    """How a rollout ended (its grade without the per-check detail), as the group's shard keeps it: a resumed run
+    restores a completed group from its shard (gyre.resume.kept_groups) without running it again."""
+    grade = {k: v for k, v in outcome.grade.__dict__.items() if k != "checks"}
+    return {
+        "rollout_id": outcome.rollout_id, "grade": grade, "wall_s": outcome.wall_s, "turns": outcome.turns,
+        "stop_reason": outcome.stop_reason, "timed_out": outcome.timed_out, "errors": outcome.errors[:3],
+    }  # fmt: skip
 
 
 def task_provenance(
