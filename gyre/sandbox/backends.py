@@ -124,7 +124,8 @@ class BwrapSandbox:
             + [(t, True) for t in users]
             + [
                 (m.target, not m.source.is_dir())
-                for m in mounts  # a file or a socket
+                for i, m in enumerate(mounts)  # a file or a socket
+                if not inside_earlier_mount(m.target, mounts[:i])  # bound over a file an earlier mount brings
             ]
         )
         try:  # what bwrap mounts on must exist in the read-only root
@@ -137,6 +138,11 @@ class BwrapSandbox:
             argv += ["--setenv", key, value]
         launcher = map(relocate, launcher_argv(self.python, self.cfg, job))
         return [*pids_prefix(self.cfg.processes), *argv, "--", *launcher]
+
+
+def inside_earlier_mount(target: str, earlier: list[Mount]) -> bool:
+    """Whether `target` lies under the target of an earlier mount: its mount point is that mount's, not the image's."""
+    return any(target.startswith(m.target.rstrip("/") + "/") for m in earlier)
 
 
 PYTHON_ROOT = "/opt/gyre/python"  # the host interpreter's prefix in an image, when the host's is under /usr

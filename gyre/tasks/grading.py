@@ -24,7 +24,8 @@ that socket; its stdout, which its parent in the sandbox shares, carries nothing
 root agent has ptrace rights over the checker: none promises none of this.
 
 A task's hidden files (Harbor's tests/) are written only here, after the agent has finished, into a
-directory the grading sandbox sees read-only at /tests; a Harbor task's verifier writes its reward under
+private directory the grading sandbox sees at /tests (a Harbor task's tests may add files there, never change
+the task's own: tests_mounts); a Harbor task's verifier writes its reward under
 /logs, a fresh writable directory of this sandbox alone, read by the checker inside it, where the reward
 guard keeps the programs of the tests from writing it (gyre.tasks.harbor_checker).
 """
@@ -232,13 +233,9 @@ def _grading_mounts(task: Task, sandbox: Sandbox, scratch: Path, copy: Path) -> 
         mounts.append(Mount(copy, task.workdir, writable=True))
         where["workdir"] = task.workdir
     if task.hidden_files:
-        tests = scratch / "tests"
-        for rel, content in task.hidden_files.items():
-            path = tests / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(base64.b64decode(content))
-        mounts.append(Mount(tests, TESTS_DIR))
-        where["tests_dir"] = place(sandbox, mounts[-1])
+        tests = tests_mounts(task, scratch, writable=task.checker == "harbor" and sandbox.isolated)
+        mounts += tests
+        where["tests_dir"] = place(sandbox, tests[0])
     if sandbox.isolated:
         mounts += offline_test_mounts(task, scratch)
     if task.checker == "harbor":
@@ -248,6 +245,23 @@ def _grading_mounts(task: Task, sandbox: Sandbox, scratch: Path, copy: Path) -> 
         mounts.append(Mount(reward_guard_library(), REWARD_GUARD))
         where["reward_guard"] = place(sandbox, mounts[-1])
     return mounts, where
+
+
+def tests_mounts(task: Task, scratch: Path, writable: bool) -> list[Mount]:
+    """The task's hidden files written into scratch/tests, a private copy made after the agent has ended, and
+    mounted at /tests. `writable` (Harbor, as Harbor copies the tests into its container: tests that write
+    /tests/score.txt): the directory takes new files, while each file of the task stays read-only, bound over
+    itself, so that the agent's code the tests run cannot rewrite the script (bash reads it as it goes) or a
+    file it sources: what the test script's shell runs stays the task's own."""
+    tests = scratch / "tests"
+    for rel, content in task.hidden_files.items():
+        path = tests / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(base64.b64decode(content))
+    if not writable:
+        return [Mount(tests, TESTS_DIR)]
+    files = [Mount(tests / rel, f"{TESTS_DIR}/{rel}") for rel in sorted(task.hidden_files)]
+    return [Mount(tests, TESTS_DIR, writable=True), *files]
 
 
 def offline_test_mounts(task: Task, scratch: Path) -> list[Mount]:

@@ -15,7 +15,6 @@ the oracle's workspace, in the same sandbox, with their output kept (grading kee
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import re
@@ -30,7 +29,7 @@ from typing import Any
 
 from gyre.sandbox import Mount, Sandbox, SandboxJob, place
 from gyre.sandbox.base import WORKSPACE, code_mounts, host_env
-from gyre.tasks.grading import LOGS_DIR, TESTS_DIR, Grade, grade_workspace, offline_test_mounts
+from gyre.tasks.grading import LOGS_DIR, TESTS_DIR, Grade, grade_workspace, offline_test_mounts, tests_mounts
 from gyre.tasks.harbor_checker import _PYTEST_SUMMARY
 from gyre.tasks.swebench_checker import reset_and_patch
 from gyre.tasks.task import GIT_ENV, SkippedTask, Task
@@ -224,13 +223,10 @@ def test_output(task: Task, workspace: Path, sandbox: Sandbox, timeout: float) -
         mounts, cwd = _workspace_mounts(task, sandbox, copy)
         env: dict[str, str] = {}
         if task.checker == "harbor":
-            tests, logs = scratch / "tests", scratch / "logs"
-            for rel, content in task.hidden_files.items():
-                (tests / rel).parent.mkdir(parents=True, exist_ok=True)
-                (tests / rel).write_bytes(base64.b64decode(content))
+            logs = scratch / "logs"
             for sub in ("verifier", "agent", "artifacts"):
                 (logs / sub).mkdir(parents=True)
-            mounts += [Mount(tests, TESTS_DIR), Mount(logs, LOGS_DIR, writable=True)]
+            mounts += [*tests_mounts(task, scratch, writable=sandbox.isolated), Mount(logs, LOGS_DIR, writable=True)]
             mounts += offline_test_mounts(task, scratch) if sandbox.isolated else []
             argv, env = (
                 ["bash", f"{TESTS_DIR}/{task.grading.get('test_script', 'test.sh')}"],
