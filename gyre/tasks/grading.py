@@ -50,8 +50,10 @@ from gyre.config.schema import SandboxConfig
 from gyre.sandbox import Mount, Sandbox, SandboxJob, place
 from gyre.sandbox.backends import NoSandbox
 from gyre.sandbox.base import WORKSPACE, code_mounts, host_env
+from gyre.sandbox.overlay import RootOverlay
 from gyre.tasks import checker, harbor_checker, swebench_checker
 from gyre.tasks.checker_report import CheckerReport, ReportListener
+from gyre.tasks.harbor_root import grading_overlay
 from gyre.tasks.offline_tests import PIP_DIR, UV_DIR
 from gyre.tasks.reward_guard import GuardUnavailable, reward_guard_library
 from gyre.tasks.task import Task
@@ -293,12 +295,13 @@ def _run_checker(
     timeout_s: float,
     scratch: Path,
     image: str = "",
+    overlay: RootOverlay | None = None,
 ) -> tuple[int | None, str, CheckerReport]:
     """(returncode or None on timeout, stderr, what it reported) of the checker in a fresh sandbox with `mounts`."""
     report = Mount(scratch / "report.sock", REPORT_SOCKET, writable=True)
     mounts = [*code_mounts(), *mounts, report]
     job = SandboxJob(argv=[sandbox.python, "-I", "-c", _CHECKER_BOOT], cwd="/tmp" if sandbox.isolated else "/",
-                     mounts=mounts, image=image)  # fmt: skip
+                     mounts=mounts, image=image, overlay=overlay)  # fmt: skip
     command = sandbox.command(job)
     listener = ReportListener(report.source)
     try:
@@ -369,7 +372,9 @@ def grade_workspace(
             **task.grading,
             **where,
         }
-        code, err, report = _run_checker(sandbox, source, spec, mounts, check_timeout_s, scratch, task.image)
+        targets = [m.target for m in [*code_mounts(), *mounts]] + [REPORT_SOCKET]
+        overlay = grading_overlay(task, sandbox, workspace, scratch, targets)
+        code, err, report = _run_checker(sandbox, source, spec, mounts, check_timeout_s, scratch, task.image, overlay)
     except WorkspaceTooLarge as e:
         return Grade.agent_failed("workspace_limits", str(e))
     except GuardUnavailable as e:

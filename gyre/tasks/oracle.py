@@ -31,6 +31,7 @@ from gyre.sandbox import Mount, Sandbox, SandboxJob, place
 from gyre.sandbox.base import WORKSPACE, code_mounts, host_env
 from gyre.tasks.grading import LOGS_DIR, TESTS_DIR, Grade, grade_workspace, offline_test_mounts, tests_mounts
 from gyre.tasks.harbor_checker import _PYTEST_SUMMARY
+from gyre.tasks.harbor_root import agent_overlay, grading_overlay
 from gyre.tasks.swebench_checker import reset_and_patch
 from gyre.tasks.task import GIT_ENV, SkippedTask, Task
 
@@ -188,7 +189,8 @@ def solve(task: Task, workspace: Path, sandbox: Sandbox) -> tuple[str, str]:
     mounts, cwd = _workspace_mounts(task, sandbox, workspace)
     mounts.append(Mount(solution, SOLUTION_DIR))
     script = f"{SOLUTION_DIR if sandbox.isolated else solution}/solve.sh"
-    job = SandboxJob(argv=["bash", script], cwd=cwd, mounts=mounts, image=task.image)
+    job = SandboxJob(argv=["bash", script], cwd=cwd, mounts=mounts, image=task.image,
+                     overlay=agent_overlay(task, sandbox, workspace))  # fmt: skip
     timeout = task.agent_timeout_s or DEFAULT_SOLVE_TIMEOUT_S
     code, out = _run_in_sandbox(sandbox, job, timeout)
     if code is None:
@@ -237,8 +239,9 @@ def test_output(task: Task, workspace: Path, sandbox: Sandbox, timeout: float) -
             argv, cwd = list(task.grading["test_cmd"]), place(sandbox, mounts[len(code_mounts())])
         else:
             return ""
-        code, out = _run_in_sandbox(sandbox, SandboxJob(argv=argv, cwd=cwd, env=env, mounts=mounts, image=task.image),
-                                    timeout)  # fmt: skip
+        overlay = grading_overlay(task, sandbox, workspace, scratch, [m.target for m in mounts])
+        job = SandboxJob(argv=argv, cwd=cwd, env=env, mounts=mounts, image=task.image, overlay=overlay)
+        code, out = _run_in_sandbox(sandbox, job, timeout)
         if task.checker == "harbor":  # what the tests wrote beside the reward (pytest logs, ctrf)
             for log in sorted((scratch / "logs" / "verifier").glob("*.txt")):
                 out += f"\n[{LOGS_DIR}/verifier/{log.name}]\n{log.read_text(errors='replace')}"
