@@ -34,6 +34,7 @@ from gyre.proxy.server import ProxyServer
 from gyre.sandbox import ApptainerSandbox, SandboxJob, SandboxUnavailable, make_sandbox
 from gyre.sandbox.backends import PYTHON_ROOT, BwrapSandbox, image_env, relocated_python_mounts
 from gyre.sandbox.base import GYRE_ROOT, Mount, code_mounts
+from gyre.sandbox.overlay import CHANGES_DIR, RootOverlay
 from gyre.sandbox.rootfs import IMAGE_PREFIX, cache_root, ensure_mountpoint, image_root, passwd_ids
 from gyre.tasks.grading import grade_workspace
 from gyre.tasks.harbor import load_harbor_task
@@ -133,6 +134,29 @@ def test_bwrap_uses_the_image_rootfs_env_and_user(tmp_path, monkeypatch):
     assert "/usr" not in [argv[i + 2] for i, a in enumerate(argv) if a == "--ro-bind"]  # the image owns /usr
     with pytest.raises(Exception, match="not unpacked"):
         BwrapSandbox(SandboxConfig()).command(SandboxJob(argv=["true"], cwd="/", image=IMAGE_PREFIX + "gone"))
+
+
+@pytest.mark.unit
+def test_an_overlaid_root_keeps_the_images_system_trees_and_path_read_only(tmp_path, monkeypatch):
+    """With a root overlay the command mounts it in a user and mount namespace of its own (unshare), binds it as
+    `/`, the system trees, /etc and each PATH prefix read-only over it, and watches the agent's changes."""
+    monkeypatch.setenv("GYRE_CACHE", str(tmp_path))
+    image_dir = tmp_path / "images" / "d3"
+    for tree in ("usr/bin", "etc", "opt/venv/bin", "srv"):
+        (image_dir / "rootfs" / tree).mkdir(parents=True)
+    (image_dir / "rootfs" / "bin").symlink_to("usr/bin")
+    meta = {"env": {"PATH": "/opt/venv/bin:/usr/bin:/bin"}, "workdir": "/", "user": "", "uid": 0, "gid": 0}
+    (image_dir / "image.json").write_text(json.dumps(meta))
+    overlay = RootOverlay.under(tmp_path / "ws.root", watch_upper=True)
+    argv = BwrapSandbox(SandboxConfig()).command(SandboxJob(argv=["true"], cwd="/", image=IMAGE_PREFIX + "d3",
+                                                            overlay=overlay))  # fmt: skip
+    assert argv[argv.index("--user") - 1].endswith("unshare") and "--mount" in argv
+    assert argv[argv.index("--bind") : argv.index("--bind") + 3] == ["--bind", str(overlay.merged), "/"]
+    binds = {argv[i + 2]: argv[i + 1] for i, a in enumerate(argv) if a == "--ro-bind"}
+    assert {t: binds[t] for t in ("/usr", "/etc", "/opt/venv")} == {t: f"{overlay.merged}{t}" for t in
+                                                                   ("/usr", "/etc", "/opt/venv")}  # fmt: skip
+    assert "/srv" not in binds and "/bin" not in binds  # writable; /bin is the image's link into /usr
+    assert binds[CHANGES_DIR] == str(overlay.upper) and f"{CHANGES_DIR}:{2048 << 20}" in argv
 
 
 @pytest.mark.unit
