@@ -236,7 +236,7 @@ def test_output(task: Task, workspace: Path, sandbox: Sandbox, timeout: float) -
             )
         elif task.checker == "swebench":
             reset_and_patch(copy, task.grading["reset_files"], task.grading["test_patch"])
-            argv, cwd = list(task.grading["test_cmd"]), place(sandbox, mounts[len(code_mounts())])
+            argv = list(task.grading["test_cmd"])  # in the working directory grading runs them in
         else:
             return ""
         overlay = grading_overlay(task, sandbox, workspace, scratch, [m.target for m in mounts])
