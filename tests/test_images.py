@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -593,6 +594,8 @@ def test_what_the_agent_writes_outside_its_working_directory_reaches_grading(bas
     problem, out = solve(built, ws, sandbox)
     assert problem == "" and out.split() == ["/etc/gyre-probe:", "ro", "/usr/local/bin/gyre-probe:", "ro"], out
     assert (root_changes(ws) / "upper" / "output" / "answer.txt").read_text() == "42\n"
+    work = [Path(d) for d, _, _ in os.walk(root_changes(ws) / "work")]  # overlayfs made it 000: a user could not
+    assert len(work) > 1 and all(d.stat().st_mode & 0o700 == 0o700 for d in work)  # remove the rollout's scratch
 
 
 @pytest.mark.integration

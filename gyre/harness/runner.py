@@ -351,7 +351,11 @@ async def run_rollout(
             overlay=agent_overlay(task, sandbox, workspace),  # a Harbor task's image root, writable, kept for grading
         )
         log_path = workdir / "harness.log"
-        run, pid = await _run_harness(sandbox, job, log_path, agent_timeout(harness_cfg, task), kill_grace_s)
+        try:
+            run, pid = await _run_harness(sandbox, job, log_path, agent_timeout(harness_cfg, task), kill_grace_s)
+        finally:
+            if job.overlay is not None:
+                job.overlay.release()
     finally:
         await endpoint.close()
         if keys is not None:

@@ -48,6 +48,16 @@ class RootOverlay:
             (directory / sub).mkdir(parents=True, exist_ok=True)
         return cls(directory / "upper", directory / "work", directory / "merged", layers, watch_upper)
 
+    def release(self) -> None:
+        """Once the sandbox has ended: overlayfs leaves its work directory mode 000, which a user (not root)
+        could not remove with the rest of the rollout's or the grading's scratch."""
+        for directory, subdirs, _ in os.walk(self.work):
+            for sub in subdirs:
+                try:
+                    os.chmod(os.path.join(directory, sub), 0o700)
+                except OSError:
+                    pass
+
     def mount_prefix(self, rootfs: Path) -> list[str]:
         """The command prefix that mounts the overlay on `merged` in a new user and mount namespace, then runs
         the rest of the command line there."""

@@ -374,7 +374,13 @@ def grade_workspace(
         }
         targets = [m.target for m in [*code_mounts(), *mounts]] + [REPORT_SOCKET]
         overlay = grading_overlay(task, sandbox, workspace, scratch, targets)
-        code, err, report = _run_checker(sandbox, source, spec, mounts, check_timeout_s, scratch, task.image, overlay)
+        try:
+            code, err, report = _run_checker(
+                sandbox, source, spec, mounts, check_timeout_s, scratch, task.image, overlay
+            )
+        finally:
+            if overlay is not None:
+                overlay.release()
     except WorkspaceTooLarge as e:
         return Grade.agent_failed("workspace_limits", str(e))
     except GuardUnavailable as e:

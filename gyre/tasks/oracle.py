@@ -192,7 +192,11 @@ def solve(task: Task, workspace: Path, sandbox: Sandbox) -> tuple[str, str]:
     job = SandboxJob(argv=["bash", script], cwd=cwd, mounts=mounts, image=task.image,
                      overlay=agent_overlay(task, sandbox, workspace))  # fmt: skip
     timeout = task.agent_timeout_s or DEFAULT_SOLVE_TIMEOUT_S
-    code, out = _run_in_sandbox(sandbox, job, timeout)
+    try:
+        code, out = _run_in_sandbox(sandbox, job, timeout)
+    finally:
+        if job.overlay is not None:
+            job.overlay.release()
     if code is None:
         return f"solve.sh ran past the task's agent timeout ({timeout:g}s)", out
     if code != 0:
@@ -241,7 +245,11 @@ def test_output(task: Task, workspace: Path, sandbox: Sandbox, timeout: float) -
             return ""
         overlay = grading_overlay(task, sandbox, workspace, scratch, [m.target for m in mounts])
         job = SandboxJob(argv=argv, cwd=cwd, env=env, mounts=mounts, image=task.image, overlay=overlay)
-        code, out = _run_in_sandbox(sandbox, job, timeout)
+        try:
+            code, out = _run_in_sandbox(sandbox, job, timeout)
+        finally:
+            if overlay is not None:
+                overlay.release()
         if task.checker == "harbor":  # what the tests wrote beside the reward (pytest logs, ctrf)
             for log in sorted((scratch / "logs" / "verifier").glob("*.txt")):
                 out += f"\n[{LOGS_DIR}/verifier/{log.name}]\n{log.read_text(errors='replace')}"
