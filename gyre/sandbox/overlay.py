@@ -6,7 +6,7 @@ options, so the sandbox's command starts in a user and mount namespace of its ow
 overlay is mounted (`userxattr`: unprivileged) on an empty host directory that bwrap then takes as `/`.
 The agent's sandbox writes into `upper` (a host directory beside its workspace, size-watched by the launcher
 like the workspace: it is bound read-only at CHANGES_DIR); the grading sandbox stacks those changes,
-read-only, between the image and a fresh upper of its own.
+read-only, between the image and a fresh upper of its own (watched the same way: the tests run the agent's code).
 
 What must stay the image's never becomes writable, in either sandbox: /usr and the other system trees,
 /etc (the loader's preload and cache files, NSS), and every directory on the image's PATH with its prefix
@@ -39,7 +39,7 @@ class RootOverlay:
     work: Path
     merged: Path
     layers: tuple[Path, ...] = ()
-    watch_upper: bool = False  # the agent's sandbox: its changes count against a size limit
+    watch_upper: bool = False  # what is written to the root counts against the workspace's size limit
 
     @classmethod
     def under(cls, directory: Path, layers: tuple[Path, ...] = (), watch_upper: bool = False) -> RootOverlay:

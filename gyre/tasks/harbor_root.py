@@ -52,4 +52,4 @@ def grading_overlay(
         assert root is not None
         drop_from_changes(changes, [*targets, *SANDBOX_OWN, *protected_trees(root.rootfs, root.env)])
         layers = (changes,)
-    return RootOverlay.under(scratch / "root", layers)
+    return RootOverlay.under(scratch / "root", layers, watch_upper=True)  # the tests write there too, running its code
