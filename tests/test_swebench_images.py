@@ -18,8 +18,9 @@ from gyre.config.schema import SandboxConfig
 from gyre.sandbox import SandboxJob, make_sandbox
 from gyre.sandbox.base import code_mounts
 from gyre.sandbox.rootfs import IMAGE_PREFIX, cache_root
+from gyre.tasks.grading import grade_workspace
 from gyre.tasks.images import ImageBuilder, build_task_environment
-from gyre.tasks.oracle import check_task
+from gyre.tasks.oracle import apply_patch, check_task, reference_patch
 from gyre.tasks.swebench import load_swebench_suite
 from gyre.tasks.swebench_images import (
     InstallSpec,
@@ -98,10 +99,11 @@ def test_an_instance_without_a_spec_is_skipped_with_its_cause(tmp_path):
 
 
 @pytest.mark.integration
-def test_a_swebench_instance_is_graded_in_its_spec_image():
+def test_a_swebench_instance_is_graded_in_its_spec_image(tmp_path):
     """flask-4992 in flask 2.3's environment (SWE-bench's pins, pip at build time, `pip install -e .` in
     /testbed): the reference patch scores 1 and the untouched repository 0, graded offline in the image under
-    bwrap; the image has the spec's Werkzeug, not the host's; a second build is a cache hit."""
+    bwrap; the image has the spec's Werkzeug, not the host's; a second build is a cache hit. The runner hooks
+    hold in the image: code that ends pytest early scores 0 (tests_incomplete), never a pass."""
     store = cache_root() / "bases"
     assert make_base(ImageBuilder(), "python:3.11-slim", store).is_file()  # mmdebstrap, once per machine
     tasks, skipped = load_swebench_suite(REAL / "instances.jsonl", build_images=True)
@@ -122,7 +124,13 @@ def test_a_swebench_instance_is_graded_in_its_spec_image():
     job = SandboxJob(argv=["python3", "-c", probe], cwd="/", image=built.image, mounts=code_mounts())
     out = subprocess.run(sandbox.command(job), capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["2.3.7", "/testbed/src/flask/__init__.py"], out.stderr
-    report = check_task(built, sandbox, check_timeout_s=120.0)
+    report = check_task(built, sandbox, check_timeout_s=120.0)  # statuses come only from the runner's own record
     assert (report.verdict, report.oracle.score, report.nop.score) == ("sound", 1.0, 0.0), report.line()
     assert report.oracle.passed == report.oracle.total == 19
+    ws = built.materialize(tmp_path / "exit")  # the image's pytest still runs the runner hooks: no record, no pass
+    assert apply_patch(ws, reference_patch(built)) == ""
+    (ws / "src" / "flask" / "__init__.py").write_text("import os\nos._exit(0)\n")
+    (ws / "sitecustomize.py").write_text("raise SystemExit(0)\n")
+    grade = grade_workspace(built, ws, check_timeout_s=120.0, sandbox=sandbox)
+    assert (grade.status, grade.score) == ("agent_failed", 0.0) and grade.reason.startswith("tests_incomplete"), grade
     print(f"\n[swebench image] {built.image}: {first_s:.1f}s to build or find")
