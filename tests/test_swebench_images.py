@@ -17,12 +17,13 @@ import pytest
 from gyre.config.schema import SandboxConfig
 from gyre.sandbox import SandboxJob, make_sandbox
 from gyre.sandbox.base import code_mounts
-from gyre.sandbox.rootfs import IMAGE_PREFIX, cache_root
+from gyre.sandbox.rootfs import IMAGE_PREFIX, cache_root, image_root
 from gyre.tasks.grading import grade_workspace
 from gyre.tasks.images import ImageBuilder, build_task_environment
 from gyre.tasks.oracle import apply_patch, check_task, reference_patch
 from gyre.tasks.swebench import load_swebench_suite
 from gyre.tasks.swebench_images import (
+    FREEZE_FILE,
     InstallSpec,
     Specs,
     environment_dockerfile,
@@ -62,9 +63,10 @@ def test_a_spec_becomes_swebench_s_steps_in_a_dockerfile():
                        pre_install=("sed -i s/a/b/ setup.cfg",), eval_commands=("export LANG=C.UTF-8",))  # fmt: skip
     dockerfile = environment_dockerfile(spec, Specs(Path("specs.json"), {}, apt_packages=("git",)), requirements=True)
     lines = dockerfile.splitlines()
-    assert lines[0] == "FROM python:3.11-slim" and lines[-1] == "RUN python -m pip install -e ."
+    assert lines[0] == "FROM python:3.11-slim" and lines[-2] == "RUN python -m pip install -e ."
+    assert lines[-1].endswith(f"python -m pip freeze --all > {FREEZE_FILE}")
     steps = [line.split()[0] for line in lines]
-    assert steps == ["FROM", "ARG", "RUN", "COPY", "RUN", "RUN", "COPY", "WORKDIR", "RUN", "RUN"]
+    assert steps == ["FROM", "ARG", "RUN", "COPY", "RUN", "RUN", "COPY", "WORKDIR", "RUN", "RUN", "RUN"]
     assert "RUN python -m pip install Werkzeug==2.3.7 'pandas<2'" in lines  # one shell word each
     assert lines.index("COPY repo/ /testbed/") < lines.index("RUN sed -i s/a/b/ setup.cfg")  # pre_install in the repo
     assert spec_test_command(spec, TEST_PATCH) == ["bash", "-c", "export LANG=C.UTF-8\npytest -rA tests/test_config.py"]
@@ -124,6 +126,8 @@ def test_a_swebench_instance_is_graded_in_its_spec_image(tmp_path):
     job = SandboxJob(argv=["python3", "-c", probe], cwd="/", image=built.image, mounts=code_mounts())
     out = subprocess.run(sandbox.command(job), capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["2.3.7", "/testbed/src/flask/__init__.py"], out.stderr
+    freeze = (image_root(built.image).rootfs / FREEZE_FILE.lstrip("/")).read_text().splitlines()
+    assert "Werkzeug==2.3.7" in freeze and "pytest==7.3.0" in freeze  # what pip resolved, kept in the image
     report = check_task(built, sandbox, check_timeout_s=120.0)  # statuses come only from the runner's own record
     assert (report.verdict, report.oracle.score, report.nop.score) == ("sound", 1.0, 0.0), report.line()
     assert report.oracle.passed == report.oracle.total == 19
