@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from gyre.config.load import compose
 from gyre.config.schema import SandboxConfig
 from gyre.sandbox import SandboxJob, make_sandbox
 from gyre.sandbox.base import code_mounts
@@ -138,3 +139,11 @@ def test_a_swebench_instance_is_graded_in_its_spec_image(tmp_path):
     grade = grade_workspace(built, ws, check_timeout_s=120.0, sandbox=sandbox)
     assert (grade.status, grade.score) == ("agent_failed", 0.0) and grade.reason.startswith("tests_incomplete"), grade
     print(f"\n[swebench image] {built.image}: {first_s:.1f}s to build or find")
+
+
+@pytest.mark.unit
+def test_the_real_suite_s_config_builds_its_images_and_plain_snapshots_give_their_requirements():
+    assert compose(["tasks=swebench_real"]).tasks.build_images is True  # launch.run grades in the spec images
+    read = snapshot_reader(Path("/nonexistent"), "base", "base", {"requirements/dev.txt": b"-r tests.txt\nflit\n"})
+    assert read("requirements/dev.txt") == "-r tests.txt\nflit\n" and read("requirements/tests.txt") is None
+    assert snapshot_reader(Path("/nonexistent"), "other", "base", {"requirements/dev.txt": b"x"})("x") is None
