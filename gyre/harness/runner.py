@@ -35,6 +35,7 @@ from gyre.sandbox import Mount, Sandbox, SandboxJob, make_sandbox, place
 from gyre.sandbox.base import GYRE_ROOT, HARNESS_DIR, RELAY_PORT, SOURCE_ROOT, WORKSPACE, code_mounts, host_env
 from gyre.sandbox.limits import connections_per_rollout
 from gyre.tasks.grading import Grade, grade_workspace
+from gyre.tasks.harbor_root import agent_overlay
 from gyre.tasks.task import Task
 
 log = logging.getLogger(__name__)
@@ -347,9 +348,14 @@ async def run_rollout(
             mounts=[*code_mounts(), ws_mount, *also, io_mount],
             proxy_socket=endpoint.unix_path,
             image=task.image,
+            overlay=agent_overlay(task, sandbox, workspace),  # a Harbor task's image root, writable, kept for grading
         )
         log_path = workdir / "harness.log"
-        run, pid = await _run_harness(sandbox, job, log_path, agent_timeout(harness_cfg, task), kill_grace_s)
+        try:
+            run, pid = await _run_harness(sandbox, job, log_path, agent_timeout(harness_cfg, task), kill_grace_s)
+        finally:
+            if job.overlay is not None:
+                job.overlay.release()
     finally:
         await endpoint.close()
         if keys is not None:
