@@ -11,8 +11,8 @@ import yaml
 
 from gyre.harness.builtin import rollout_tool_factor
 from gyre.sched import policy
-from gyre.sim.bound import lower_bound
-from gyre.sim.calibrate import Calibration, RunRecord, calibrate, read_run
+from gyre.sim.bound import lower_bound, workload_bound
+from gyre.sim.calibrate import Calibration, RunRecord, calibrate, fit_rollouts, read_run
 from gyre.sim.simulator import simulate
 from gyre.sim.workload import Call, CellModel, Rollout, RunShape, Trace, Workload, tool_factor
 
@@ -178,3 +178,34 @@ def test_cross_prediction_of_the_recorded_benchmark() -> None:
         assert set(rows) == set(SCHEDULERS) and all(set(r) == set(SCHEDULERS) for r in rows.values())
     assert cross["median_error"] < CROSS_MEDIAN_BOUND
     assert cross["worst_error"] < CROSS_WORST_BOUND
+
+
+def test_workload_bound_is_one_for_every_scheduler(tmp_path: Path) -> None:
+    """The workload's bound takes each rollout as quick as any run saw it, whichever scheduler ran it: a
+    scheduler that slows its sessions does not raise it."""
+    write_run(tmp_path)
+    quick = read_run(tmp_path)
+    slow = RunRecord.from_json(quick.to_json())
+    slow.scheduler = "colocate_cells"
+    for s in slow.sessions.values():  # every tool gap and the time outside the harness twice as long
+        outside = s["seconds"] - s["harness_s"]
+        s["harness_s"] += sum(c[3] for c in s["calls"])
+        s["calls"] = [[p, d, dur, 2 * gap] for p, d, dur, gap in s["calls"]]
+        s["seconds"] = s["harness_s"] + 2 * outside
+    least = fit_rollouts([slow, quick], calibrate([quick]).shape, least=True)
+    assert least == calibrate([quick]).rollouts
+    assert workload_bound([slow, quick]).seconds == pytest.approx(workload_bound([quick, slow]).seconds)
+    assert workload_bound([slow, quick]).seconds < lower_bound(*_own(slow)).seconds
+
+
+def _own(run: RunRecord) -> tuple[CellModel, RunShape, Trace]:
+    cal = calibrate([run])
+    return cal.cell, cal.shape, cal.trace()
+
+
+def test_workload_bound_holds_for_every_recorded_run() -> None:
+    from tools.sim_schedulers import load_records
+
+    for runs in load_records(None).values():
+        bound = workload_bound(list(runs.values())).seconds
+        assert all(r.wall_s >= bound for r in runs.values())

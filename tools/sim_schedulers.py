@@ -9,7 +9,8 @@
    benchmark are in tools/sim_data/bench17_runs.json.gz; `--bench DIR` reads a benchmark's output
    directory instead (DIR/<workload>/<scheduler>-<repeat>/), `--save-data` stores its records there.
    1b. Cross-prediction: calibrated on one scheduler's runs alone, the other schedulers' walls predicted
-   (`--cross` prints only this).
+   (`--cross` prints only this). 1c. One lower bound per workload, the same for every scheduler, and
+   each scheduler's distance from it.
 2. The reference system's scale: the 2.4T setting (4 cells of 48 nodes x 8 GPUs) and the 122B setting
    (24 and 32 nodes), with the throughputs and costs below stated as assumptions, beside the reference
    table; GPU utilisation of each scheduler and the lower bound (gyre.sim.bound).
@@ -31,7 +32,7 @@ from typing import Any
 
 from gyre.config.schema import CELL_SCHEDULERS as SCHEDULERS
 from gyre.sched.policy import KEEP_TRAINING
-from gyre.sim.bound import alone_seconds, lower_bound
+from gyre.sim.bound import alone_seconds, lower_bound, workload_bound
 from gyre.sim.calibrate import Calibration, RunRecord, calibrate, read_run
 from gyre.sim.simulator import SimResult, simulate
 from gyre.sim.workload import CellModel, RunShape, Workload
@@ -231,6 +232,36 @@ def print_cross(cross: dict[str, Any]) -> None:
     print(f"off the diagonal: median error {cross['median_error']:.1%}, worst {cross['worst_error']:.1%}")
 
 
+def workload_bounds(records: dict[str, dict[str, RunRecord]]) -> dict[str, Any]:
+    """Each workload's one bound (gyre.sim.bound.workload_bound) and every scheduler's distance from it, beside
+    the bound each scheduler's own runs give (what over_bound used to compare)."""
+    out: dict[str, Any] = {}
+    for wl, runs in records.items():
+        bound = workload_bound(list(runs.values()))
+        rows: dict[str, Any] = {"bound_s": round(bound.seconds, 2), "chain_s": round(bound.chain_s, 2),
+                                "work_s": round(bound.work_s, 2)}  # fmt: skip
+        for sched in SCHEDULERS:
+            mine = [r for r in runs.values() if r.scheduler == sched]
+            wall = statistics.median(r.wall_s for r in mine)
+            own = statistics.median(
+                lower_bound(c.cell, c.shape, c.trace()).seconds for c in (calibrate([r]) for r in mine)
+            )
+            rows[sched] = {"measured_s": round(wall, 2), "over_bound": round(wall / bound.seconds, 3),
+                           "own_bound_s": round(own, 2), "over_own_bound": round(wall / own, 3)}  # fmt: skip
+        out[wl] = rows
+    return out
+
+
+def print_workload_bounds(bounds: dict[str, Any]) -> None:
+    print("\n1c. One bound per workload (each rollout as quick as any run saw it; engine and training costs from "
+          "all runs): each scheduler's median wall over it, and over the bound of its own runs")  # fmt: skip
+    for wl, rows in bounds.items():
+        parts = [f"{s} {rows[s]['over_bound']:.2f}x (own {rows[s]['over_own_bound']:.2f}x of {rows[s]['own_bound_s']:.0f} s)"
+                 for s in SCHEDULERS]  # fmt: skip
+        print(f"{WORKLOADS.get(wl, wl):24s} bound {rows['bound_s']:6.1f} s (chain {rows['chain_s']:.0f}, "
+              f"work {rows['work_s']:.0f}): " + "; ".join(parts))  # fmt: skip
+
+
 # ----- 2. the reference scale -----
 def reference(setting: dict[str, Any]) -> dict[str, Any]:
     cell, shape, wl = setting["cell"], setting["shape"], setting["workload"]
@@ -391,6 +422,8 @@ def main() -> None:
     results["validation"] = validate(load_calibrations(bench))
     print_validation(results["validation"])
     print_cross(results["cross"])
+    results["workload_bounds"] = workload_bounds(load_records(bench))
+    print_workload_bounds(results["workload_bounds"])
     settings = {
         "2.4T, 4 cells x 48 nodes x 8 GPUs": REF_24T,
         "122B, 32 nodes": ref_122b(32),
