@@ -176,6 +176,7 @@ def test_cross_prediction_of_the_recorded_benchmark() -> None:
     assert set(cross["table"]) == {"sigma0.5", "sigma1.0", "trainheavy"}
     for rows in cross["table"].values():
         assert set(rows) == set(SCHEDULERS) and all(set(r) == set(SCHEDULERS) for r in rows.values())
+    assert cross["repeat_noise"]["n"] == 18  # trainheavy: 3 repeats of each scheduler, each against the other 2
     assert cross["median_error"] < CROSS_MEDIAN_BOUND
     assert cross["worst_error"] < CROSS_WORST_BOUND
 

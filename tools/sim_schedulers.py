@@ -218,7 +218,25 @@ def cross_predict(records: dict[str, dict[str, RunRecord]]) -> dict[str, Any]:
                 if tgt != src:
                     off.append(abs(err))
         table[wl] = rows
-    return {"table": table, "median_error": round(statistics.median(off), 4), "worst_error": round(max(off), 4)}
+    return {"table": table, "median_error": round(statistics.median(off), 4), "worst_error": round(max(off), 4),
+            "repeat_noise": repeat_noise(records)}  # fmt: skip
+
+
+def repeat_noise(records: dict[str, dict[str, RunRecord]]) -> dict[str, float] | None:
+    """What the same scheduler's repeats say about the data: each run, simulated from its own calibration,
+    against every other repeat of its scheduler on its workload (median and worst absolute error). A
+    cross-prediction cannot be judged finer than this: the runs themselves disagree by as much."""
+    errors = []
+    for runs in records.values():
+        for name, run in runs.items():
+            others = [r.wall_s for n, r in runs.items() if n != name and r.scheduler == run.scheduler]
+            if others:
+                cal = calibrate([run])
+                sim = simulate(run.scheduler, cal.cell, cal.shape, cal.trace()).wall_s
+                errors += [abs(sim / w - 1) for w in others]
+    if not errors:
+        return None
+    return {"median_error": round(statistics.median(errors), 4), "worst_error": round(max(errors), 4), "n": len(errors)}
 
 
 def print_cross(cross: dict[str, Any]) -> None:
@@ -230,6 +248,9 @@ def print_cross(cross: dict[str, Any]) -> None:
             cells = [f"({e:+.1%})" if t == src else f"{e:+.1%}" for t in SCHEDULERS for e in [rows[src][t]["error"]]]
             print(f"{WORKLOADS.get(wl, wl):24s} {src:15s} " + " ".join(f"{c:>15s}" for c in cells))
     print(f"off the diagonal: median error {cross['median_error']:.1%}, worst {cross['worst_error']:.1%}")
+    if noise := cross["repeat_noise"]:
+        print(f"the data's own spread: a run's replay against the other repeats of its scheduler, median "
+              f"{noise['median_error']:.1%}, worst {noise['worst_error']:.1%} ({noise['n']} pairs)")  # fmt: skip
 
 
 def workload_bounds(records: dict[str, dict[str, RunRecord]]) -> dict[str, Any]:
