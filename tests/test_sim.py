@@ -134,7 +134,9 @@ def write_run(d: Path) -> None:
             calls.append({"rollout_id": rid, "prompt_tokens": 50, "cached_tokens": 40, "output_ids": [0] * dec,
                           "t_start": t, "t_end": t + 0.02 + 0.01 * dec, "engine_url": f"e{i}"})  # fmt: skip
             t += 0.02 + 0.01 * dec + 1.5
-        rows.append({"event": "session", "rollout_id": rid, "step": 0, "seconds": 4.0, "harness_s": 3.5})
+        rows.append(
+            {"event": "session", "rollout_id": rid, "step": 0, "seconds": 4.0, "harness_s": 3.5, "started": 1.0 + i}
+        )
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (d / "calls.jsonl").write_text("".join(json.dumps(c) + "\n" for c in calls))
     (d / "summary.json").write_text(json.dumps({"wall_s": 7.0}))
@@ -155,6 +157,7 @@ def test_calibration_reads_a_run(tmp_path: Path) -> None:
     assert r.overhead_s == pytest.approx(0.5) and r.train_tokens == 1000
     again = Calibration.from_json(json.loads(json.dumps(cal.to_json())))
     record = read_run(tmp_path)
+    assert [s["started"] for s in record.sessions.values()] == [1.0, 2.0]  # kept, for contention on the harness
     stored = calibrate([RunRecord.from_json(json.loads(json.dumps(record.to_json())))]).cell  # floats to 4 places
     assert asdict(stored) == pytest.approx(asdict(c), rel=1e-5)
     assert simulate("elastic", again.cell, again.shape, again.trace()).wall_s == pytest.approx(

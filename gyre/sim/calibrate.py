@@ -30,7 +30,8 @@ class RunRecord:
     scheduler: str
     wall_s: float
     shape: dict[str, Any]
-    sessions: dict[str, dict[str, Any]]  # rollout id -> {seconds, harness_s, calls: [[prefill, decode, dur, gap]]}
+    sessions: dict[str, dict[str, Any]]  # rollout id -> {seconds, harness_s, calls: [[prefill, decode, dur, gap]],
+    #                                      started (runs recorded since it was kept)}
     micro_batches: list[tuple[int, float, bool]]  # (tokens, seconds, first on its cell since it began training)
     switches: dict[str, list[float]]  # direction -> latencies
     reduce_s: list[float]
@@ -81,6 +82,8 @@ def read_run(run_dir: str | Path) -> RunRecord:
         if out:  # harness time not between calls (before the first, after the last: its final tool call)
             out[-1][3] += max(0.0, r.get("harness_s", inside) - inside)
         sessions[r["rollout_id"]] = {"seconds": r["seconds"], "harness_s": r.get("harness_s", inside), "calls": out}
+        if "started" in r:  # on the controller's timeline: how many sessions shared the machine with this one
+            sessions[r["rollout_id"]]["started"] = r["started"]
     steps = [r for r in rows if r["event"] == "step"]
     switches: dict[str, list[float]] = defaultdict(list)
     for r in rows:
