@@ -420,7 +420,7 @@ class CorrectionLevel(StrEnum):
 
 @dataclass
 class MismatchConfig:
-    """Train/inference mismatch correction (gyre/train/mismatch.py; README "Train/inference mismatch")."""
+    """Train/inference mismatch correction (gyre/train/mismatch.py; docs/architecture.md, "Train/inference mismatch")."""
 
     # GSPO's old policy: engine (recorded logprobs) or trainer (recomputed before the update)
     proximal: MismatchProximal = MismatchProximal.engine
