@@ -121,14 +121,18 @@ def summarize(
         "checkpoint_mb": round(size / 2**20, 2),
         "pairs_per_mode": args.pairs,
         "train_step_s": round(train_s, 4),
+        "pair_without_checkpoint_s": round(median("none", "pair_s"), 4),
         "rl_step_s": rl_step_s,
     }
     for mode in ("sync", "async"):
         paired = zip(samples[mode], samples["none"], strict=True)  # the same round: the same load on the machine
-        cost = statistics.median(with_it["pair_s"] - without["pair_s"] for with_it, without in paired)
+        diffs = [with_it["pair_s"] - without["pair_s"] for with_it, without in paired]
+        cost = statistics.median(diffs)
+        quartiles = statistics.quantiles(diffs, n=4) if len(diffs) > 1 else [cost, cost, cost]
         out[mode] = {
             "save_call_s": round(median(mode, "save_s"), 4),
             "critical_path_s": round(cost, 4),
+            "critical_path_iqr_s": [round(quartiles[0], 4), round(quartiles[2], 4)],
             "of_train_step": round(cost / train_s, 4),
             "of_rl_step": round(cost / rl_step_s, 5) if rl_step_s else None,
         }
