@@ -24,7 +24,7 @@ from gyre.sched.policy import SCHEDULERS as CELL_SCHEDULERS
 from gyre.store.reader import Shard, read_shard
 from gyre.tasks.suite import TaskPool
 from gyre.tracking import open_trackers
-from gyre.train.megatron_trainer import MegatronTrainer
+from gyre.train.trainer import Trainer, make_trainer
 from gyre.train.warm_start import prepare_policy
 
 
@@ -41,7 +41,7 @@ def run(cfg: RunConfig) -> Path:
     state = start.state
     first_tasks = TaskPool(cfg.tasks.families, cfg.tasks.pool_size, seed=cfg.seed).for_step(0, cfg.rl.groups_per_step)
     policy = prepare_policy(cfg, log=print, check=lambda tok: check_harness_fits(cfg, first_tasks, tok))
-    trainer = MegatronTrainer(policy.model_cfg, cfg.train)
+    trainer = make_trainer(policy.model_cfg, cfg.train)
     trainer.load_hf_state_dict(policy.load_state())
     if start.checkpoint is not None:
         load_checkpoint(start.checkpoint, trainer)  # weights, optimizer, step counter, RNG states
@@ -84,7 +84,7 @@ def run(cfg: RunConfig) -> Path:
 def run_step(
     step: int,
     service: RolloutService,
-    trainer: MegatronTrainer,
+    trainer: Trainer,
     state: RunState,
     guard: PreemptionGuard,
     writer: MetricsWriter,
@@ -112,7 +112,7 @@ def run_step(
     return row
 
 
-def sync_weights(service: RolloutService, trainer: MegatronTrainer, state: RunState, guard: PreemptionGuard) -> None:
+def sync_weights(service: RolloutService, trainer: Trainer, state: RunState, guard: PreemptionGuard) -> None:
     """The engines get the new weights; not when stopping: Slurm signals every process of the job, so the
     engines may be gone, and the resumed run syncs them from the checkpoint."""
     if guard.requested:
@@ -125,7 +125,7 @@ def sync_weights(service: RolloutService, trainer: MegatronTrainer, state: RunSt
 
 
 def checkpoint(
-    checkpointer: Checkpointer, state: RunState, trainer: MegatronTrainer, cfg: RunConfig, final: bool = False
+    checkpointer: Checkpointer, state: RunState, trainer: Trainer, cfg: RunConfig, final: bool = False
 ) -> None:
     """The run's checkpoint of the completed steps (atomic), written in the background; `final`: on disk on return."""
     state.data = task_pool_position(cfg, state.next_step)
@@ -162,7 +162,7 @@ def step_shards(rollouts: StepRollouts) -> tuple[dict, list[Path]]:
     return metrics, [s.path for s in shards]
 
 
-def train_step(trainer: MegatronTrainer, shards: list[Shard], cfg: RunConfig) -> tuple[dict[str, float], list[str]]:
+def train_step(trainer: Trainer, shards: list[Shard], cfg: RunConfig) -> tuple[dict[str, float], list[str]]:
     """One optimizer update on the step's shards; returns its metrics and the rollout ids it trained."""
     candidates = [r for s in shards for r in s.trainable()]
     rollouts = with_signal(candidates)  # zero advantage trains nothing
@@ -176,7 +176,7 @@ def train_step(trainer: MegatronTrainer, shards: list[Shard], cfg: RunConfig) ->
     )
     if not batches:
         return {"trained": 0.0}, []
-    metrics = trainer.train_step(batches, tree_gspo_loss_fn(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high))
+    metrics = trainer.train_step(batches, tree_gspo_loss_fn(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high, cfg.rl.mismatch))
     trained = sorted({rid for b in batches for rid in b.batch.rollout_ids})
     return {"trained": 1.0, "train_tokens": float(sum(b.n_tokens for b in batches)), **metrics}, trained
 

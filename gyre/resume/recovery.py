@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gyre.config.schema import RESUME_MODES, RunConfig
+from gyre.config.schema import ResumeMode, RunConfig
 from gyre.errors import UserError
 from gyre.resume.state import RunState, checkpoint_paths, find_checkpoint, read_state
 
@@ -56,10 +56,10 @@ class ResumePoint:
 
 def prepare_resume(output_dir: Path, mode: str, log: Callable[[str], None] = print) -> ResumePoint:
     """Pick the starting point for `output_dir` and move aside everything after it."""
-    if mode not in RESUME_MODES:
-        raise ResumeError(f"resume={mode!r} is not a mode; use one of {', '.join(RESUME_MODES)}")
+    if mode not in tuple(ResumeMode):
+        raise ResumeError(f"resume={mode!r} is not a mode; use one of {', '.join(ResumeMode)}")
     checkpoint = find_checkpoint(output_dir)
-    if mode == "must" and checkpoint is None:
+    if mode == ResumeMode.must and checkpoint is None:
         raise ResumeError(
             f"resume=must but {output_dir / 'checkpoint'} holds no complete checkpoint (state.json missing); "
             "run with resume=auto to start at step 0, or point output_dir at the run to continue"

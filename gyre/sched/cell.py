@@ -39,7 +39,7 @@ from gyre.sched.cell_engine import CellEngine
 from gyre.sched.cell_group import CellGroup, GroupCheckpoint, load_local_shard, local_shard, reduce_shard
 from gyre.sched.liveness import connect
 from gyre.sched.replica import MicroBatchSource, grad_numel
-from gyre.train.megatron_trainer import MegatronTrainer
+from gyre.train.trainer import Trainer, make_trainer
 from gyre.train.warm_start import Policy
 
 
@@ -53,10 +53,10 @@ def advertised_url(url: str, hostname: str) -> str:
     return parts._replace(netloc=f"{resolve_hostname(hostname)}:{parts.port}").geturl()
 
 
-def build_replica(cfg: RunConfig, policy: Policy, resume_from: Path | None = None) -> MegatronTrainer:
+def build_replica(cfg: RunConfig, policy: Policy, resume_from: Path | None = None) -> Trainer:
     """The cell's Megatron replica at the warm start, or at the run's checkpoint when resuming (every
     cell loads it: the core for its optimizer state, the satellites for the same weights)."""
-    trainer = MegatronTrainer(policy.model_cfg, cfg.train)
+    trainer = make_trainer(policy.model_cfg, cfg.train)
     torch.set_num_threads(cfg.sched.threads_per_cell)
     trainer.load_hf_state_dict(policy.load_state())
     if resume_from is not None:
@@ -71,7 +71,7 @@ class CellWorker:
         cp: ControlPlane,
         policy: Policy,
         engine: CellEngine,
-        trainer: MegatronTrainer,
+        trainer: Trainer,
         version: int = 0,
     ) -> None:
         self.cfg, self.cp, self.policy, self.engine, self.trainer = cfg, cp, policy, engine, trainer
@@ -86,7 +86,7 @@ class CellWorker:
             self.engine.load(self.gather(), self.version)
         self.weights = WeightTransport(make_transport(cfg.comm, cfg.cluster.mooncake))
         self.batches = MicroBatchSource(cfg)
-        self.loss_fn = tree_gspo_loss_fn(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high)
+        self.loss_fn = tree_gspo_loss_fn(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high, cfg.rl.mismatch)
         self.timeout = cfg.sched.cell_timeout_s
         self.checkpointer = Checkpointer(Path(cfg.output_dir), cfg.checkpoint_async)  # used by the core only
         self.liveness: socket.socket | None = None  # open until this process ends: the controller sees it close

@@ -214,6 +214,8 @@ class MegatronTrainer:
         if not micro_batches:
             raise ValueError("forward_backward needs at least one micro-batch")
         self.model.train()
+        if getattr(loss_fn, "needs_proximal", False):
+            self.attach_proximal(micro_batches)
         sums: dict[str, float] = defaultdict(float)
         if self.pipelined:
             for metrics in self._pipelined_forward_backward(micro_batches, loss_fn):
@@ -232,6 +234,13 @@ class MegatronTrainer:
             for name, value in metrics.items():
                 sums[name] += float(value)
         return {name: total / len(micro_batches) for name, total in sums.items()}
+
+    def attach_proximal(self, micro_batches: Sequence[Any]) -> None:
+        """rl.mismatch.proximal=trainer: each micro-batch's `proximal`, the logprobs of its tokens under the weights
+        before this step's update (no gradient, the same forward as training's), GSPO's old policy."""
+        with torch.no_grad():
+            for mb in micro_batches:
+                mb.proximal = self.micro_batch_logprobs(mb).detach()
 
     def _pipelined_forward_backward(self, micro_batches: Sequence[Any], loss_fn: LossFn) -> list[dict[str, float]]:
         if any(isinstance(getattr(mb, "batch", mb), SplitTreeBatch) for mb in micro_batches):
