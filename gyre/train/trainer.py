@@ -64,6 +64,16 @@ class Trainer(Protocol):
 
     def load(self, path: str | os.PathLike) -> None: ...
 
+    @property
+    def snapshots(self) -> bool:
+        """Whether snapshot() copies the checkpoint rather than give None."""
+        ...
+
+    def snapshot(self) -> Any:
+        """What save() would write, copied now; its `write(path)` runs later on another thread (the background
+        checkpoint writer, gyre.resume.checkpoint.Checkpointer). None: this trainer saves only in place."""
+        ...
+
 
 def make_trainer(model_cfg: ModelConfig, train_cfg: TrainConfig) -> Trainer:
     """The replica `train.backend` names. The config was checked at load (gyre.config.validate.check_run)."""
