@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from gyre.config.domain import ConfigValueError as ConfigValueError  # where callers have always found it
 from gyre.config.domain import check_fields
 from gyre.config.domain import fail as _fail
-from gyre.config.schema import Logger, SandboxBackend, Scheduler, TaskSourceKind
+from gyre.config.schema import HarnessKind, Logger, SandboxBackend, Scheduler, TaskSourceKind
 
 if TYPE_CHECKING:
     from gyre.config.schema import (
@@ -54,7 +54,7 @@ def check_task_sandbox(cfg: RunConfig) -> None:
 
 def check_harness(h: HarnessConfig) -> None:
     check_fields(h, "harness.")
-    if h.bare and h.kind not in ("claude_code", "mini_swe_agent"):
+    if h.bare and h.kind not in HarnessKind.short_prompt_kinds():
         _fail("harness.bare", h.bare, "a short prompt exists for harness.kind=claude_code|mini_swe_agent only")
 
 

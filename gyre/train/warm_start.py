@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from gyre.config.schema import ModelConfig, ModelInit, RunConfig
-from gyre.harness.formats import demonstration
+from gyre.harness.kinds import harness_spec
 from gyre.model.chat_template import AssistantTurn, assistant_body, render_segments, render_text
 from gyre.model.hf_io import load_hf_state, save_hf_checkpoint
 from gyre.model.llama import LlamaForCausalLM
@@ -86,14 +86,14 @@ def harness_demo(cfg: RunConfig, task: Task, i: int) -> Demonstration:
     """Demonstration `i` in the configured harness's own format; Claude Code's prompt names the day, so
     demonstrations name days of a year (the policy learns to ignore it), the first the cache key's."""
     date = (DEMO_EPOCH + datetime.timedelta(days=i % 365)).isoformat()
-    return demonstration(cfg.harness.kind, task, bare=cfg.harness.bare, date=date)
+    return harness_spec(cfg.harness.kind).demonstration(task, bare=cfg.harness.bare, date=date)
 
 
 def harness_corpus(cfg: RunConfig) -> list[str]:
     """The tokenizer's corpus: the built-in suite's demonstrations, and the harness's own if it has others
     (Claude Code's prompt would otherwise tokenize at about one character a token)."""
     texts = list(tokenizer_corpus(cfg.tokenizer.corpus_tasks, cfg.model.seed, cfg.tasks.families))
-    if cfg.harness.kind != "builtin":
+    if harness_spec(cfg.harness.kind).demos_in_corpus:
         tasks = sample_tasks(demo_families(cfg), max(1, cfg.tokenizer.corpus_tasks // 4), cfg.model.seed + 7)
         texts += [render_text(*harness_demo(cfg, t, i)) for i, t in enumerate(tasks)]
     return texts
