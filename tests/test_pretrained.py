@@ -18,6 +18,7 @@ from gyre.config.load import compose
 from gyre.config.validate import ConfigValueError
 from gyre.model.pretrained import check_pretrained
 from gyre.model.random_model import default_tokenizer
+from launch.run import check_before_start
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 512
@@ -135,11 +136,11 @@ def test_what_the_run_cannot_honour_fails_naming_the_file_or_key(qwen3_dir: Path
     d = tmp_path / "model"
     shutil.copytree(qwen3_dir, d)
     change(d)
-    if message is None:
-        check_pretrained(compose([f"model.path={d}", *overrides]))
+    if message is None:  # what launch.run checks before anything starts
+        check_before_start(compose([f"model.path={d}", *overrides]))
         return
     with pytest.raises(ConfigValueError, match="model.path=") as err:
-        check_pretrained(compose([f"model.path={d}", *overrides]))
+        check_before_start(compose([f"model.path={d}", *overrides]))
     assert message in str(err.value)
 
 

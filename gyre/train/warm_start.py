@@ -24,7 +24,7 @@ from gyre.harness.kinds import harness_spec
 from gyre.model.chat_template import AssistantTurn, assistant_body, render_segments, render_text
 from gyre.model.hf_io import load_hf_state, save_hf_checkpoint
 from gyre.model.llama import LlamaForCausalLM
-from gyre.model.pretrained import check_pretrained
+from gyre.model.pretrained import pretrained_model_config
 from gyre.model.tokenizer import Tokenizer
 from gyre.tasks.demos import Demonstration, tokenizer_corpus
 from gyre.tasks.suite import sample_tasks
@@ -142,8 +142,8 @@ def prepare_policy(
 def pretrained_policy(
     cfg: RunConfig, log: Callable[[str], None], check: Callable[[Tokenizer], object] | None
 ) -> Policy:
-    """model.path, checked against the run before anything starts (gyre.model.pretrained)."""
-    model_cfg = check_pretrained(cfg)
+    """model.path as it is (checked against the run before anything starts: launch.run.check_before_start)."""
+    model_cfg = pretrained_model_config(cfg.model)
     policy = Policy(model_cfg, Path(model_cfg.path), Path(model_cfg.path))
     if check is not None:
         check(policy.tokenizer())
