@@ -19,7 +19,7 @@ from gyre.harness.preflight import check_harness_fits
 from gyre.model.chat_template import GENERATION_PROMPT, render_text
 from gyre.model.tokenizer import Tokenizer
 from gyre.tasks.suite import TaskPool, sample_tasks
-from gyre.train.warm_start import encode_conversation, harness_corpus
+from gyre.warm_start import encode_conversation, harness_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["tokenizer.corpus_tasks=40", "tokenizer.vocab_size=512"]
@@ -190,7 +190,7 @@ def test_mini_swe_agent_runs_under_its_own_venv(tmp_path):
 
 @pytest.mark.unit
 def test_each_harness_has_its_own_warm_start():
-    from gyre.train.warm_start import cache_key
+    from gyre.warm_start import cache_key
 
     keys = {cache_key(compose([f"harness={name}"])) for name in ("builtin", "claude_code", "mini_swe_agent")}
     keys.add(cache_key(compose(["harness=claude_code", "harness.bare=false"])))

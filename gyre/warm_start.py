@@ -2,6 +2,9 @@
 
 Both are cached under `warm_start.cache_dir`, keyed by everything that shapes them, so a second
 run starts at once. The cache entry is written to a temp directory and renamed into place.
+
+A bootstrap stage above the trainer, the harness kinds and the tasks it draws on (its demonstrations are a
+harness's requests on the suite's tasks), below the loops that start from its Policy.
 """
 
 from __future__ import annotations
