@@ -97,6 +97,11 @@ class HarnessKind(StrEnum):
     claude_code = "claude_code"
     mini_swe_agent = "mini_swe_agent"
 
+    @staticmethod
+    def short_prompt_kinds() -> tuple[str, ...]:
+        """Kinds with a short prompt (harness.bare): Claude Code's --bare, mini-swe-agent's compact templates."""
+        return (HarnessKind.claude_code, HarnessKind.mini_swe_agent)
+
 
 class SandboxBackend(StrEnum):
     bwrap = "bwrap"
