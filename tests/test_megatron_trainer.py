@@ -1,3 +1,4 @@
+import json
 from dataclasses import dataclass
 
 import pytest
@@ -121,7 +122,8 @@ def test_a_checkpoint_of_the_earlier_one_file_format_still_loads(tmp_path):
     a = MegatronTrainer(CFG, TRAIN)
     a.train_step(fixed_batches(), cross_entropy(0.5))
     weights = {k: v for k, v in a.model.state_dict().items() if not k.endswith("._extra_state")}
-    payload = {"model": weights, "optimizer": a.optimizer.state_dict(), "step": a.step, "model_config": asdict(CFG)}
+    old_config = json.loads(json.dumps(asdict(CFG)))  # that format's config held plain strings, not the enums
+    payload = {"model": weights, "optimizer": a.optimizer.state_dict(), "step": a.step, "model_config": old_config}
     torch.save(payload | {"layout": [0, 1, 0, 1]}, tmp_path / "trainer.pt")
     b = MegatronTrainer(ModelConfig(**{**CFG.__dict__, "seed": 99}), TRAIN)
     b.load(tmp_path / "trainer.pt")

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from gyre.config.schema import (
         EngineConfig,
         HarnessConfig,
+        MismatchConfig,
         ModelConfig,
         ProxyConfig,
         RLConfig,
@@ -75,6 +76,15 @@ def check_engine(e: EngineConfig) -> None:
 
 def check_rl(r: RLConfig) -> None:
     check_fields(r, "rl.")
+
+
+def check_mismatch(m: MismatchConfig) -> None:
+    """A correction compares the proximal policy with the engine's: with proximal=engine they are the same
+    logprobs, the ratio is 1 everywhere and the correction would silently do nothing."""
+    check_fields(m, "rl.mismatch.")
+    if m.correction != "none" and m.proximal != "trainer":
+        _fail("rl.mismatch.correction", str(m.correction),
+              "corrects between the trainer's and the engine's logprobs: set rl.mismatch.proximal=trainer")  # fmt: skip
 
 
 def check_engine_for_model(e: EngineConfig, m: ModelConfig) -> None:

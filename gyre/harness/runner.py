@@ -21,7 +21,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from gyre.sandbox import Mount, Sandbox, SandboxJob, make_sandbox, place
 from gyre.sandbox.base import HARNESS_DIR, RELAY_PORT, WORKSPACE, code_mounts, host_env
 from gyre.sandbox.limits import connections_per_rollout
 from gyre.tasks.grading import Grade, grade_workspace
+from gyre.tasks.harbor_root import agent_overlay
 from gyre.tasks.task import Task
 
 log = logging.getLogger(__name__)
@@ -246,9 +247,14 @@ async def run_rollout(
             mounts=[*code_mounts(), ws_mount, *also, io_mount],
             proxy_socket=endpoint.unix_path,
             image=task.image,
+            overlay=agent_overlay(task, sandbox, workspace),  # a Harbor task's image root, writable, kept for grading
         )
         log_path = workdir / "harness.log"
-        run, pid = await _run_harness(sandbox, job, log_path, agent_timeout(harness_cfg, task), kill_grace_s)
+        try:
+            run, pid = await _run_harness(sandbox, job, log_path, agent_timeout(harness_cfg, task), kill_grace_s)
+        finally:
+            if job.overlay is not None:
+                job.overlay.release()
     finally:
         await endpoint.close()
         if keys is not None:
@@ -304,18 +310,23 @@ async def run_rollouts(
     *,
     sandbox: Sandbox | None = None,
     keys: RolloutKeys | None = None,
+    on_done: Callable[[int, RolloutOutcome], None] | None = None,
 ) -> list[RolloutOutcome]:
-    """Run (task, rollout_id) jobs, at most `harness_cfg.concurrency` at once, each in root/rollout_id."""
+    """Run (task, rollout_id) jobs, at most `harness_cfg.concurrency` at once, each in root/rollout_id;
+    `on_done(index, outcome)` as each one ends (the caller writes a group's shard once it is complete)."""
     limit = asyncio.Semaphore(max(1, harness_cfg.concurrency))
     sandbox = sandbox or make_sandbox(SandboxConfig())
     wanted = getattr(getattr(sandbox, "cfg", None), "relay_connections", DEFAULT_MAX_CONNECTIONS)
     connections = connections_per_rollout(wanted, min(len(jobs), max(1, harness_cfg.concurrency)))
 
-    async def one(task: Task, rollout_id: str) -> RolloutOutcome:
+    async def one(index: int, task: Task, rollout_id: str) -> RolloutOutcome:
         async with limit:
-            return await run_rollout(
+            outcome = await run_rollout(
                 task, rollout_id, base_url, Path(root) / rollout_id, harness_cfg, task_cfg, sandbox=sandbox, keys=keys,
                 max_connections=connections,
             )  # fmt: skip
+        if on_done is not None:
+            on_done(index, outcome)
+        return outcome
 
-    return list(await asyncio.gather(*(one(task, rid) for task, rid in jobs)))
+    return list(await asyncio.gather(*(one(i, task, rid) for i, (task, rid) in enumerate(jobs))))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +31,8 @@ from gyre.comm.control import CONTROL_TAG, ControlPlane
 from gyre.comm.messages import GradientReduce, Shutdown
 from gyre.comm.transfer import BufferHandle, ShardHandles, WeightTransport, make_transport
 from gyre.config.schema import RunConfig
+from gyre.resume.checkpoint import TRAINER_FILE, BackgroundWriter, Snapshot
+from gyre.resume.state import checkpoint_paths
 from gyre.sched.grad_reduce import receive_gradients, send_gradients
 from gyre.sched.replica import MicroBatchSource, core_step, flat_grads, grad_numel
 from gyre.train.trainer import Trainer
@@ -114,6 +117,7 @@ class CellFollower:
         self.leader_here = leader_host == socket.gethostname()
         cp.cell_comm.gather(rank_info(cp, cfg.comm.hostname), root=0)
         self._weights: WeightTransport | None = None  # made on first use: its Mooncake engine, at this rank's address
+        self.writer = BackgroundWriter()  # this rank's part of the core's checkpoints (snapshot)
 
     @property
     def weights(self) -> WeightTransport:
@@ -131,6 +135,7 @@ class CellFollower:
                 return False
             op, args = msg.recv()
             if op == "shutdown":
+                self.writer.close()
                 if self._weights is not None:
                     self._weights.transport.close()
                 return bool(args[0])
@@ -176,15 +181,22 @@ class CellFollower:
     def save(self, path: str) -> None:
         self.trainer.save(path)
 
+    def snapshot(self) -> None:
+        """The leader's snapshot (GroupCheckpoint.snapshot): copy this rank's shard now, write it in the background
+        into the checkpoint the leader is writing (DCP's collectives order the two)."""
+        snapshot = self.trainer.snapshot()
+        assert snapshot is not None, "a cell's snapshot needs the sharded (CPU) checkpoint format"
+        self.writer.submit(snapshot.write, checkpoint_paths(Path(self.cfg.output_dir))[2] / TRAINER_FILE)
+
 
 def _loss_fn(cfg: RunConfig) -> Any:
     from gyre.pipeline import tree_gspo_loss_fn
 
-    return tree_gspo_loss_fn(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high)
+    return tree_gspo_loss_fn(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high, cfg.rl.mismatch)
 
 
 class GroupCheckpoint:
-    """The leader's trainer as save_checkpoint sees it: every rank of the cell writes its shard."""
+    """The leader's trainer as the Checkpointer sees it: every rank of the cell writes its shard."""
 
     def __init__(self, group: CellGroup, trainer: Trainer) -> None:
         self.group, self.trainer = group, trainer
@@ -192,6 +204,12 @@ class GroupCheckpoint:
     def save(self, path: Any) -> None:
         self.group.tell("save", str(path))
         self.trainer.save(path)
+
+    def snapshot(self) -> Snapshot | None:
+        if not self.trainer.snapshots:
+            return None
+        self.group.tell("snapshot")  # its collectives (the snapshot's, then the write's) take every rank
+        return self.trainer.snapshot()
 
     def load(self, path: Any) -> None:
         self.trainer.load(path)

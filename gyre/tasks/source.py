@@ -126,7 +126,11 @@ class SWEBenchSource:
     endless: bool = False
 
     def read(self, cfg: TaskConfig) -> Suite:
-        tasks, skipped = load_swebench_suite(resolve(cfg.path), resolve(cfg.repos) if cfg.repos else None)
+        repos = resolve(cfg.repos) if cfg.repos else None
+        tasks, skipped = load_swebench_suite(resolve(cfg.path), repos, cfg.build_images)
+        if cfg.build_images:  # each instance's environment image from its install spec (gyre/tasks/swebench_images.py)
+            tasks, unbuilt = build_environments(tasks, cfg.images)
+            skipped += unbuilt
         return Suite(tasks, skipped)
 
 
