@@ -23,13 +23,13 @@ from pathlib import Path
 import torch
 
 from gyre.config.schema import ModelConfig, ModelInit, RunConfig
+from gyre.harness.demos import Demonstration, tokenizer_corpus
 from gyre.harness.kinds import harness_spec
 from gyre.model.chat_template import AssistantTurn, assistant_body, render_segments, render_text
 from gyre.model.hf_io import load_hf_state, save_hf_checkpoint
 from gyre.model.llama import LlamaForCausalLM
 from gyre.model.pretrained import pretrained_model_config
 from gyre.model.tokenizer import Tokenizer
-from gyre.tasks.demos import Demonstration, tokenizer_corpus
 from gyre.tasks.suite import sample_tasks
 from gyre.tasks.task import Task
 from gyre.train.trainer import Trainer, make_trainer

@@ -23,6 +23,7 @@ from gyre.model.hf_io import save_hf_checkpoint
 from gyre.model.tokenizer import Tokenizer
 from gyre.pipeline import rl_micro_batches, tree_gspo_loss_fn
 from gyre.proxy.call_log import CallRecord
+from gyre.proxy.synthetic import make_record
 from gyre.store.reader import read_shard
 from gyre.store.schema import TABLES, RolloutMeta, checksum
 from gyre.store.writer import ShardWriter
@@ -30,7 +31,6 @@ from gyre.train.megatron_trainer import MegatronTrainer
 from gyre.train.tree_pack import pack_forest
 from gyre.traj.build import build_tree
 from gyre.traj.sampling import sample_tree
-from gyre.traj.synthetic import make_record
 
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.*")]
 METRICS = ("kl_k3", "ratio_p05", "ratio_p50", "ratio_p95", "seq_ratio_min", "seq_ratio_max", "masked_frac",

@@ -36,6 +36,7 @@ from gyre.config.schema import ModelConfig, RunConfig, TrainConfig
 from gyre.harness.runner import RolloutOutcome
 from gyre.metrics import read_metrics
 from gyre.pipeline import FinishedRollout, write_group_shard
+from gyre.proxy.synthetic import make_record
 from gyre.resume import checkpoint as checkpoint_module
 from gyre.resume.checkpoint import Checkpointer, load_checkpoint, save_checkpoint
 from gyre.resume.kept_groups import restore_groups
@@ -45,7 +46,6 @@ from gyre.resume.state import RunState, find_checkpoint, write_state
 from gyre.tasks.grading import Grade
 from gyre.tasks.task import Task
 from gyre.train.megatron_trainer import MegatronTrainer
-from gyre.traj.synthetic import make_record
 from launch.slurm.sbatch import render_main_job_sbatch
 
 GOLDEN = Path(__file__).parent / "golden"

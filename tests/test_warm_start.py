@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from gyre.config.schema import ModelConfig, TrainConfig
+from gyre.harness.demos import demonstration
 from gyre.model.tokenizer import Tokenizer
-from gyre.tasks.demos import demonstration
 from gyre.tasks.suite import sample_tasks
 from gyre.train.megatron_trainer import MegatronTrainer
 from gyre.warm_start import encode_conversation, pack_batch

@@ -1,7 +1,7 @@
 """Each harness kind's requests as the proxy sees them: a task's first request (for the preflight's context
 check) and its reference solution as that harness would send and receive it (warm-start demonstrations).
 
-The built-in harness's format is its own (gyre/tasks/demos.py). Claude Code's requests are recorded from
+The built-in harness's format is its own (gyre/harness/demos.py). Claude Code's requests are recorded from
 the pinned CLI (gyre/harness/templates/, by tools/record_harness_templates.py) with the task prompt, the
 workspace and the date as placeholders; a demonstration fills them in, answers with Anthropic tool_use
 blocks for Claude Code's Bash tool (the one tool `--bare` and the full tool set share that writes a
@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gyre.harness.demos import Demonstration
 from gyre.proxy.anthropic_api import convert_messages, convert_tools
 from gyre.sandbox.base import WORKSPACE
-from gyre.tasks.demos import Demonstration
 from gyre.tasks.task import Task
 
 TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gyre.config.schema import HarnessKind
+from gyre.harness.demos import Demonstration
+from gyre.harness.demos import demonstration as builtin_demonstration
 from gyre.harness.formats import (
     claude_code_demonstration,
     claude_code_first_request,
@@ -25,8 +27,6 @@ from gyre.harness.formats import (
 from gyre.harness.mini_swe_agent import venv_python
 from gyre.sandbox import Sandbox
 from gyre.sandbox.base import GYRE_ROOT, SOURCE_ROOT
-from gyre.tasks.demos import Demonstration
-from gyre.tasks.demos import demonstration as builtin_demonstration
 from gyre.tasks.task import Task
 
 log = logging.getLogger(__name__)
