@@ -132,7 +132,7 @@ class ResponsesBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str | None = None
-    input: Input = Field(default_factory=list, validate_default=True)
+    input: Input
     instructions: str | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["auto"] | None = None  # "none"/"required"/a named tool: not enforced, so refused
@@ -156,12 +156,18 @@ class ResponsesBody(BaseModel):
     user: str | None = None
     safety_identifier: str | None = None
     client_metadata: Any = None
+    prompt_cache_options: Any = None
+    context_management: Any = None
+    moderation: Any = None
+    access_programs: Any = None
+    background_options: Any = None  # meaningless without background, which is refused
     # refused: the proxy cannot honour them
     previous_response_id: Any = None
     conversation: Any = None
     background: Any = None
     top_logprobs: Any = None
     prompt: Any = None
+    image: Any = None
 
     @field_validator("previous_response_id", "conversation")
     @classmethod
@@ -170,7 +176,7 @@ class ResponsesBody(BaseModel):
             raise ValueError("the proxy keeps no conversation state: send the whole conversation in `input`")
         return value
 
-    @field_validator("background", "prompt")
+    @field_validator("background", "prompt", "image")
     @classmethod
     def _unsupported(cls, value: Any) -> Any:
         if value not in (None, False):
