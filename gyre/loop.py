@@ -25,7 +25,7 @@ from gyre.store.reader import Shard, read_shard
 from gyre.tasks.suite import TaskPool
 from gyre.tracking import open_trackers
 from gyre.train.trainer import Trainer, make_trainer
-from gyre.train.warm_start import prepare_policy
+from gyre.warm_start import prepare_policy
 
 
 def run(cfg: RunConfig) -> Path:

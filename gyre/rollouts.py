@@ -31,7 +31,7 @@ from gyre.resume.kept_groups import KeptGroup, restore_groups
 from gyre.sandbox import make_sandbox
 from gyre.sandbox.backends import check_task_images
 from gyre.tasks.suite import TaskPool
-from gyre.train.warm_start import Policy
+from gyre.warm_start import Policy
 
 
 @dataclass
