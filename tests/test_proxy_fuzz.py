@@ -1,4 +1,4 @@
-"""Fuzzing both APIs of the proxy: requests as the official SDKs send them (captured off the `openai` and
+"""Fuzzing the three APIs of the proxy: requests as the official SDKs send them (captured off the `openai` and
 `anthropic` clients), mutated in structure, bytes and HTTP framing, sent to a proxy in front of a real
 engine. Not one answer may be a 5xx or break the API's shape, no error may reach the logs as a crash,
 and only valid requests may reach the engine."""
@@ -22,9 +22,11 @@ import httpx2
 import openai
 import pytest
 from openai.types.chat import completion_create_params
+from openai.types.responses import response_create_params
 from test_proxy_hardening import engine, model_dir, running_proxy  # noqa: F401
 
 from gyre.proxy.openai_api import KNOWN_FIELDS
+from gyre.proxy.responses_schema import ResponsesBody
 
 pytestmark = pytest.mark.integration
 N_MUTATED = 2000
@@ -101,7 +103,31 @@ def sdk_requests() -> list[tuple[str, dict[str, str], bytes]]:
         with contextlib.suppress(anthropic.APIError):
             client.messages.count_tokens(model="claude-opus-4-8", messages=a_history, tools=[a_tool])
 
-    return _captured(openai_calls) + _captured(anthropic_calls, httpx2)  # the anthropic SDK speaks httpx2
+    r_tool = {"type": "function", **tool["function"]}
+    r_history = [
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
+        {"role": "user", "content": "Write 4 to a.txt"},
+        {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "plan"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Sure."}]},
+        {"type": "function_call", "call_id": "call_1_0", "name": "write_file", "arguments": '{"path": "a.txt"}'},
+        {"type": "function_call_output", "call_id": "call_1_0", "output": "ok"},
+    ]  # fmt: skip
+
+    def responses_calls(http: httpx.Client) -> None:
+        client = openai.OpenAI(base_url="http://proxy/v1", api_key="x", http_client=http, max_retries=0)
+        for kwargs in (
+            dict(input="hi", max_output_tokens=2),
+            dict(input=r_history, instructions="You are Codex.", tools=[r_tool], tool_choice="auto",
+                 parallel_tool_calls=False, stream=True, store=False, include=["reasoning.encrypted_content"],
+                 reasoning={"effort": "low", "summary": "auto"}, prompt_cache_key="k", max_output_tokens=2,
+                 temperature=0.7, top_p=0.9, text={"verbosity": "low"}),
+        ):  # fmt: skip
+            with contextlib.suppress(openai.APIError):
+                client.responses.create(model="gpt-5-codex", **kwargs)
+
+    return (
+        _captured(openai_calls) + _captured(responses_calls) + _captured(anthropic_calls, httpx2)
+    )  # the anthropic SDK speaks httpx2
 
 
 # ---------------------------------------------------------------- mutations
@@ -282,7 +308,7 @@ def check_answer(path: str, headers: dict[str, str], status: int, ctype: str, te
         return None
     body = json.loads(text)
     if status == 200:
-        kinds = ("chat.completion", "list")  # a completion, or the model list (GET /v1/messages/../models)
+        kinds = ("chat.completion", "list", "response")  # a completion, or the model list (GET /v1/messages/../models)
         ok = body.get("object") in kinds or body.get("type") == "message" or "input_tokens" in body
         return None if ok else f"200 with {text[:200]}"
     if _anthropic_path(path, headers):
@@ -313,10 +339,16 @@ def test_the_sdk_parameters_of_today_are_known():
     assert sdk - KNOWN_FIELDS == set(), "fields the installed openai SDK sends that the proxy would refuse"
 
 
+def test_the_responses_parameters_of_today_are_known():
+    sdk = set(typing.get_type_hints(response_create_params.ResponseCreateParamsStreaming))
+    assert sdk - set(ResponsesBody.model_fields) == set(), "Responses fields the openai SDK sends that are unknown"
+
+
 def test_fuzzed_requests_get_no_5xx_and_errors_in_each_apis_shape(model_dir, engine, caplog):  # noqa: F811
     caplog.set_level(logging.WARNING, logger="gyre")
     bases = sdk_requests()
-    assert {p for p, _, _ in bases} == {"/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens"}
+    paths = {"/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens"}
+    assert {p for p, _, _ in bases} == paths
     rng = random.Random(15)
     cases = fixed_cases(bases) + [mutate(rng, *rng.choice(bases)) for _ in range(N_MUTATED)]
     with running_proxy(model_dir, [engine.url], max_output_tokens=2, max_body_mb=1) as server:
@@ -331,7 +363,7 @@ def test_fuzzed_requests_get_no_5xx_and_errors_in_each_apis_shape(model_dir, eng
         assert problems == [], problems[:10]
         model_calls = sum(
             1 for (m, p, _, _), (status, _, _) in zip(cases, answers, strict=True)
-            if status == 200 and m == "POST" and p in ("/v1/chat/completions", "/v1/messages")
+            if status == 200 and m == "POST" and p in ("/v1/chat/completions", "/v1/responses", "/v1/messages")
         )  # fmt: skip
         assert len(server.call_log) == model_calls  # only valid requests reached the engine
         fixed = answers[: len(fixed_cases(bases))]

@@ -81,6 +81,15 @@ if [ "$("$CLAUDE_BIN" --version 2>/dev/null | cut -d' ' -f1)" != "$CLAUDE_CODE_V
     "@anthropic-ai/claude-code@$CLAUDE_CODE_VERSION"
   "$CLAUDE_BIN" --version >/dev/null
 fi
+# Codex CLI harness: npm @openai/codex, pinned (gyre/harness/codex.py CODEX_VERSION), beside Claude Code in
+# .gyre/node (~420 MB: a native binary for this platform comes as an optional dependency).
+CODEX_VERSION=$(sed -n 's/^CODEX_VERSION = "\([^"]*\)".*/\1/p' gyre/harness/codex.py)
+CODEX_BIN=.gyre/node/node_modules/.bin/codex
+if [ "$("$CODEX_BIN" --version 2>/dev/null | cut -d' ' -f2)" != "$CODEX_VERSION" ]; then
+  echo "gyre setup: installing @openai/codex@$CODEX_VERSION into .gyre/node"
+  npm install --prefix .gyre/node --no-audit --no-fund --save-exact --loglevel=error "@openai/codex@$CODEX_VERSION"
+  "$CODEX_BIN" --version >/dev/null
+fi
 # mini-swe-agent harness: PyPI mini-swe-agent, pinned (gyre/harness/mini_swe_agent.py MINI_SWE_AGENT_VERSION), in
 # its own venv .gyre/mini-swe-agent (litellm's dependency pins are not gyre's), same interpreter as $VENV.
 MSWEA_VERSION=$(sed -n 's/^MINI_SWE_AGENT_VERSION = "\([^"]*\)".*/\1/p' gyre/harness/mini_swe_agent.py)

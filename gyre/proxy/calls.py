@@ -72,10 +72,11 @@ def cut_at_stop(tokenizer: Tokenizer, output_ids: list[int], stops: list[str]) -
 
 
 def item_counts(body: Any) -> tuple[int, int]:
-    """(messages, tools) of a parsed body, each 0 when not a list (validation will say what is wrong)."""
+    """(messages, tools) of a parsed body, each 0 when not a list (validation will say what is wrong); the
+    messages of a Responses body are its `input` items."""
     if not isinstance(body, dict):
         return 0, 0
-    messages, tools = body.get("messages"), body.get("tools")
+    messages, tools = body.get("messages", body.get("input")), body.get("tools")
     return len(messages) if isinstance(messages, list) else 0, len(tools) if isinstance(tools, list) else 0
 
 

@@ -1,5 +1,5 @@
-"""The proxy harnesses talk to as if it were an LLM API: OpenAI Chat Completions or Anthropic Messages
-in, engine tokens out.
+"""The proxy harnesses talk to as if it were an LLM API: OpenAI Chat Completions, OpenAI Responses or
+Anthropic Messages in, engine tokens out.
 
 Rollout id: with a key registry (gyre/proxy/keys.py, what a run always uses) the rollout whose key the
 call carries; a call without a live key is refused (401, in the API's own error shape), and a path or
@@ -40,6 +40,7 @@ from gyre.proxy.http import ProxyAppRunner, read_raw
 from gyre.proxy.keys import KeyRefused, RolloutKeys, presented_keys
 from gyre.proxy.limits import ROLLOUT_KEY, RolloutLimits
 from gyre.proxy.openai_api import ChatRequest, Reply, completion_body, parse_chat_request, stream_chunks
+from gyre.proxy.responses_routes import ResponsesRoutes
 from gyre.proxy.routing import EngineRouter
 
 log = logging.getLogger(__name__)
@@ -121,8 +122,10 @@ class ProxyServer:
         )
         self.read_body = partial(read_raw, timeout_s=self.cfg.body_timeout_s)
         anthropic = AnthropicRoutes(self.runner, self.tokenizer, self.rollout_id_of, self.model_name, self.read_body)
+        responses = ResponsesRoutes(self.runner, self.rollout_id_of, self.model_name, self.read_body)
         for prefix in ("", "/rollout/{rollout_id}"):
             anthropic.add_to(app, prefix)
+            responses.add_to(app, prefix)
             app.router.add_post(f"{prefix}/v1/chat/completions", self.chat_completions)
             app.router.add_get(f"{prefix}/v1/models", self.models)
         app.router.add_get("/health", self.health)
