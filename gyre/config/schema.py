@@ -213,6 +213,15 @@ class HarnessConfig:
     # the short prompt: claude_code `claude --bare` (a one-line system prompt, tools Bash/Edit/Read: ~300 tokens);
     # mini_swe_agent compact system/instance templates (gyre/harness/mini_swe_agent.py: a first request of ~80 tokens, not ~850)
     bare: bool = False
+    # builtin only (Claude Code does all three itself): what real harnesses do besides the agent loop, each making
+    # a rollout a tree of context paths. compact_tokens: compact a thread (a summary call, role main_summary or
+    # subagent_summary) once a reply leaves it this many tokens long and half of that longer than when it
+    # (re)started, like Claude Code's CLAUDE_CODE_AUTO_COMPACT_WINDOW (0: never); subagents: hand a task's
+    # delegable sub-tasks (gyre/tasks/families.py: echo_files) to sub-agents (role subagent); reply_retries:
+    # re-send a request whose reply has no usable tool call, the dropped reply a dead branch
+    compact_tokens: int = ranged(0, NON_NEGATIVE, why="0: never compact")
+    subagents: bool = False
+    reply_retries: int = ranged(0, NON_NEGATIVE)
 
     def __post_init__(self) -> None:
         from gyre.config.validate import check_harness

@@ -59,6 +59,9 @@ class HarnessLaunch:
     tool_time_sigma: float = 1.0
     python: str = "python3"
     bare: bool = False  # claude_code --bare; mini_swe_agent's compact prompt templates
+    compact_tokens: int = 0  # builtin: HarnessConfig's
+    subagents: bool = False
+    reply_retries: int = 0
 
 
 def harness_argv(module: str, launch: HarnessLaunch) -> list[str]:
@@ -82,6 +85,9 @@ def builtin_command(launch: HarnessLaunch) -> list[str]:
         "--tool-delay", str(launch.tool_delay),
         "--tool-time", str(launch.tool_time),
         "--tool-time-sigma", str(launch.tool_time_sigma),
+        "--compact-tokens", str(launch.compact_tokens),
+        "--reply-retries", str(launch.reply_retries),
+        *(["--subagents"] if launch.subagents else []),
     ]  # fmt: skip
 
 
@@ -338,6 +344,9 @@ async def run_rollout(
             tool_time_sigma=task_cfg.tool_time_sigma,
             python=harness_python(harness_cfg.kind, sandbox),
             bare=harness_cfg.bare,
+            compact_tokens=harness_cfg.compact_tokens,
+            subagents=harness_cfg.subagents,
+            reply_retries=harness_cfg.reply_retries,
         )
         (harness_dir / "task.json").write_text(json.dumps(task.harness_view()))
         job = SandboxJob(

@@ -3,6 +3,11 @@
 Every family copies or transforms short strings from the prompt or a file into tool-call
 arguments; none needs arithmetic. Each instance carries its reference solution (one tool call per
 turn, ending with finish), from which gyre/tasks/demos.py builds warm-start demonstrations.
+
+Some instances also say how their work splits (`Task.delegation`): echo_files of two files or more hands
+its last file to a sub-agent as a write_value-shaped sub-task and leaves the rest, as an echo_files
+prompt, to the main agent. A harness that runs sub-agents (the built-in one with harness.subagents) does
+so; every thread then sees a prompt of a family it was warm-started on. Graded as the whole task.
 """
 
 from __future__ import annotations
@@ -36,8 +41,12 @@ def _call(name: str, **arguments: object) -> dict:
     return {"name": name, "arguments": arguments}
 
 
-def _make(family: str, prompt: str, files: dict[str, str], checks: list, visible: list, solution: list) -> Task:
+def _make(
+    family: str, prompt: str, files: dict[str, str], checks: list, visible: list, solution: list,
+    delegation: dict | None = None,
+) -> Task:  # fmt: skip
     return Task(
+        delegation=delegation or {},
         task_id=task_id_for(family, prompt, files),
         family=family,
         prompt=prompt,
@@ -63,15 +72,41 @@ def write_value_task(path: str, word: str) -> Task:
     )
 
 
-def echo_files_task(contents: dict[str, str]) -> Task:
+def _echo_prompt(contents: dict[str, str]) -> str:
     listing = ", ".join(f'"{path}" = "{value}"' for path, value in contents.items())
+    return f"Create files: {listing}."
+
+
+def _thread(prompt: str, visible: list, solution: list) -> dict:
+    """One thread's share of a delegated task: what its agent is told, sees checked, and would do."""
+    return {"prompt": prompt, "visible_checks": visible, "solution": solution, "max_turns": len(solution) + SLACK_TURNS}
+
+
+def _exists(path: str) -> dict:
+    return {"name": f"{path} exists", "kind": "file_exists", "path": path}
+
+
+def _echo_delegation(contents: dict[str, str]) -> dict:
+    """The last file to a sub-agent (a write_value prompt), the others to the main agent (an echo_files prompt)."""
+    *kept, (last, word) = contents.items()
+    sub = write_value_task(last, word)
+    main = dict(kept)
+    main_solution = [_call("write_file", path=p, content=v) for p, v in main.items()] + [_call("finish")]
+    return {
+        **_thread(_echo_prompt(main), [_exists(p) for p in main], main_solution),
+        "subtasks": [_thread(sub.prompt, sub.visible_checks, sub.solution)],
+    }
+
+
+def echo_files_task(contents: dict[str, str]) -> Task:
     return _make(
         "echo_files",
-        f"Create files: {listing}.",
+        _echo_prompt(contents),
         {},
         [{"name": f"{p} == {v}", "kind": "file_equals", "path": p, "value": v} for p, v in contents.items()],
-        [{"name": f"{p} exists", "kind": "file_exists", "path": p} for p in contents],
+        [_exists(p) for p in contents],
         [_call("write_file", path=p, content=v) for p, v in contents.items()] + [_call("finish")],
+        _echo_delegation(contents) if len(contents) >= 2 else None,
     )
 
 
