@@ -20,7 +20,7 @@ import pytest
 from aiohttp import web
 
 from gyre.config.schema import HarnessConfig, TaskConfig
-from gyre.harness.builtin import CONTINUED_PREFIX, SUMMARY_PROMPT
+from gyre.harness.builtin import CONTINUED_PREFIX, SUBAGENTS_PREFIX, SUMMARY_PROMPT
 from gyre.harness.runner import live_group_members, run_rollout, run_rollouts
 from gyre.harness.tools import TOOL_SCHEMAS, execute_tool
 from gyre.proxy.roles import chat_call_role
@@ -338,19 +338,22 @@ def test_a_thread_under_the_limit_or_not_grown_since_compaction_is_not_compacted
 
 
 @pytest.mark.integration
-def test_delegated_sub_task_runs_in_a_sub_agent_before_the_main_agent(tmp_path):
-    """echo_files of two files: the last file is a write_value prompt for a sub-agent (its calls carry
-    X-Agent-Id: the proxy labels them subagent), the first the main agent's echo_files prompt."""
-    task = echo_files_task({"a.txt": "red", "b.txt": "cat"})
+def test_delegated_sub_tasks_run_in_sub_agents_before_the_main_agent(tmp_path):
+    """echo_files of three files: a write_value prompt per file, the 2nd and 3rd to sub-agents (their calls
+    carry X-Agent-Id: the proxy labels them subagent), the 1st to the main agent, told what they did."""
+    task = echo_files_task({"a.txt": "red", "b.txt": "cat", "c.txt": "sun"})
     script = [tool_reply("write_file", 0, path="b.txt", content="cat"), tool_reply("finish", 1),
+              tool_reply("write_file", 0, path="c.txt", content="sun"), tool_reply("finish", 1),
               tool_reply("write_file", 0, path="a.txt", content="red"), tool_reply("finish", 1)]  # fmt: skip
     outcome, server = rollout(task, script, tmp_path, subagents=True)
-    assert (outcome.stop_reason, outcome.grade.score, outcome.turns) == ("finish", 1.0, 4)
-    assert roles_seen(server, "r") == ["subagent", "subagent", "main", "main"]
-    prompts = [r["messages"][1]["content"] for r in server.requests["r"]]
-    assert prompts == [write_value_task("b.txt", "cat").prompt] * 2 + ['Create files: "a.txt" = "red".'] * 2
-    agent_ids = {h.get("X-Agent-Id") for h in server.headers}
-    assert len(agent_ids - {None}) == 1 and None in agent_ids
+    assert (outcome.stop_reason, outcome.grade.score, outcome.turns) == ("finish", 1.0, 6)
+    assert roles_seen(server, "r") == ["subagent"] * 4 + ["main"] * 2
+    prompts = [r["messages"][-1]["content"] for r in server.requests["r"][::2]]
+    assert prompts == [write_value_task(p, w).prompt for p, w in [("b.txt", "cat"), ("c.txt", "sun"), ("a.txt", "red")]]
+    main = server.requests["r"][4]["messages"]
+    assert main[1] == USER(f"{SUBAGENTS_PREFIX} wrote b.txt; wrote c.txt.") and len(main) == 3
+    agent_ids = [h.get("X-Agent-Id") for h in server.headers]
+    assert agent_ids[0] == agent_ids[1] != agent_ids[2] == agent_ids[3] and agent_ids[4:] == [None, None]
 
 
 @pytest.mark.integration

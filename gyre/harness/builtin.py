@@ -31,6 +31,7 @@ TOOL_NAMES = frozenset(t["function"]["name"] for t in TOOL_SCHEMAS)
 # last user message the summary request; a test checks that the proxy reads them as subagent and main_summary.
 AGENT_ID_HEADER = "X-Agent-Id"
 SUMMARY_PROMPT = "Your task is to create a detailed summary of the conversation so far. Reply with text only."
+SUBAGENTS_PREFIX = "Done by sub-agents:"
 CONTINUED_PREFIX = "This session is being continued from a previous conversation that ran out of context. Summary:"
 
 
@@ -131,7 +132,8 @@ class Thread:
             {"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": prompt},
         ]
-        self.start_tokens: int | None = None  # the first request's length since the thread (re)started
+        self.turns = 0  # since the thread started or last compacted
+        self.compacted = False
 
 
 class Agent:
@@ -177,7 +179,7 @@ class Agent:
             {"role": "user", "content": thread.prompt},
             *thread.messages[last:],
         ]
-        thread.start_tokens = None
+        thread.turns, thread.compacted = 0, True
 
     def run_thread(self, thread: Thread) -> str:
         """The thread's turns until it finishes, stops calling tools or runs out of turns; its stop reason.
@@ -185,8 +187,7 @@ class Agent:
         for turn in range(thread.max_turns):
             reply = self.ask(thread)
             self.result["turns"] += 1
-            if thread.start_tokens is None:
-                thread.start_tokens = reply.prompt_tokens
+            thread.turns += 1
             stop = self.act(thread, reply.message)
             self.report()
             if stop:
@@ -197,11 +198,10 @@ class Agent:
         return "max_turns"
 
     def needs_compaction(self, thread: Thread, reply: Reply) -> bool:
-        """The thread has reached --compact-tokens and grown by half of that since it started or last compacted
+        """The thread has reached --compact-tokens, one turn after it started or two after it last compacted
         (on a small window a compacted thread starts near the limit: it would compact after every turn)."""
         limit = self.args.compact_tokens
-        grown = reply.tokens - (thread.start_tokens or 0)
-        return bool(limit) and reply.tokens >= limit and grown >= limit // 2
+        return bool(limit) and reply.tokens >= limit and thread.turns >= (2 if thread.compacted else 1)
 
     def report(self) -> None:
         """Rewrite the result file (after every turn: a killed run still reports its turns)."""
@@ -230,13 +230,18 @@ class Agent:
             thread.messages.append({"role": "tool", "tool_call_id": call.get("id", ""), "content": outcome.text})
         return ""
 
-    def delegate(self, subtasks: list[dict[str, Any]]) -> None:
-        """Each sub-task to a sub-agent of its own, one after another, before the main agent goes on."""
+    def delegate(self, subtasks: list[dict[str, Any]], main: Thread) -> None:
+        """Each sub-task to a sub-agent of its own, one after another; what each did comes back into the main
+        agent's context before its task (as a sub-agent's result does in Claude Code's)."""
+        reports = []
         for i, sub in enumerate(subtasks):
             agent_id = f"a{random.Random(f'{self.args.rollout_id}/{i}').getrandbits(64):016x}"
             thread = Thread(sub["prompt"], sub["visible_checks"], min(self.args.max_turns, sub["max_turns"]), agent_id)
             stop = self.run_thread(thread)
             self.result["subagents"].append({"agent_id": agent_id, "stop_reason": stop})
+            reports.append(last_tool_result(thread.messages) or stop)
+        if reports:
+            main.messages.insert(1, {"role": "user", "content": f"{SUBAGENTS_PREFIX} {'; '.join(reports)}."})
 
 
 def usable_tool_calls(message: dict[str, Any]) -> bool:
@@ -251,6 +256,10 @@ def usable_tool_calls(message: dict[str, Any]) -> bool:
         except ToolError:
             return False
     return bool(calls)
+
+
+def last_tool_result(messages: list[dict[str, Any]]) -> str:
+    return next((str(m["content"]) for m in reversed(messages) if m["role"] == "tool"), "")
 
 
 def summary_text(message: dict[str, Any]) -> str:
@@ -273,7 +282,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         Thread(task["prompt"], task["visible_checks"], args.max_turns))  # fmt: skip
     try:
         if plan:
-            agent.delegate(plan["subtasks"])
+            agent.delegate(plan["subtasks"], main)
         result["stop_reason"] = agent.run_thread(main)
     except ApiError as e:  # a 400 (e.g. context too long) ends the episode; the rest is infrastructure
         agent.errors.append(str(e))

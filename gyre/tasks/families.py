@@ -4,10 +4,10 @@ Every family copies or transforms short strings from the prompt or a file into t
 arguments; none needs arithmetic. Each instance carries its reference solution (one tool call per
 turn, ending with finish), from which gyre/tasks/demos.py builds warm-start demonstrations.
 
-Some instances also say how their work splits (`Task.delegation`): echo_files of two files or more hands
-its last file to a sub-agent as a write_value-shaped sub-task and leaves the rest, as an echo_files
-prompt, to the main agent. A harness that runs sub-agents (the built-in one with harness.subagents) does
-so; every thread then sees a prompt of a family it was warm-started on. Graded as the whole task.
+Some instances also say how their work splits (`Task.delegation`): echo_files gives each file to a thread
+of its own as a write_value-shaped task, the first to the main agent and each other to a sub-agent. A
+harness that runs sub-agents (the built-in one with harness.subagents) does so; every thread then sees a
+write_value prompt, which a write_value warm start knows. Graded as the whole task.
 """
 
 from __future__ import annotations
@@ -87,14 +87,11 @@ def _exists(path: str) -> dict:
 
 
 def _echo_delegation(contents: dict[str, str]) -> dict:
-    """The last file to a sub-agent (a write_value prompt), the others to the main agent (an echo_files prompt)."""
-    *kept, (last, word) = contents.items()
-    sub = write_value_task(last, word)
-    main = dict(kept)
-    main_solution = [_call("write_file", path=p, content=v) for p, v in main.items()] + [_call("finish")]
+    """One write_value-shaped thread per file: the first file the main agent's, each other a sub-agent's."""
+    first, *others = (write_value_task(path, word) for path, word in contents.items())
     return {
-        **_thread(_echo_prompt(main), [_exists(p) for p in main], main_solution),
-        "subtasks": [_thread(sub.prompt, sub.visible_checks, sub.solution)],
+        **_thread(first.prompt, first.visible_checks, first.solution),
+        "subtasks": [_thread(t.prompt, t.visible_checks, t.solution) for t in others],
     }
 
 
@@ -106,7 +103,7 @@ def echo_files_task(contents: dict[str, str]) -> Task:
         [{"name": f"{p} == {v}", "kind": "file_equals", "path": p, "value": v} for p, v in contents.items()],
         [_exists(p) for p in contents],
         [_call("write_file", path=p, content=v) for p, v in contents.items()] + [_call("finish")],
-        _echo_delegation(contents) if len(contents) >= 2 else None,
+        _echo_delegation(contents),
     )
 
 
