@@ -276,7 +276,8 @@ class Controller:
         every = self.cfg.checkpoint_every
         if every and (step + 1) % every == 0 or step + 1 == self.cfg.steps:
             self.checkpoint()
-        print(f"gyre[{self.cfg.scheduler}]: step {step} reward {row['reward_mean']:.2f} ({row['wall_s']:.1f} s)")
+        print(f"gyre[{self.cfg.scheduler}]: step {step} reward {row['reward_mean']:.2f} success "
+              f"{row['success_rate']:.2f} ({row['wall_s']:.1f} s)", flush=True)  # fmt: skip
 
     def checkpoint(self) -> None:
         """The core writes weights, optimizer and the run state of the completed steps (gyre/resume)."""
