@@ -338,22 +338,25 @@ def test_a_thread_under_the_limit_or_not_grown_since_compaction_is_not_compacted
 
 
 @pytest.mark.integration
-def test_delegated_sub_tasks_run_in_sub_agents_before_the_main_agent(tmp_path):
-    """echo_files of three files: a write_value prompt per file, the 2nd and 3rd to sub-agents (their calls
-    carry X-Agent-Id: the proxy labels them subagent), the 1st to the main agent, told what they did."""
+def test_delegated_sub_tasks_run_in_sub_agents_after_the_main_agents_first_turn(tmp_path):
+    """echo_files of three files: a write_value prompt per file, the 1st the main agent's; after its first turn
+    the 2nd and 3rd go to sub-agents (their calls carry X-Agent-Id: the proxy labels them subagent), whose
+    results come back into the main agent's context before its next turn."""
     task = echo_files_task({"a.txt": "red", "b.txt": "cat", "c.txt": "sun"})
-    script = [tool_reply("write_file", 0, path="b.txt", content="cat"), tool_reply("finish", 1),
+    script = [tool_reply("write_file", 0, path="a.txt", content="red"),
+              tool_reply("write_file", 0, path="b.txt", content="cat"), tool_reply("finish", 1),
               tool_reply("write_file", 0, path="c.txt", content="sun"), tool_reply("finish", 1),
-              tool_reply("write_file", 0, path="a.txt", content="red"), tool_reply("finish", 1)]  # fmt: skip
+              tool_reply("finish", 1)]  # fmt: skip
     outcome, server = rollout(task, script, tmp_path, subagents=True)
     assert (outcome.stop_reason, outcome.grade.score, outcome.turns) == ("finish", 1.0, 6)
-    assert roles_seen(server, "r") == ["subagent"] * 4 + ["main"] * 2
-    prompts = [r["messages"][-1]["content"] for r in server.requests["r"][::2]]
-    assert prompts == [write_value_task(p, w).prompt for p, w in [("b.txt", "cat"), ("c.txt", "sun"), ("a.txt", "red")]]
-    main = server.requests["r"][4]["messages"]
-    assert main[1] == USER(f"{SUBAGENTS_PREFIX} wrote b.txt; wrote c.txt.") and len(main) == 3
+    assert roles_seen(server, "r") == ["main"] + ["subagent"] * 4 + ["main"]
+    prompts = [server.requests["r"][i]["messages"][1]["content"] for i in (0, 1, 3)]
+    assert prompts == [write_value_task(p, w).prompt for p, w in [("a.txt", "red"), ("b.txt", "cat"), ("c.txt", "sun")]]
+    main = server.requests["r"][5]["messages"]
+    assert main[:4] == server.requests["r"][0]["messages"] + [script[0], ANY_TOOL]
+    assert main[4:] == [USER(f"{SUBAGENTS_PREFIX} wrote b.txt; wrote c.txt.")]
     agent_ids = [h.get("X-Agent-Id") for h in server.headers]
-    assert agent_ids[0] == agent_ids[1] != agent_ids[2] == agent_ids[3] and agent_ids[4:] == [None, None]
+    assert agent_ids[1] == agent_ids[2] != agent_ids[3] == agent_ids[4] and agent_ids[0] is agent_ids[5] is None
 
 
 @pytest.mark.integration

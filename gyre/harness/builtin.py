@@ -19,6 +19,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
@@ -32,6 +33,7 @@ TOOL_NAMES = frozenset(t["function"]["name"] for t in TOOL_SCHEMAS)
 AGENT_ID_HEADER = "X-Agent-Id"
 SUMMARY_PROMPT = "Your task is to create a detailed summary of the conversation so far. Reply with text only."
 SUBAGENTS_PREFIX = "Done by sub-agents:"
+CHARS_PER_TOKEN = 3  # to estimate the tokens of messages added since the last reply's usage
 CONTINUED_PREFIX = "This session is being continued from a previous conversation that ran out of context. Summary:"
 
 
@@ -134,6 +136,16 @@ class Thread:
         ]
         self.turns = 0  # since the thread started or last compacted
         self.compacted = False
+        self.tokens = 0  # the thread's length at its last reply (usage: prompt + completion)
+        self.chars_since = 0  # characters of the messages added since (tool results, sub-agents' results)
+
+    def add(self, message: dict[str, Any]) -> None:
+        self.messages.append(message)
+        self.chars_since += len(str(message.get("content") or ""))
+
+    def estimated_tokens(self) -> int:
+        """Its length now: the last reply's usage, plus what came since at CHARS_PER_TOKEN (as harnesses estimate)."""
+        return self.tokens + self.chars_since // CHARS_PER_TOKEN
 
 
 class Agent:
@@ -180,28 +192,34 @@ class Agent:
             *thread.messages[last:],
         ]
         thread.turns, thread.compacted = 0, True
+        thread.tokens, thread.chars_since = reply.tokens, 0  # the summary call's length: more than the thread's
 
-    def run_thread(self, thread: Thread) -> str:
+    def run_thread(self, thread: Thread, after_first_turn: Callable[[], None] | None = None) -> str:
         """The thread's turns until it finishes, stops calling tools or runs out of turns; its stop reason.
-        Raises ApiError when a call fails for good."""
+        `after_first_turn` runs once the first turn is done (the main agent's delegation). Raises ApiError
+        when a call fails for good."""
         for turn in range(thread.max_turns):
+            if self.needs_compaction(thread):
+                self.compact(thread)
             reply = self.ask(thread)
             self.result["turns"] += 1
             thread.turns += 1
+            thread.tokens, thread.chars_since = reply.tokens, 0
             stop = self.act(thread, reply.message)
             self.report()
+            if turn == 0 and after_first_turn is not None:
+                after_first_turn()
             if stop:
                 return stop
-            last_turn = turn == thread.max_turns - 1
-            if not last_turn and self.needs_compaction(thread, reply):
-                self.compact(thread)
         return "max_turns"
 
-    def needs_compaction(self, thread: Thread, reply: Reply) -> bool:
-        """The thread has reached --compact-tokens, one turn after it started or two after it last compacted
-        (on a small window a compacted thread starts near the limit: it would compact after every turn)."""
+    def needs_compaction(self, thread: Thread) -> bool:
+        """Before a request: the thread has reached --compact-tokens, one turn after it started or two after it
+        last compacted (on a small window a compacted thread starts near the limit: it would compact after
+        every turn)."""
         limit = self.args.compact_tokens
-        return bool(limit) and reply.tokens >= limit and thread.turns >= (2 if thread.compacted else 1)
+        turns = thread.turns >= (2 if thread.compacted else 1)
+        return bool(limit) and turns and thread.estimated_tokens() >= limit
 
     def report(self) -> None:
         """Rewrite the result file (after every turn: a killed run still reports its turns)."""
@@ -211,9 +229,7 @@ class Agent:
     def act(self, thread: Thread, message: dict[str, Any]) -> str:
         """Run the reply's tool calls; "finish" or "no_tool_call" when the thread ends, else ""."""
         calls = message.get("tool_calls") or []
-        thread.messages.append(
-            {"role": "assistant", "content": message.get("content"), **({"tool_calls": calls} if calls else {})}
-        )
+        thread.add({"role": "assistant", "content": message.get("content"), **({"tool_calls": calls} if calls else {})})
         if not calls:
             return "no_tool_call"
         for call in calls:
@@ -227,12 +243,12 @@ class Agent:
                 return "finish"
             if outcome.error:
                 self.errors.append(outcome.text)
-            thread.messages.append({"role": "tool", "tool_call_id": call.get("id", ""), "content": outcome.text})
+            thread.add({"role": "tool", "tool_call_id": call.get("id", ""), "content": outcome.text})
         return ""
 
     def delegate(self, subtasks: list[dict[str, Any]], main: Thread) -> None:
         """Each sub-task to a sub-agent of its own, one after another; what each did comes back into the main
-        agent's context before its task (as a sub-agent's result does in Claude Code's)."""
+        agent's context after its first turn (as a sub-agent's result does in Claude Code's)."""
         reports = []
         for i, sub in enumerate(subtasks):
             agent_id = f"a{random.Random(f'{self.args.rollout_id}/{i}').getrandbits(64):016x}"
@@ -241,7 +257,7 @@ class Agent:
             self.result["subagents"].append({"agent_id": agent_id, "stop_reason": stop})
             reports.append(last_tool_result(thread.messages) or stop)
         if reports:
-            main.messages.insert(1, {"role": "user", "content": f"{SUBAGENTS_PREFIX} {'; '.join(reports)}."})
+            main.add({"role": "user", "content": f"{SUBAGENTS_PREFIX} {'; '.join(reports)}."})
 
 
 def usable_tool_calls(message: dict[str, Any]) -> bool:
@@ -280,10 +296,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     plan = task.get("delegation") if args.subagents else None
     main = Thread(plan["prompt"], plan["visible_checks"], args.max_turns) if plan else (
         Thread(task["prompt"], task["visible_checks"], args.max_turns))  # fmt: skip
-    try:
-        if plan:
-            agent.delegate(plan["subtasks"], main)
-        result["stop_reason"] = agent.run_thread(main)
+    subtasks = plan["subtasks"] if plan else []
+    try:  # the main agent's first turn, then its sub-agents, then the rest of its turns
+        result["stop_reason"] = agent.run_thread(main, (lambda: agent.delegate(subtasks, main)) if subtasks else None)
     except ApiError as e:  # a 400 (e.g. context too long) ends the episode; the rest is infrastructure
         agent.errors.append(str(e))
         result["stop_reason"] = "bad_request" if e.status == 400 else "api_error"
