@@ -4,10 +4,11 @@ Every family copies or transforms short strings from the prompt or a file into t
 arguments; none needs arithmetic. Each instance carries its reference solution (one tool call per
 turn, ending with finish), from which gyre/tasks/demos.py builds warm-start demonstrations.
 
-Some instances also say how their work splits (`Task.delegation`): echo_files gives each file to a thread
-of its own as a write_value-shaped task, the first to the main agent and each other to a sub-agent. A
-harness that runs sub-agents (the built-in one with harness.subagents) does so; every thread then sees a
-write_value prompt, which a write_value warm start knows. Graded as the whole task.
+Some instances also say how their work splits (`Task.delegation`): write_values and echo_files give each
+file to a thread of its own as a write_value-shaped task, the first to the main agent and each other to a
+sub-agent. A harness that runs sub-agents (the built-in one with harness.subagents) does so; a
+write_values thread is then a write_value prompt (its paths and words too), which a write_value warm start
+knows (echo_files's paths are not write_value's). Graded as the whole task.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def _exists(path: str) -> dict:
     return {"name": f"{path} exists", "kind": "file_exists", "path": path}
 
 
-def _echo_delegation(contents: dict[str, str]) -> dict:
+def _one_thread_per_file(contents: dict[str, str]) -> dict:
     """One write_value-shaped thread per file: the first file the main agent's, each other a sub-agent's."""
     first, *others = (write_value_task(path, word) for path, word in contents.items())
     return {
@@ -103,7 +104,21 @@ def echo_files_task(contents: dict[str, str]) -> Task:
         [{"name": f"{p} == {v}", "kind": "file_equals", "path": p, "value": v} for p, v in contents.items()],
         [_exists(p) for p in contents],
         [_call("write_file", path=p, content=v) for p, v in contents.items()] + [_call("finish")],
-        _echo_delegation(contents),
+        _one_thread_per_file(contents),
+    )
+
+
+def write_values_task(contents: dict[str, str]) -> Task:
+    """Several write_value tasks in one: its threads, split, are write_value's own (paths and words)."""
+    parts = [write_value_task(path, word) for path, word in contents.items()]
+    return _make(
+        "write_values",
+        " ".join(t.prompt for t in parts),
+        {},
+        [check for t in parts for check in t.checks],
+        [_exists(p) for p in contents],
+        [_call("write_file", path=p, content=v) for p, v in contents.items()] + [_call("finish")],
+        _one_thread_per_file(contents),
     )
 
 
@@ -136,6 +151,13 @@ def sample_echo_files(rng: random.Random) -> Task:
     n = rng.choices([1, 2, 3, 4, 5], weights=[30, 25, 20, 15, 10])[0]  # long tail of turns
     stems = rng.sample(FILE_STEMS, n)
     return echo_files_task({f"{stem}.txt": rng.choice(WORDS) for stem in stems})
+
+
+@register_family("write_values")
+def sample_write_values(rng: random.Random) -> Task:
+    """2 to 4 files of write_value's targets: split into threads, a write_value warm start knows every prompt."""
+    n = rng.choices([2, 3, 4], weights=[40, 35, 25])[0]
+    return write_values_task({path: rng.choice(WORDS) for path in rng.sample(WRITE_TARGETS, n)})
 
 
 @register_family("fix_value")
