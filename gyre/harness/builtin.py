@@ -6,6 +6,13 @@ an `X-Rollout-Id` header, works only inside its workspace, and
 writes a small result file (rewritten after every turn, so a killed run still reports its turns).
 Standard library only, to start in ~60 ms.
 
+Like real harnesses it makes a rollout a tree of context paths (each off unless asked for): with
+--subagents, after its first turn the main agent hands a task's delegable sub-tasks (`delegation` in the
+task file) to sub-agents, whose calls carry X-Agent-Id and whose results come back into its context; with
+--compact-tokens it compacts a thread that reaches that length (a summary call, then the thread goes on from
+the summary, the task and its last turn); with --reply-retries it re-sends a request whose reply has no
+usable tool call. The proxy labels the calls subagent and main_summary (gyre/proxy/roles.py).
+
     python -m gyre.harness.builtin --base-url http://127.0.0.1:8000/v1 --workspace ws \
         --task-file task.json --result-file result.json --rollout-id r1 --max-turns 8
 """
