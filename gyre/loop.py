@@ -13,10 +13,10 @@ from gyre.config.schema import RunConfig
 from gyre.harness.preflight import check_harness_fits
 from gyre.health import ExclusionWatch, success_over
 from gyre.metrics import MetricsWriter, plot_learning_curve
-from gyre.pipeline import loss_rollouts, rl_micro_batches, tree_gspo_loss_fn, with_signal, write_group_shard
-from gyre.resume.checkpoint import load_checkpoint, save_checkpoint
+from gyre.pipeline import loss_rollouts, rl_micro_batches, tree_gspo_loss_fn, with_signal
+from gyre.resume.checkpoint import Checkpointer, load_checkpoint
 from gyre.resume.preemption import Preempted, PreemptionGuard
-from gyre.resume.recovery import describe_start, prepare_resume, task_pool_position
+from gyre.resume.recovery import checkpoint_due, describe_start, prepare_resume, task_pool_position
 from gyre.resume.state import RunState
 from gyre.rollouts import RolloutService, StepRollouts
 from gyre.sandbox.limits import raise_open_file_limit
@@ -24,8 +24,8 @@ from gyre.sched.policy import SCHEDULERS as CELL_SCHEDULERS
 from gyre.store.reader import Shard, read_shard
 from gyre.tasks.suite import TaskPool
 from gyre.tracking import open_trackers
-from gyre.train.megatron_trainer import MegatronTrainer
-from gyre.train.warm_start import prepare_policy
+from gyre.train.trainer import Trainer, make_trainer
+from gyre.warm_start import prepare_policy
 
 
 def run(cfg: RunConfig) -> Path:
@@ -41,17 +41,18 @@ def run(cfg: RunConfig) -> Path:
     state = start.state
     first_tasks = TaskPool(cfg.tasks.families, cfg.tasks.pool_size, seed=cfg.seed).for_step(0, cfg.rl.groups_per_step)
     policy = prepare_policy(cfg, log=print, check=lambda tok: check_harness_fits(cfg, first_tasks, tok))
-    trainer = MegatronTrainer(policy.model_cfg, cfg.train)
+    trainer = make_trainer(policy.model_cfg, cfg.train)
     trainer.load_hf_state_dict(policy.load_state())
     if start.checkpoint is not None:
         load_checkpoint(start.checkpoint, trainer)  # weights, optimizer, step counter, RNG states
     state.begin()  # this start (its Slurm job id and restart count) joins the run's history
     print(describe_start(start, cfg, out))
-    saved_step = state.next_step if start.checkpoint is not None else None
+    checkpointer = Checkpointer(out, cfg.checkpoint_async)
+    checkpointer.saved_step = state.next_step if start.checkpoint is not None else None
     writer = MetricsWriter(out, open_trackers(cfg, out))
     writer.rows = start.metrics_rows
     watch = ExclusionWatch(cfg.rl.max_excluded_fraction, cfg.rl.max_excluded_steps)
-    with RolloutService(cfg, policy, out) as service, closing(writer):
+    with RolloutService(cfg, policy, out, start.kept) as service, closing(writer), closing(checkpointer):
         if state.weight_version:  # engines serve the checkpoint's weights, not the warm start
             service.load_weights(trainer.hf_state_dict(), version=state.weight_version)
         bar = tqdm(range(state.next_step, cfg.steps), desc="gyre", unit="step", dynamic_ncols=True,
@@ -62,15 +63,14 @@ def run(cfg: RunConfig) -> Path:
                 row = run_step(step, service, trainer, state, guard, writer, cfg, out)
                 bar.set_postfix(progress(row))
                 watch.observe(row)  # raises ExcludedRunError: the step's row is in metrics.jsonl already
-                if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+                if checkpoint_due(cfg, step):
                     with guard.deferred():
-                        saved_step = checkpoint(out, state, trainer, cfg)
+                        checkpoint(checkpointer, state, trainer, cfg)
         except BaseException as stop:
             if not guard.requested or guard.section_failed:
                 raise
-            with guard.deferred():
-                if saved_step != state.next_step:  # the trainer holds exactly the completed steps' updates
-                    checkpoint(out, state, trainer, cfg)
+            with guard.deferred():  # the trainer holds exactly the completed steps' updates
+                checkpoint(checkpointer, state, trainer, cfg, final=True)
             print(f"gyre: stopped by {guard.signal_name} before step {state.next_step}; checkpoint in "
                   f"{out / 'checkpoint'}; run the same command again to continue")  # fmt: skip
             if isinstance(stop, Preempted):
@@ -84,7 +84,7 @@ def run(cfg: RunConfig) -> Path:
 def run_step(
     step: int,
     service: RolloutService,
-    trainer: MegatronTrainer,
+    trainer: Trainer,
     state: RunState,
     guard: PreemptionGuard,
     writer: MetricsWriter,
@@ -97,8 +97,7 @@ def run_step(
     rollouts = service.collect(step)
     t1 = time.perf_counter()
     service.release_engines()
-    skipped = service.task_pool.skipped_causes()
-    shard_metrics, shard_paths = write_shards(rollouts, cfg, out / "shards", step, skipped)
+    shard_metrics, shard_paths = step_shards(rollouts)
     with guard.deferred():
         shards = [read_shard(p) for p in shard_paths]
         train_metrics, trained = train_step(trainer, shards, cfg)
@@ -113,7 +112,7 @@ def run_step(
     return row
 
 
-def sync_weights(service: RolloutService, trainer: MegatronTrainer, state: RunState, guard: PreemptionGuard) -> None:
+def sync_weights(service: RolloutService, trainer: Trainer, state: RunState, guard: PreemptionGuard) -> None:
     """The engines get the new weights; not when stopping: Slurm signals every process of the job, so the
     engines may be gone, and the resumed run syncs them from the checkpoint."""
     if guard.requested:
@@ -125,11 +124,15 @@ def sync_weights(service: RolloutService, trainer: MegatronTrainer, state: RunSt
             raise
 
 
-def checkpoint(out: Path, state: RunState, trainer: MegatronTrainer, cfg: RunConfig) -> int:
-    """Write the run's checkpoint (atomic); returns the step it resumes at."""
+def checkpoint(
+    checkpointer: Checkpointer, state: RunState, trainer: Trainer, cfg: RunConfig, final: bool = False
+) -> None:
+    """The run's checkpoint of the completed steps (atomic), written in the background; `final`: on disk on return."""
     state.data = task_pool_position(cfg, state.next_step)
-    save_checkpoint(out, state, trainer)
-    return state.next_step
+    if final:
+        checkpointer.save_final(state, trainer)
+    else:
+        checkpointer.save(state, trainer)
 
 
 def check_supported(cfg: RunConfig) -> None:
@@ -147,14 +150,9 @@ def check_supported(cfg: RunConfig) -> None:
             raise ValueError(f"{key}={value!r} is not available yet; supported: {', '.join(supported[key])}")
 
 
-def write_shards(
-    rollouts: StepRollouts, cfg: RunConfig, shard_dir: Path, step: int, skipped: dict[str, str] | None = None
-) -> tuple[dict, list[Path]]:
-    """One shard per group (`skipped`: the suite's unusable tasks, for provenance); returns token metrics and
-    the shard paths."""
-    shard_dir.mkdir(parents=True, exist_ok=True)
-    groups = sorted(rollouts.groups().items())
-    shards = [write_group_shard(cfg, shard_dir, step, g, members, skipped) for g, members in groups]
+def step_shards(rollouts: StepRollouts) -> tuple[dict, list[Path]]:
+    """The step's shards, one per group (written as each group completed); returns token metrics and paths."""
+    shards = rollouts.shards
     tokens, path_tokens = sum(s.tokens for s in shards), sum(s.path_tokens for s in shards)
     metrics = {
         "tree_tokens": float(tokens),
@@ -164,7 +162,7 @@ def write_shards(
     return metrics, [s.path for s in shards]
 
 
-def train_step(trainer: MegatronTrainer, shards: list[Shard], cfg: RunConfig) -> tuple[dict[str, float], list[str]]:
+def train_step(trainer: Trainer, shards: list[Shard], cfg: RunConfig) -> tuple[dict[str, float], list[str]]:
     """One optimizer update on the step's shards; returns its metrics and the rollout ids it trained."""
     candidates = [r for s in shards for r in s.trainable()]
     rollouts = with_signal(candidates)  # zero advantage trains nothing
@@ -178,7 +176,7 @@ def train_step(trainer: MegatronTrainer, shards: list[Shard], cfg: RunConfig) ->
     )
     if not batches:
         return {"trained": 0.0}, []
-    metrics = trainer.train_step(batches, tree_gspo_loss_fn(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high))
+    metrics = trainer.train_step(batches, tree_gspo_loss_fn(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high, cfg.rl.mismatch))
     trained = sorted({rid for b in batches for rid in b.batch.rollout_ids})
     return {"trained": 1.0, "train_tokens": float(sum(b.n_tokens for b in batches)), **metrics}, trained
 

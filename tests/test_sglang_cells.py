@@ -176,7 +176,7 @@ def test_without_sglangs_runtime_the_colocate_loop_fails_saying_what_to_install(
     from gyre.config.load import compose
     from gyre.model.random_model import create_random_model
     from gyre.rollouts import RolloutService
-    from gyre.train.warm_start import Policy
+    from gyre.warm_start import Policy
 
     cfg = compose(["engine=sglang", f"engine.python={sys.executable}", f"output_dir={tmp_path}"])
     model = create_random_model(tmp_path / "policy", SHAPES["qwen3-tiny"], seed=0, dtype=torch.float32)

@@ -3,9 +3,11 @@ and what to change. Imports no torch/megatron/sglang.
 
 Each field's own domain (a range, a choice) is declared beside it in the schema (gyre/config/domain.py) and
 checked when a config is built, with the cross-field checks of its section (EngineConfig.__post_init__
-calls check_engine). check_run is every check, the entry point launch.run calls. Checks against the model
-run where a model meets a backend (SGLang command lines, the trainer's parallel layout), because presets
-such as cluster=slurm_gpu are composed with whatever model a run brings.
+calls check_engine). check_run is every check of the config across sections (the model against the engine's
+and the trainer's layouts, since presets such as cluster=slurm_gpu are composed with whatever model a run
+brings), run once at the edge, before anything starts (launch.run.check_before_start, which also checks a
+model.path directory with gyre.model.pretrained.check_pretrained). Trainer and engine code never validate.
+Imports nothing of gyre above the config.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ from typing import TYPE_CHECKING
 from gyre.config.domain import ConfigValueError as ConfigValueError  # where callers have always found it
 from gyre.config.domain import check_fields
 from gyre.config.domain import fail as _fail
-from gyre.config.schema import LOGGERS
+from gyre.config.schema import HarnessKind, SandboxBackend, Scheduler, TaskSourceKind
 
 if TYPE_CHECKING:
     from gyre.config.schema import (
         EngineConfig,
         HarnessConfig,
+        MismatchConfig,
         ModelConfig,
         ProxyConfig,
         RLConfig,
@@ -33,30 +36,30 @@ if TYPE_CHECKING:
 
 def check_sandbox(s: SandboxConfig) -> None:
     check_fields(s, "sandbox.")
-    if s.backend == "apptainer" and not s.apptainer_image and not s.apptainer_images:
+    if s.backend == SandboxBackend.apptainer and not s.apptainer_image and not s.apptainer_images:
         _fail("sandbox.apptainer_image", s.apptainer_image,
               "backend=apptainer needs an image (a .sif file), or sandbox.apptainer_images per task image")  # fmt: skip
 
 
 def check_tasks(t: TaskConfig) -> None:
     check_fields(t, "tasks.")
-    if t.source != "builtin" and not t.path:
+    if t.source != TaskSourceKind.builtin and not t.path:
         _fail("tasks.path", t.path, f"tasks.source={t.source} needs a path (a directory of tasks or a JSONL file)")
-    if t.repos and t.source != "swebench":
+    if t.repos and t.source != TaskSourceKind.swebench:
         _fail("tasks.repos", t.repos, "repository snapshots are for tasks.source=swebench only")
 
 
 def check_task_sandbox(cfg: RunConfig) -> None:
-    if cfg.tasks.source == "harbor" and cfg.sandbox.backend == "none":
+    if cfg.tasks.source == TaskSourceKind.harbor and cfg.sandbox.backend == SandboxBackend.none:
         _fail("sandbox.backend", "none", "tasks.source=harbor: Harbor tests use /tests and /logs, which need an "
               "isolated sandbox (bwrap or apptainer)")  # fmt: skip
 
 
 def check_harness(h: HarnessConfig) -> None:
     check_fields(h, "harness.")
-    if h.bare and h.kind not in ("claude_code", "mini_swe_agent"):
+    if h.bare and h.kind not in HarnessKind.short_prompt_kinds():
         _fail("harness.bare", h.bare, "a short prompt exists for harness.kind=claude_code|mini_swe_agent only")
-    if h.kind != "builtin":
+    if h.kind != HarnessKind.builtin:
         for key in ("compact_tokens", "subagents", "reply_retries"):
             if getattr(h, key):
                 _fail(f"harness.{key}", getattr(h, key),
@@ -79,6 +82,15 @@ def check_engine(e: EngineConfig) -> None:
 
 def check_rl(r: RLConfig) -> None:
     check_fields(r, "rl.")
+
+
+def check_mismatch(m: MismatchConfig) -> None:
+    """A correction compares the proximal policy with the engine's: with proximal=engine they are the same
+    logprobs, the ratio is 1 everywhere and the correction would silently do nothing."""
+    check_fields(m, "rl.mismatch.")
+    if m.correction != "none" and m.proximal != "trainer":
+        _fail("rl.mismatch.correction", str(m.correction),
+              "corrects between the trainer's and the engine's logprobs: set rl.mismatch.proximal=trainer")  # fmt: skip
 
 
 def check_engine_for_model(e: EngineConfig, m: ModelConfig) -> None:
@@ -127,11 +139,6 @@ def check_train(t: TrainConfig, m: ModelConfig) -> None:
               "tied embeddings (model.tie_embeddings) across pipeline stages are not supported; set it to 1")  # fmt: skip
     if m.num_layers % t.pipeline_parallel:
         _fail("train.pipeline_parallel", t.pipeline_parallel, f"must divide model.num_layers={m.num_layers}")
-
-
-def check_loggers(loggers: list[str]) -> None:
-    if bad := sorted(set(loggers) - set(LOGGERS)):
-        _fail("logger", list(loggers), f"unknown {bad}; choose from {', '.join(LOGGERS)} (several: logger=[a,b])")
 
 
 def cell_ranks(cfg: RunConfig) -> list[int]:
@@ -186,20 +193,16 @@ def check_proxy(p: ProxyConfig) -> None:
 
 
 def check_run(cfg: RunConfig) -> None:
-    """Every check, for a run about to start its engines and trainer with this model: what launch.run calls
-    before anything starts (every field in its domain, then the checks across fields and sections)."""
+    """Every config check, for a run about to start its engines and trainer with this model: what launch.run
+    calls before anything starts (every field in its domain, then the checks across fields and sections)."""
     check_fields(cfg)
     check_engine(cfg.engine)
     check_rl(cfg.rl)
     check_sandbox(cfg.sandbox)
     check_task_sandbox(cfg)
-    if cfg.model.path:  # the directory's config.json is the architecture (and its files are checked)
-        from gyre.model.pretrained import check_pretrained
-
-        check_pretrained(cfg)
-    else:
+    if not cfg.model.path:  # else the directory's config.json is the architecture: gyre.model.pretrained checks it
         check_model(cfg.model)
         check_engine_for_model(cfg.engine, cfg.model)
         check_train(cfg.train, cfg.model)
-    if cfg.scheduler != "colocate":
+    if Scheduler(cfg.scheduler).runs_cells:
         check_cells(cfg)

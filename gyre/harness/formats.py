@@ -25,7 +25,6 @@ from typing import Any
 from gyre.proxy.anthropic_api import convert_messages, convert_tools
 from gyre.sandbox.base import WORKSPACE
 from gyre.tasks.demos import Demonstration
-from gyre.tasks.demos import demonstration as builtin_demonstration
 from gyre.tasks.task import Task
 
 TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
@@ -161,27 +160,3 @@ def mini_demonstration(task: Task, bare: bool = False) -> Demonstration:
         messages.append(dict(observation))
     messages.append({"role": "assistant", "content": submit})
     return Demonstration(messages, [])
-
-
-def demonstration(kind: str, task: Task, *, bare: bool = True, date: str | None = None) -> Demonstration:
-    """The task's reference solution in harness `kind`'s own request format (`bare`: Claude Code's --bare,
-    mini-swe-agent's compact templates; `date`: the day Claude Code's prompt names; default today)."""
-    if kind == "builtin":
-        return builtin_demonstration(task)
-    if kind == "claude_code":
-        return claude_code_demonstration(task, bare, date)
-    if kind == "mini_swe_agent":
-        return mini_demonstration(task, bare)
-    raise ValueError(f"harness.kind={kind!r} has no demonstration format")
-
-
-def first_request(kind: str, task: Task, *, bare: bool = True) -> Demonstration:
-    """What harness `kind` sends first for `task` (messages and tools as the proxy converts them)."""
-    if kind == "builtin":
-        demo = builtin_demonstration(task)
-        return Demonstration(demo.messages[:2], demo.tools)
-    if kind == "claude_code":
-        return claude_code_first_request(task, bare)
-    if kind == "mini_swe_agent":
-        return mini_first_request(task, bare)
-    raise ValueError(f"harness.kind={kind!r} has no request format")

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from gyre.comm.messages import Role
 from gyre.config.schema import CELL_SCHEDULERS as SCHEDULERS  # declared with the config field
+from gyre.config.schema import Scheduler
 
 # elastic: cells that keep training while sessions queue and training work waits. One cell alone would take
 # twice as long over the step whose update gates the next admission; beyond two, a cell that serves the
@@ -53,7 +54,7 @@ class PolicyConfig:
             raise ValueError(f"keep_training must be at least 1 (the core trains the update), got {self.keep_training}")
         if self.staleness < 0:
             raise ValueError(f"sched.staleness must be >= 0, got {self.staleness}")
-        if self.kind == "async" and not 0 < self.fixed_rollout_cells < self.n_cells:
+        if self.kind == Scheduler.async_ and not 0 < self.fixed_rollout_cells < self.n_cells:
             raise ValueError(
                 f"sched.async_rollout_cells={self.rollout_cells} must leave at least one rollout and one "
                 f"training cell of {self.n_cells}"
@@ -62,7 +63,7 @@ class PolicyConfig:
     @property
     def max_lag(self) -> int:
         """The staleness bound in force: colocate always trains on its own weights."""
-        return 0 if self.kind == "colocate_cells" else self.staleness
+        return 0 if self.kind == Scheduler.colocate_cells else self.staleness
 
     @property
     def fixed_rollout_cells(self) -> int:
@@ -97,7 +98,7 @@ class Switch:
 
 def initial_roles(p: PolicyConfig) -> tuple[Role, ...]:
     """async: satellites 1..rollout_cells serve, the core and the remaining satellites train; else all serve."""
-    if p.kind != "async":
+    if p.kind != Scheduler.async_:
         return ("rollout",) * p.n_cells
     serving = set(range(1, p.fixed_rollout_cells + 1))
     return tuple("rollout" if c in serving else "train" for c in range(p.n_cells))
@@ -119,9 +120,9 @@ def cells_needed(p: PolicyConfig, load: Load) -> int:
 def decide(p: PolicyConfig, cells: Sequence[CellState], load: Load) -> list[Switch]:
     """The switches to make now (possibly none)."""
     alive = [c for c in cells if c.alive]
-    if p.kind == "async":
+    if p.kind == Scheduler.async_:
         return []
-    if p.kind == "colocate_cells":
+    if p.kind == Scheduler.colocate_cells:
         want: Role = "rollout" if load.level > 0 else "train"
         return [
             Switch(c.cell, want, "colocate") for c in alive if c.role != want and not (c.busy and want == "rollout")
