@@ -13,6 +13,7 @@ job, named by its overrides.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -113,8 +114,16 @@ class WandbTracker:
         self.run.finish()
 
 
+MAX_RUN_NAME = 200  # TensorBoard writes into a directory of this name: a file name holds 255 bytes at most
+
+
 def run_name(cfg: RunConfig, output_dir: Path) -> str:
-    return cfg.tracking.run_name or output_dir.name
+    """The run's name in every tracker; a long one (many overrides) is cut, with a hash of the whole kept."""
+    name = cfg.tracking.run_name or output_dir.name
+    if len(name.encode()) <= MAX_RUN_NAME:
+        return name
+    digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+    return f"{name.encode()[: MAX_RUN_NAME - 9].decode(errors='ignore')}-{digest}"
 
 
 def open_trackers(cfg: RunConfig, output_dir: Path) -> list[Tracker]:

@@ -24,6 +24,7 @@ GROUPS, GROUP_SIZE = 2, 8  # 16 rollouts a step: a step whose rewards are all eq
 
 def tiny_args(cache_dir: Path, out: Path, hydra_dir: Path, *extra: str) -> list[str]:
     return [
+        "scheduler=colocate",  # the one-process loop's stop and resume (the default is elastic)
         f"steps={STEPS}",
         f"rl.groups_per_step={GROUPS}",
         f"rl.group_size={GROUP_SIZE}",

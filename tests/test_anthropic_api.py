@@ -23,7 +23,7 @@ from gyre.proxy.anthropic_api import (
 from gyre.proxy.call_log import CallLog
 from gyre.proxy.errors import anthropic_status_and_body as error_status_and_body
 from gyre.proxy.errors import context_length_exceeded, engine_unavailable
-from gyre.proxy.roles import ROLES, anthropic_call_role
+from gyre.proxy.roles import ROLES, call_role
 from gyre.proxy.tito import TitoRenderer
 
 A_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
@@ -175,7 +175,7 @@ def test_resent_reply_splices_by_tool_use_id_and_by_text(tokenizer):  # noqa: F8
 @pytest.mark.unit
 def test_roles_from_claude_code_signals():
     def role(headers=CC_HEADERS, system="You are an interactive agent", last="do it", tools=True):
-        return anthropic_call_role(headers, system, f"earlier\n{last}", tools)
+        return call_role(headers, system, f"earlier\n{last}", tools)
 
     sub = {**CC_HEADERS, "x-claude-code-agent-id": "a0123456789abcdef"}
     assert role() == "main" and role(headers={}, tools=False) == "main"  # a plain API client

@@ -12,10 +12,11 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_default_config_is_the_embedded_colocate_run():
+def test_default_config_is_the_embedded_elastic_run():
     cfg = compose()
     assert isinstance(cfg, RunConfig)
-    assert cfg.scheduler == "colocate"
+    assert cfg.scheduler == "elastic" and cfg.cluster.backend == "local"
+    assert compose(["scheduler=colocate"]).scheduler == "colocate"  # one override away
     assert cfg.engine.backend == "embedded"
     assert cfg.train.backend == "megatron"
 
@@ -64,7 +65,7 @@ def test_schema_and_cli_config_import_without_heavy_backends():
 def test_unsupported_choices_fail_before_any_work():
     from gyre.loop import check_supported
 
-    check_supported(compose())
+    check_supported(compose(["scheduler=colocate"]))
     with pytest.raises(ValueError, match="scheduler='elastic' runs cells as an MPI job.*launch.run scheduler=elastic"):
         check_supported(compose(["scheduler=elastic"]))
     # unknown choices are refused where the config is loaded, naming the key, the value and what it may be

@@ -20,14 +20,17 @@ import pytest
 from aiohttp import web
 
 from gyre.config.schema import HarnessConfig, TaskConfig
+from gyre.harness.builtin import CONTINUED_PREFIX, SUBAGENTS_PREFIX, SUMMARY_PROMPT
 from gyre.harness.demos import demonstration
 from gyre.harness.runner import live_group_members, run_rollout, run_rollouts
 from gyre.harness.tools import TOOL_SCHEMAS, execute_tool
+from gyre.proxy.roles import chat_call_role
 from gyre.sandbox.base import WORKSPACE
 from gyre.tasks.families import FAMILIES, echo_files_task, fix_value_task, write_value_task
 from gyre.tasks.suite import sample_tasks
 
 STALL = "stall"
+TOKENS_PER_MESSAGE, REPLY_TOKENS = 40, 10  # the scripted server's usage: 40 tokens a message, 10 a reply
 
 
 def tool_reply(name: str, i: int, **arguments: Any) -> dict[str, Any]:
@@ -58,7 +61,9 @@ class ScriptedServer:
                 {"error": {"message": f"scripted {step}"}}, status=step, headers={"Retry-After": "0"}
             )
         choice = {"index": 0, "message": step, "finish_reason": "tool_calls" if step.get("tool_calls") else "stop"}
-        return web.json_response({"id": "x", "object": "chat.completion", "choices": [choice]})
+        messages = self.requests[rid][-1]["messages"]
+        usage = {"prompt_tokens": TOKENS_PER_MESSAGE * len(messages), "completion_tokens": REPLY_TOKENS}
+        return web.json_response({"id": "x", "object": "chat.completion", "choices": [choice], "usage": usage})
 
     async def __aenter__(self) -> str:
         app = web.Application()
@@ -277,3 +282,121 @@ def test_harness_imports_only_the_standard_library():
     code = "import sys, gyre.harness.builtin; print(sorted({m.split('.')[0] for m in sys.modules}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert not {"torch", "numpy", "aiohttp", "openai", "tokenizers"} & set(json.loads(out.replace("'", '"')))
+
+
+def text_reply(text: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": text}
+
+
+def roles_seen(server: ScriptedServer, rid: str) -> list[str]:
+    """Each request's role as the proxy labels it (gyre/proxy/roles.py), from its headers and messages."""
+    mine = [h for h in server.headers if h.get("X-Rollout-Id") == rid]
+    return [
+        chat_call_role(h, r["messages"], bool(r.get("tools"))) for h, r in zip(mine, server.requests[rid], strict=True)
+    ]
+
+
+def rollout(task: Any, script: list[Any], tmp_path: Path, **harness: Any) -> tuple[Any, ScriptedServer]:
+    server = ScriptedServer({"r": script})
+
+    async def main() -> Any:
+        async with server as url:
+            cfg = dataclasses.replace(HARNESS, **harness)
+            return await run_rollout(task, "r", url, tmp_path / "r", cfg, TaskConfig())
+
+    return run(main()), server
+
+
+@pytest.mark.integration
+def test_a_long_thread_is_compacted_by_a_summary_call_and_goes_on_from_its_last_turn(tmp_path):
+    """40 tokens a message: after the second write the thread is 4 x 40 + 10 = 170 tokens (>= 150, and 90
+    more than its first request's 80): the harness asks for a summary, then goes on from it."""
+    task = echo_files_task({"a.txt": "red", "b.txt": "cat", "c.txt": "sun"})
+    script = [tool_reply("write_file", 0, path="a.txt", content="red"),
+              tool_reply("write_file", 1, path="b.txt", content="cat"),
+              text_reply("I wrote a.txt and b.txt."),
+              tool_reply("write_file", 2, path="c.txt", content="sun"),
+              tool_reply("finish", 3)]  # fmt: skip
+    outcome, server = rollout(task, script, tmp_path, compact_tokens=150)
+    assert (outcome.stop_reason, outcome.grade.score, outcome.turns) == ("finish", 1.0, 4)
+    assert roles_seen(server, "r") == ["main", "main", "main_summary", "main", "main"]
+    requests = server.requests["r"]
+    assert requests[2]["messages"] == [*requests[1]["messages"], script[1], ANY_TOOL, USER(SUMMARY_PROMPT)]
+    system, task_prompt = requests[0]["messages"]
+    assert requests[3]["messages"] == [
+        system, USER(f"{CONTINUED_PREFIX}\nI wrote a.txt and b.txt."), task_prompt, script[1], ANY_TOOL
+    ]  # fmt: skip
+    assert requests[2]["tools"] == requests[1]["tools"] == TOOL_SCHEMAS  # a summary call is the thread's own
+
+
+@pytest.mark.integration
+def test_a_thread_under_the_limit_or_not_grown_since_compaction_is_not_compacted(tmp_path):
+    task = write_value_task("answer.txt", "apple")
+    script = [tool_reply("write_file", 0, path="answer.txt", content="apple"), tool_reply("finish", 1)]
+    outcome, server = rollout(task, script, tmp_path, compact_tokens=500)
+    assert outcome.stop_reason == "finish" and roles_seen(server, "r") == ["main", "main"]
+
+
+@pytest.mark.integration
+def test_delegated_sub_tasks_run_in_sub_agents_after_the_main_agents_first_turn(tmp_path):
+    """echo_files of three files: a write_value prompt per file, the 1st the main agent's; after its first turn
+    the 2nd and 3rd go to sub-agents (their calls carry X-Agent-Id: the proxy labels them subagent), whose
+    results come back into the main agent's context before its next turn."""
+    task = echo_files_task({"a.txt": "red", "b.txt": "cat", "c.txt": "sun"})
+    script = [tool_reply("write_file", 0, path="a.txt", content="red"),
+              tool_reply("write_file", 0, path="b.txt", content="cat"), tool_reply("finish", 1),
+              tool_reply("write_file", 0, path="c.txt", content="sun"), tool_reply("finish", 1),
+              tool_reply("finish", 1)]  # fmt: skip
+    outcome, server = rollout(task, script, tmp_path, subagents=True)
+    assert (outcome.stop_reason, outcome.grade.score, outcome.turns) == ("finish", 1.0, 6)
+    assert roles_seen(server, "r") == ["main"] + ["subagent"] * 4 + ["main"]
+    prompts = [server.requests["r"][i]["messages"][1]["content"] for i in (0, 1, 3)]
+    assert prompts == [write_value_task(p, w).prompt for p, w in [("a.txt", "red"), ("b.txt", "cat"), ("c.txt", "sun")]]
+    main = server.requests["r"][5]["messages"]
+    assert main[:4] == server.requests["r"][0]["messages"] + [script[0], ANY_TOOL]
+    assert main[4:] == [USER(f"{SUBAGENTS_PREFIX} wrote b.txt; wrote c.txt.")]
+    agent_ids = [h.get("X-Agent-Id") for h in server.headers]
+    assert agent_ids[1] == agent_ids[2] != agent_ids[3] == agent_ids[4] and agent_ids[0] is agent_ids[5] is None
+
+
+@pytest.mark.integration
+def test_without_subagents_the_main_agent_does_the_whole_task(tmp_path):
+    task = echo_files_task({"a.txt": "red", "b.txt": "cat"})
+    script = [tool_reply("write_file", 0, path="a.txt", content="red"),
+              tool_reply("write_file", 1, path="b.txt", content="cat"), tool_reply("finish", 2)]  # fmt: skip
+    outcome, server = rollout(task, script, tmp_path)
+    assert outcome.grade.score == 1.0 and roles_seen(server, "r") == ["main"] * 3
+    assert server.requests["r"][0]["messages"][1]["content"] == task.prompt
+
+
+@pytest.mark.integration
+def test_a_reply_without_a_usable_tool_call_is_asked_again(tmp_path):
+    """The same request again (the dropped reply a dead branch), up to reply_retries times; then it ends."""
+    task = write_value_task("answer.txt", "apple")
+    bad_call = {
+        **tool_reply("write_file", 0),
+        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "write_file", "arguments": "{not json"}}],
+    }
+    script = [text_reply("hmm"), tool_reply("write_file", 0, path="answer.txt", content="apple"),
+              bad_call, tool_reply("rm", 1), tool_reply("finish", 1)]  # fmt: skip
+    outcome, server = rollout(task, script, tmp_path, reply_retries=2)
+    assert (outcome.stop_reason, outcome.grade.score, outcome.turns) == ("finish", 1.0, 2)
+    requests = server.requests["r"]
+    assert requests[0] == requests[1] and requests[2] == requests[3] == requests[4]
+    assert json.loads((tmp_path / "r" / "harness" / "result.json").read_text())["retries"] == 3
+
+    outcome, server = rollout(task, [text_reply("no"), text_reply("still no")], tmp_path / "again", reply_retries=1)
+    assert (outcome.stop_reason, outcome.turns, outcome.grade.score) == ("no_tool_call", 1, 0.0)
+    assert len(server.requests["r"]) == 2
+
+
+class _AnyTool:
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, dict) and other.get("role") == "tool"
+
+
+ANY_TOOL = _AnyTool()
+
+
+def USER(text: str) -> dict[str, str]:  # noqa: N802
+    return {"role": "user", "content": text}

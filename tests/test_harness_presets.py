@@ -23,8 +23,8 @@ from gyre.warm_start import encode_conversation, harness_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["tokenizer.corpus_tasks=40", "tokenizer.vocab_size=512"]
-TOY_RUN = [
-    "steps=1", "rl.groups_per_step=1", "rl.group_size=2", "warm_start.steps=2", "warm_start.demos=8",
+TOY_RUN = [  # colocate: one step's run of a preset in one process (the default is elastic)
+    "scheduler=colocate", "steps=1", "rl.groups_per_step=1", "rl.group_size=2", "warm_start.steps=2", "warm_start.demos=8",
     "warm_start.batch_size=4", *SMALL,
 ]  # fmt: skip
 

@@ -19,7 +19,8 @@ REQUIRED = {"step", "reward_mean", "success_rate", "n_rollouts", "wall_s"}
 def test_main_job_runs_end_to_end(tmp_path):
     out = tmp_path / "run"
     args = [
-        "steps=2",
+        "steps=2",  # first: the second run drops it
+        "scheduler=colocate",  # the one-process loop (the default, elastic, is tests/test_elastic_run.py's)
         "rl.groups_per_step=2",
         "rl.group_size=2",
         "warm_start.steps=3",
@@ -98,7 +99,7 @@ def test_a_step_of_excluded_rollouts_stops_the_run(tmp_path):
     the first such step stops the run (rl.max_excluded_steps=1) naming the reason and how often it came."""
     out = tmp_path / "run"
     args = [
-        "steps=3", "rl.groups_per_step=1", "rl.group_size=2", "warm_start.enabled=false",
+        "scheduler=colocate", "steps=3", "rl.groups_per_step=1", "rl.group_size=2", "warm_start.enabled=false",
         "tokenizer.corpus_tasks=60", "tokenizer.vocab_size=512", "harness.max_turns=2", "harness.max_tokens=8",
         "proxy.request_timeout_s=0.001", f"warm_start.cache_dir={tmp_path / 'cache'}", f"output_dir={out}",
         f"hydra.run.dir={tmp_path / 'hydra'}",

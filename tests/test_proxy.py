@@ -725,3 +725,28 @@ def test_aborted_call_is_retried_on_another_engine(tokenizer, engines):
         (record,) = server.call_log.for_rollout("default")
         assert record.engine_url == b.url and server.dispatcher.retries == 1
         assert len(record.output_ids) == result["resp"].usage.completion_tokens
+
+
+@pytest.mark.integration
+def test_built_in_harness_threads_get_roles_and_branch_the_tree(proxy):
+    """The built-in harness's signals (gyre/harness/builtin.py) as the proxy sees them: a retried request, a
+    summary request and a sub-agent's request (X-Agent-Id) are labelled main, main_summary and subagent, and
+    the rollout's tree branches where their prompts part (path tokens per tree token > 1)."""
+    from gyre.harness.builtin import AGENT_ID_HEADER, SUMMARY_PROMPT
+    from gyre.traj.build import build_tree
+
+    client = client_for(f"{proxy.url}/rollout/threads")
+    sub = client_for(f"{proxy.url}/rollout/threads", default_headers={AGENT_ID_HEADER: "a0123456789abcdef"})
+    ask = dict(model="m", tools=TOOLS, temperature=1.0, max_tokens=8)
+    client.chat.completions.create(messages=MEMO_MESSAGES, **ask)
+    client.chat.completions.create(messages=MEMO_MESSAGES, **ask)  # the same request again: a retried reply
+    client.chat.completions.create(messages=[*MEMO_MESSAGES, {"role": "user", "content": SUMMARY_PROMPT}], **ask)
+    sub.chat.completions.create(messages=[MEMO_MESSAGES[0], {"role": "user", "content": "Write 4 into b.txt"}], **ask)
+    records = proxy.call_log.for_rollout("threads")
+    assert [r.role for r in records] == ["main", "main", "main_summary", "subagent"]
+    tree = build_tree("threads", records)
+    path_tokens = sum(int(tree.depth[leaf]) + 1 for leaf in tree.leaves())
+    # 3 leaves at least: the summary and the sub-agent part from the main thread (a retry that samples the same
+    # reply shares its leaf; the memorised model mostly does)
+    assert len(tree.leaves()) >= 3 and path_tokens > tree.n_tokens
+    assert {c.role for c in tree.calls} == {"main", "main_summary", "subagent"}

@@ -364,7 +364,7 @@ def test_main_job_trains_on_a_harbor_suite(tmp_path):
     """`make run ARGS="tasks=harbor_examples"` at a toy size, through the real CLI: rollouts of suite tasks are
     graded in the sandbox (none excluded) and stored with their provenance."""
     out = tmp_path / "run"
-    args = ["tasks=harbor_examples", "steps=1", "rl.groups_per_step=2", "rl.group_size=2", "tasks.pool_size=2",
+    args = ["tasks=harbor_examples", "scheduler=colocate", "steps=1", "rl.groups_per_step=2", "rl.group_size=2", "tasks.pool_size=2",
             "warm_start.steps=3", "warm_start.demos=16", "warm_start.batch_size=4", "tokenizer.corpus_tasks=60",
             "tokenizer.vocab_size=512", "harness.max_turns=2", "harness.max_tokens=24",
             f"warm_start.cache_dir={tmp_path / 'cache'}", f"output_dir={out}", f"hydra.run.dir={tmp_path / 'hydra'}"]  # fmt: skip

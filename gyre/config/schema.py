@@ -355,6 +355,15 @@ class HarnessConfig:
     # the short prompt: claude_code `claude --bare` (a one-line system prompt, tools Bash/Edit/Read: ~300 tokens);
     # mini_swe_agent compact system/instance templates (gyre/harness/mini_swe_agent.py: a first request of ~80 tokens, not ~850)
     bare: bool = False
+    # builtin only (Claude Code does all three itself): what real harnesses do besides the agent loop, each making
+    # a rollout a tree of context paths. compact_tokens: compact a thread (a summary call, role main_summary or
+    # subagent_summary) once it is estimated this many tokens long, like Claude Code's CLAUDE_CODE_AUTO_COMPACT_WINDOW
+    # (0: never); subagents: after its first turn the main agent hands a task's delegable sub-tasks
+    # (gyre/tasks/families.py: write_values, echo_files) to sub-agents (role subagent); reply_retries: re-send a
+    # request whose reply has no usable tool call, the dropped reply a dead branch
+    compact_tokens: int = ranged(0, NON_NEGATIVE, why="0: never compact")
+    subagents: bool = False
+    reply_retries: int = ranged(0, NON_NEGATIVE)
 
     def __post_init__(self) -> None:
         from gyre.config.validate import check_harness
@@ -624,7 +633,8 @@ class RunConfig:
     # RL steps (optimizer updates) of the run
     steps: int = ranged(24, AT_LEAST_1, why="a run of no steps trains nothing")
     seed: int = ranged(0, SEED)  # seed of the training set, task sampling and harness sampling
-    # colocate: one cell alternates rollout and training; elastic, async, colocate_cells: see docs/architecture.md
+    # colocate: one cell alternates rollout and training; elastic, async, colocate_cells: see docs/architecture.md;
+    # conf/config.yaml (`make run`) sets elastic
     scheduler: str = choice(Scheduler.colocate, Scheduler, "scheduler")
     output_dir: str = ""  # empty: Hydra's run directory (outputs/<date>_<time>)
     # checkpoint period in steps (written in the background, off the step's critical path)

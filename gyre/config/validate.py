@@ -59,6 +59,12 @@ def check_harness(h: HarnessConfig) -> None:
     check_fields(h, "harness.")
     if h.bare and h.kind not in HarnessKind.short_prompt_kinds():
         _fail("harness.bare", h.bare, "a short prompt exists for harness.kind=claude_code|mini_swe_agent only")
+    if h.kind != HarnessKind.builtin:
+        for key in ("compact_tokens", "subagents", "reply_retries"):
+            if getattr(h, key):
+                _fail(f"harness.{key}", getattr(h, key),
+                      f"the built-in harness's option; harness.kind={h.kind} compacts, delegates and retries by "
+                      f"itself: leave it unset (choose a harness with harness=<kind>, not harness.kind=<kind>)")  # fmt: skip
 
 
 def check_engine(e: EngineConfig) -> None:

@@ -50,6 +50,9 @@ class HarnessLaunch:
     tool_time_sigma: float = 1.0
     python: str = "python3"
     bare: bool = False  # claude_code --bare; mini_swe_agent's compact prompt templates
+    compact_tokens: int = 0  # builtin: HarnessConfig's
+    subagents: bool = False
+    reply_retries: int = 0
 
 
 def harness_argv(module: str, launch: HarnessLaunch) -> list[str]:
@@ -73,6 +76,9 @@ def builtin_command(launch: HarnessLaunch) -> list[str]:
         "--tool-delay", str(launch.tool_delay),
         "--tool-time", str(launch.tool_time),
         "--tool-time-sigma", str(launch.tool_time_sigma),
+        "--compact-tokens", str(launch.compact_tokens),
+        "--reply-retries", str(launch.reply_retries),
+        *(["--subagents"] if launch.subagents else []),
     ]  # fmt: skip
 
 

@@ -238,6 +238,9 @@ async def run_rollout(
             tool_time_sigma=task_cfg.tool_time_sigma,
             python=kind.python(sandbox),
             bare=harness_cfg.bare,
+            compact_tokens=harness_cfg.compact_tokens,
+            subagents=harness_cfg.subagents,
+            reply_retries=harness_cfg.reply_retries,
         )
         (harness_dir / "task.json").write_text(json.dumps(task.harness_view()))
         job = SandboxJob(

@@ -28,7 +28,7 @@ from gyre.proxy.anthropic_api import (
 from gyre.proxy.call_log import CallRecord
 from gyre.proxy.calls import CallRunner
 from gyre.proxy.errors import ProxyError
-from gyre.proxy.roles import anthropic_call_role
+from gyre.proxy.roles import call_role
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class AnthropicRoutes:
     async def messages(self, request: web.Request) -> web.StreamResponse:
         rollout_id = self.rollout_of(request)
         req = await self._request(request, rollout_id)
-        role = anthropic_call_role(request.headers, req.system_text, req.user_text, bool(req.tools))
+        role = call_role(request.headers, req.system_text, req.user_text, bool(req.tools))
         record = await self.runner.run(
             rollout_id, "anthropic", req.messages, req.tools, req.params, req.tool_names, role
         )

@@ -41,6 +41,7 @@ from gyre.proxy.keys import KeyRefused, RolloutKeys, presented_keys
 from gyre.proxy.limits import ROLLOUT_KEY, RolloutLimits
 from gyre.proxy.openai_api import ChatRequest, Reply, completion_body, parse_chat_request, stream_chunks
 from gyre.proxy.responses_routes import ResponsesRoutes
+from gyre.proxy.roles import chat_call_role
 from gyre.proxy.routing import EngineRouter
 
 log = logging.getLogger(__name__)
@@ -159,7 +160,10 @@ class ProxyServer:
         rollout_id = self.rollout_id_of(request)
         body = await self.read_body(request)
         req = await self.runner.parse(rollout_id, parse_chat_request, body, self.model_name)
-        record = await self.runner.run(rollout_id, "openai", req.messages, req.tools, _gen_params(req), req.tool_names)
+        role = chat_call_role(request.headers, req.messages, bool(req.tools))
+        record = await self.runner.run(
+            rollout_id, "openai", req.messages, req.tools, _gen_params(req), req.tool_names, role
+        )
         reply = self._reply(record, req)
         completion_id = f"chatcmpl-{record.call_id}-{uuid.uuid4().hex[:12]}"
         created = int(record.t_start)

@@ -277,7 +277,8 @@ class Controller:
         self.state.record_step(step, rollouts, rec.trained_ids, [s.path.name for s in rec.shards])
         if checkpoint_due(self.cfg, step):
             self.checkpoint()
-        print(f"gyre[{self.cfg.scheduler}]: step {step} reward {row['reward_mean']:.2f} ({row['wall_s']:.1f} s)")
+        print(f"gyre[{self.cfg.scheduler}]: step {step} reward {row['reward_mean']:.2f} success "
+              f"{row['success_rate']:.2f} ({row['wall_s']:.1f} s)", flush=True)  # fmt: skip
 
     def checkpoint(self, final: bool = False) -> None:
         """The core writes weights, optimizer and the run state of the completed steps (gyre/resume), in the

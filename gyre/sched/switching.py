@@ -111,4 +111,14 @@ class Switcher:
             row |= {"cell_s": round(acks[c.rank].detail["seconds"], 4), "level": level}
             row |= {"serving_after": len(self.table.serving()), "reason": reasons.get(c.index, "")}
             self.metrics.write(row | (migrations[c.index].metrics() if c.index in migrations else {}))
+            if record and before[c.index] != role:
+                print(switch_line(row, migrations.get(c.index)), flush=True)
         return []
+
+
+def switch_line(row: dict[str, Any], migration: Migration | None) -> str:
+    """The progress line of one role switch: which cell, which way, how long, why, and what moved with it."""
+    moved = f", {migration.sessions} sessions moved" if migration is not None and migration.sessions else ""
+    why = f": {row['reason']}" if row["reason"] else ""
+    return (f"gyre: switch cell {row['cell']} {row['direction']} in {row['latency_s']:.2f} s at t={row['t']:.0f} s "
+            f"(sessions {row['level']}, {row['serving_after']} cells serving{moved}){why}")  # fmt: skip

@@ -3,6 +3,12 @@
 Every family copies or transforms short strings from the prompt or a file into tool-call
 arguments; none needs arithmetic. Each instance carries its reference solution (one tool call per
 turn, ending with finish), from which gyre/harness/demos.py builds warm-start demonstrations.
+
+Some instances also say how their work splits (`Task.delegation`): write_values and echo_files give each
+file to a thread of its own as a write_value-shaped task, the first to the main agent and each other to a
+sub-agent. A harness that runs sub-agents (the built-in one with harness.subagents) does so; a
+write_values thread is then a write_value prompt (its paths and words too), which a write_value warm start
+knows (echo_files's paths are not write_value's). Graded as the whole task.
 """
 
 from __future__ import annotations
@@ -36,8 +42,12 @@ def _call(name: str, **arguments: object) -> dict:
     return {"name": name, "arguments": arguments}
 
 
-def _make(family: str, prompt: str, files: dict[str, str], checks: list, visible: list, solution: list) -> Task:
+def _make(
+    family: str, prompt: str, files: dict[str, str], checks: list, visible: list, solution: list,
+    delegation: dict | None = None,
+) -> Task:  # fmt: skip
     return Task(
+        delegation=delegation or {},
         task_id=task_id_for(family, prompt, files),
         family=family,
         prompt=prompt,
@@ -63,15 +73,52 @@ def write_value_task(path: str, word: str) -> Task:
     )
 
 
-def echo_files_task(contents: dict[str, str]) -> Task:
+def _echo_prompt(contents: dict[str, str]) -> str:
     listing = ", ".join(f'"{path}" = "{value}"' for path, value in contents.items())
+    return f"Create files: {listing}."
+
+
+def _thread(prompt: str, visible: list, solution: list) -> dict:
+    """One thread's share of a delegated task: what its agent is told, sees checked, and would do."""
+    return {"prompt": prompt, "visible_checks": visible, "solution": solution, "max_turns": len(solution) + SLACK_TURNS}
+
+
+def _exists(path: str) -> dict:
+    return {"name": f"{path} exists", "kind": "file_exists", "path": path}
+
+
+def _one_thread_per_file(contents: dict[str, str]) -> dict:
+    """One write_value-shaped thread per file: the first file the main agent's, each other a sub-agent's."""
+    first, *others = (write_value_task(path, word) for path, word in contents.items())
+    return {
+        **_thread(first.prompt, first.visible_checks, first.solution),
+        "subtasks": [_thread(t.prompt, t.visible_checks, t.solution) for t in others],
+    }
+
+
+def echo_files_task(contents: dict[str, str]) -> Task:
     return _make(
         "echo_files",
-        f"Create files: {listing}.",
+        _echo_prompt(contents),
         {},
         [{"name": f"{p} == {v}", "kind": "file_equals", "path": p, "value": v} for p, v in contents.items()],
-        [{"name": f"{p} exists", "kind": "file_exists", "path": p} for p in contents],
+        [_exists(p) for p in contents],
         [_call("write_file", path=p, content=v) for p, v in contents.items()] + [_call("finish")],
+        _one_thread_per_file(contents),
+    )
+
+
+def write_values_task(contents: dict[str, str]) -> Task:
+    """Several write_value tasks in one: its threads, split, are write_value's own (paths and words)."""
+    parts = [write_value_task(path, word) for path, word in contents.items()]
+    return _make(
+        "write_values",
+        " ".join(t.prompt for t in parts),
+        {},
+        [check for t in parts for check in t.checks],
+        [_exists(p) for p in contents],
+        [_call("write_file", path=p, content=v) for p, v in contents.items()] + [_call("finish")],
+        _one_thread_per_file(contents),
     )
 
 
@@ -104,6 +151,13 @@ def sample_echo_files(rng: random.Random) -> Task:
     n = rng.choices([1, 2, 3, 4, 5], weights=[30, 25, 20, 15, 10])[0]  # long tail of turns
     stems = rng.sample(FILE_STEMS, n)
     return echo_files_task({f"{stem}.txt": rng.choice(WORDS) for stem in stems})
+
+
+@register_family("write_values")
+def sample_write_values(rng: random.Random) -> Task:
+    """2 to 4 files of write_value's targets: split into threads, a write_value warm start knows every prompt."""
+    n = rng.choices([2, 3, 4], weights=[40, 35, 25])[0]
+    return write_values_task({path: rng.choice(WORDS) for path in rng.sample(WRITE_TARGETS, n)})
 
 
 @register_family("fix_value")

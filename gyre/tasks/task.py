@@ -91,6 +91,10 @@ class Task:
     source_path: str = ""
     build_context: str = ""
     dockerfile: str = ""
+    # how the task's work splits between a main agent and sub-agents, for a harness that delegates (the built-in
+    # one): {"prompt", "visible_checks", "solution", "max_turns"} of the main agent's share and "subtasks", a list
+    # of the same for each sub-agent (gyre/tasks/families.py); empty: the task does not split
+    delegation: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,7 +105,8 @@ class Task:
 
     def harness_view(self) -> dict[str, Any]:
         """What a harness is told (the task file): never the hidden checks."""
-        return {"task_id": self.task_id, "prompt": self.prompt, "visible_checks": self.visible_checks}
+        view = {"task_id": self.task_id, "prompt": self.prompt, "visible_checks": self.visible_checks}
+        return view | ({"delegation": self.delegation} if self.delegation else {})
 
     def materialize(self, workspace: str | Path) -> Path:
         """Create the workspace directory with the task's initial files."""
