@@ -16,8 +16,10 @@ import torch
 
 from gyre.config.load import compose
 from gyre.config.validate import ConfigValueError
+from gyre.metrics import read_metrics
 from gyre.model.pretrained import check_pretrained
 from gyre.model.random_model import default_tokenizer
+from gyre.sched.report import step_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 512
@@ -224,7 +226,7 @@ def test_main_job_trains_a_step_from_a_model_directory(qwen3_dir: Path, tmp_path
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert f"starting from the model in {qwen3_dir.resolve()} (no warm start)" in proc.stdout
     assert not (tmp_path / "cache").exists()
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = step_rows(read_metrics(out / "metrics.jsonl"))
     assert [r["step"] for r in rows] == [0] and rows[0]["n_rollouts"] == 2
     assert (out / "checkpoint" / "trainer" / ".metadata").exists()
     synced = out / "weights" / "current"

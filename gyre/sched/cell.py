@@ -53,11 +53,15 @@ def advertised_url(url: str, hostname: str) -> str:
     return parts._replace(netloc=f"{resolve_hostname(hostname)}:{parts.port}").geturl()
 
 
-def build_replica(cfg: RunConfig, policy: Policy, resume_from: Path | None = None) -> MegatronTrainer:
+def build_replica(
+    cfg: RunConfig, policy: Policy, resume_from: Path | None = None, threads: int | None = None
+) -> MegatronTrainer:
     """The cell's Megatron replica at the warm start, or at the run's checkpoint when resuming (every
-    cell loads it: the core for its optimizer state, the satellites for the same weights)."""
+    cell loads it: the core for its optimizer state, the satellites for the same weights). `threads`: torch's
+    (None: as it is, a cell alone in its process)."""
     trainer = MegatronTrainer(policy.model_cfg, cfg.train)
-    torch.set_num_threads(cfg.sched.threads_per_cell)
+    if threads is not None:
+        torch.set_num_threads(threads)
     trainer.load_hf_state_dict(policy.load_state())
     if resume_from is not None:
         load_checkpoint(resume_from, trainer, restore_random=False)
@@ -84,11 +88,22 @@ class CellWorker:
         )  # the cell's other ranks, which follow this one (gyre.sched.cell_group)
         if version:  # resumed: the engine started from the warm start serves the checkpoint's weights
             self.engine.load(self.gather(), self.version)
-        self.weights = WeightTransport(make_transport(cfg.comm, cfg.cluster.mooncake))
+        self._weights: WeightTransport | None = None  # made on first use: a cell alone publishes to nobody
         self.batches = MicroBatchSource(cfg)
         self.loss_fn = tree_gspo_loss_fn(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high)
         self.timeout = cfg.sched.cell_timeout_s
         self.liveness: socket.socket | None = None  # open until this process ends: the controller sees it close
+
+    @property
+    def weights(self) -> WeightTransport:
+        if self._weights is None:
+            self._weights = WeightTransport(make_transport(self.cfg.comm, self.cfg.cluster.mooncake))
+        return self._weights
+
+    @property
+    def alone(self) -> bool:
+        """The run's only cell: nobody pulls its weights (scheduler=colocate on one cell)."""
+        return len(self.cp.layout.cells) == 1 and self.group.size == 1
 
     def handlers(self) -> dict[type, Any]:
         return {
@@ -112,7 +127,8 @@ class CellWorker:
             self.cp.serve({**self.handlers(), Shutdown: on_shutdown})
         finally:
             self.engine.stop()
-            self.weights.transport.close()
+            if self._weights is not None:
+                self._weights.transport.close()
         return finalize[0]
 
     # ----- handlers -----
@@ -193,8 +209,10 @@ class CellWorker:
         self.batches = MicroBatchSource(self.cfg)  # the step's shards are done with
         if metrics is None:
             return {"sent_bytes": grad_numel(self.trainer.model)[0] * 4, "seconds": time.monotonic() - start}
-        if self.group.size > 1:  # each rank publishes its shard (its followers too): satellites pull shard to shard
-            handle: Any = self.group.shard_handles(self.weights.publish(local_shard(self.trainer), msg.version))
+        if self.alone:
+            handle: Any = None
+        elif self.group.size > 1:  # each rank publishes its shard (its followers too): satellites pull shard to shard
+            handle = self.group.shard_handles(self.weights.publish(local_shard(self.trainer), msg.version))
         else:
             handle = self.weights.publish(self.trainer.hf_state_dict(), msg.version)
         self.version = msg.version

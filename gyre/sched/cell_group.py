@@ -30,7 +30,6 @@ from gyre.comm.control import CONTROL_TAG, ControlPlane
 from gyre.comm.messages import GradientReduce, Shutdown
 from gyre.comm.transfer import BufferHandle, ShardHandles, WeightTransport, make_transport
 from gyre.config.schema import RunConfig
-from gyre.sched.grad_reduce import receive_gradients, send_gradients
 from gyre.sched.replica import MicroBatchSource, core_step, flat_grads, grad_numel
 from gyre.train.megatron_trainer import MegatronTrainer
 
@@ -95,14 +94,21 @@ def reduce_shard(
     contributors = shard_ranks(cp, msg.contributors, index)
     flat, has = flat_grads(trainer.model)
     if cp.rank != core_rank:
+        from gyre.sched.grad_reduce import send_gradients  # MPI: a cell alone in its process sends nothing
+
         send_gradients(cp.comm, core_rank, flat, has, cp.wait_for, timeout)
         trainer.zero_grad()
         return None
     others = [r for r in contributors if r != cp.rank]
-    numel, n_params = grad_numel(trainer.model)
-    total, any_has = receive_gradients(cp.comm, others, numel, n_params, cp.wait_for, timeout)
-    if cp.rank in contributors:
-        total, any_has = total + flat, any_has | has
+    if others:
+        from gyre.sched.grad_reduce import receive_gradients
+
+        numel, n_params = grad_numel(trainer.model)
+        total, any_has = receive_gradients(cp.comm, others, numel, n_params, cp.wait_for, timeout)
+        if cp.rank in contributors:
+            total, any_has = total + flat, any_has | has
+    else:
+        total, any_has = (flat, has) if cp.rank in contributors else (torch.zeros_like(flat), torch.zeros_like(has))
     return core_step(trainer, total, any_has, msg.scale)
 
 

@@ -1,5 +1,8 @@
-"""Rank 0 of a cell job: the proxy, the harness sessions, the scheduler policy, shards, metrics.
+"""The run's one orchestrator: the proxy, the harness sessions, the scheduler policy, shards, the step
+clock, checkpoints and stops, metrics, the progress bar and the summary.
 
+Every scheduler is a configuration of it: colocate (every cell switches together; one local cell runs in
+this process, gyre.sched.local), colocate_cells, async and elastic (cells as an MPI job, gyre.sched.job).
 The loop reacts to what happened since it last looked (sessions finished, micro-batches done, cells
 died), lets the policy move cells between roles, and hands out training work; it sleeps between
 looks (no spinning) and ends once the last step's weights are published.
@@ -8,11 +11,15 @@ looks (no spinning) and ends once the last step's weights are published.
 from __future__ import annotations
 
 import json
+import math
+import os
 import signal
 import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from tqdm import tqdm
 
 from gyre.comm.address import engine_reachable
 from gyre.comm.control import ControlError, ControlPlane
@@ -32,6 +39,8 @@ from gyre.sched.cells import Cell, CellDied, CellTable, Outbox, kill_pid, pid_al
 from gyre.sched.faults import FaultInjector
 from gyre.sched.liveness import LivenessWatch
 from gyre.sched.policy import Load, PolicyConfig, Switch, decide, initial_roles, may_start
+from gyre.sched.report import progress, step_rows
+from gyre.sched.report import summary as summary_line
 from gyre.sched.rollout_driver import RolloutDriver
 from gyre.sched.steps import StepBook
 from gyre.sched.switching import Switcher
@@ -40,23 +49,34 @@ from gyre.sched.train_plane import TrainPlane
 from gyre.tracking import open_trackers
 
 # SIGTERM: Slurm preemption, `scontrol requeue`, the time-limit signal (the batch script forwards it through
-# srun). Not SIGUSR1: mpiexec uses it to tell survivors that a rank died
+# srun). Not SIGUSR1 in a cell job: mpiexec uses it to tell survivors that a rank died; in one process it
+# is there for users' own tooling (gyre.resume.preemption)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
+IN_PROCESS_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 ENGINE_PROBE_S = 15.0  # how long the controller tries to reach each engine before the first rollout
 MAX_ENGINE_FAILURES = 5  # calls in a row an engine fails (the proxy routing around it) before its cell is dead
 
 
 def policy_config(cfg: RunConfig) -> PolicyConfig:
+    """colocate: the cells share harness.concurrency sessions (all of a step's at once by default)."""
     s = cfg.sched
     n = 1 + len(cfg.cluster.satellites)
-    return PolicyConfig(cfg.scheduler, n, s.capacity_per_cell, s.staleness, s.async_rollout_cells)
+    capacity = math.ceil(cfg.harness.concurrency / n) if cfg.scheduler == "colocate" else s.capacity_per_cell
+    return PolicyConfig(cfg.scheduler, n, capacity, s.staleness, s.async_rollout_cells)
 
 
 class Controller:
     def __init__(
-        self, cfg: RunConfig, cp: ControlPlane, tokenizer_dir: Path, out: Path, point: ResumePoint | None = None
+        self,
+        cfg: RunConfig,
+        cp: ControlPlane,
+        tokenizer_dir: Path,
+        out: Path,
+        point: ResumePoint | None = None,
+        in_process: bool = False,
     ) -> None:
         self.cfg, self.cp, self.out = cfg, cp, out
+        self.stop_signals = IN_PROCESS_STOP_SIGNALS if in_process else STOP_SIGNALS
         self.pcfg = policy_config(cfg)
         self.metrics = MetricsWriter(out, open_trackers(cfg, out))
         self.timeline = Timeline(self.pcfg.n_cells)
@@ -80,6 +100,7 @@ class Controller:
         self.state = point.state  # completed steps (their rollouts, trained ids, shards), starts of the job
         self.state.begin()
         self.metrics.rows = list(point.metrics_rows)
+        self.run_rows = step_rows(point.metrics_rows)  # every completed step's row, over every start
         print(describe_start(point, cfg, out), flush=True)
         self.train.version = self.state.next_step
         self.checkpointed = self.state.next_step if point.checkpoint is not None else -1
@@ -122,9 +143,12 @@ class Controller:
     def run(self) -> None:
         """Until the last step's weights are published; raises Preempted (checkpointed, cells shut down)
         after a stop signal."""
-        for sig in STOP_SIGNALS:
+        for sig in self.stop_signals:
             signal.signal(sig, self._on_stop)
         start = time.monotonic()
+        self.bar = tqdm(
+            desc="gyre", unit="step", dynamic_ncols=True, initial=self.state.next_step, total=self.cfg.steps
+        )
         self.timeline.start_clock()
         initial = [Switch(c, r) for c, r in enumerate(initial_roles(self.pcfg)) if r != "rollout"]
         self.check_engines_reachable()
@@ -153,7 +177,12 @@ class Controller:
             self.submitted += 1
 
     def _on_stop(self, signum: int, frame: object) -> None:
+        if self.stop_signal:
+            return  # already stopping: Slurm signals every process and the batch shell forwards another
         self.stop_signal = signal.Signals(signum).name
+        # os.write, not print: a handler may run in the middle of another print to the same stream
+        os.write(2, f"\ngyre: {self.stop_signal} received: checkpointing and stopping now (rollouts in flight are "
+                    "abandoned; an update in progress completes)\n".encode())  # fmt: skip
 
     def log(self, row: dict[str, Any]) -> None:
         self.metrics.write(row | {"t": round(self.timeline.now(), 3)})
@@ -263,6 +292,7 @@ class Controller:
         train = self.train.finish_step()
         rec = self.book.steps[step]
         row = {"event": "step", "step": step, **self.book.summary(step), **train}
+        row["train/trained"] = float(bool(rec.trained_ids))  # an optimizer update on a gradient (none: skipped)
         row |= {"wall_s": round(time.monotonic() - rec.submitted, 3), "t": round(self.timeline.now(), 3)}
         row |= {"version": self.train.version, "continued_calls": self.proxy.dispatcher.continued}
         row |= {"continued_recomputed_tokens": self.proxy.dispatcher.continued_recomputed_tokens}
@@ -270,13 +300,17 @@ class Controller:
         row |= {"engine_failures": sum(self.proxy.dispatcher.engine_failures.values())}
         self.metrics.write(row)
         self.step_rows.append(row)
+        self.run_rows.append(row)
+        self.bar.set_postfix(progress(row) | {"v": str(self.train.version)}, refresh=False)
+        self.bar.update()
         self.exclusions.observe(row)  # raises ExcludedRunError (the run abandoned): its row is in metrics.jsonl
-        rollouts = [m.outcome.rollout_id for members in rec.groups.values() for m in members]
-        self.state.record_step(step, rollouts, rec.trained_ids, [s.path.name for s in rec.shards])
+        rejected = [rid for s in rec.shards for rid in s.rejected]  # no tree: not stored
+        stored = [m.outcome.rollout_id for members in rec.groups.values() for m in members]
+        stored = [rid for rid in stored if rid not in rejected]
+        self.state.record_step(step, stored, rec.trained_ids, [s.path.name for s in rec.shards], rejected)
         every = self.cfg.checkpoint_every
         if every and (step + 1) % every == 0 or step + 1 == self.cfg.steps:
             self.checkpoint()
-        print(f"gyre[{self.cfg.scheduler}]: step {step} reward {row['reward_mean']:.2f} ({row['wall_s']:.1f} s)")
 
     def checkpoint(self) -> None:
         """The core writes weights, optimizer and the run state of the completed steps (gyre/resume)."""
@@ -296,6 +330,8 @@ class Controller:
         if self.checkpointed != self.state.next_step:
             self.checkpoint()
         self.finish(wall_s, stopped=self.stop_signal)
+        print(f"gyre: stopped by {self.stop_signal} before step {self.state.next_step}; checkpoint in "
+              f"{self.out / 'checkpoint'}; run the same command again to continue", flush=True)  # fmt: skip
         raise Preempted(self.stop_signal)
 
     # ----- what the policy sees -----
@@ -334,16 +370,17 @@ class Controller:
         for c in self.table.cells:  # a dead cell's followers on other hosts cannot see their leader go
             for rank in c.remote_followers if not c.alive else ():
                 self.cp.send(rank, Shutdown("its cell was declared dead", False))
+        self.bar.close()
         timeline = self.timeline.save(self.out, f"{self.cfg.scheduler}: {len(self.step_rows)} steps, {wall_s:.0f} s")
-        curve = plot_learning_curve(self.step_rows, self.out / "learning_curve.png")
-        summary = self.summary(wall_s) | {"stopped_by": stopped}
-        (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
-        self.metrics.write({"event": "summary", **summary})
+        curve = plot_learning_curve(self.run_rows, self.out / "learning_curve.png")
+        report = self.summary(wall_s) | {"stopped_by": stopped}
+        (self.out / "summary.json").write_text(json.dumps(report, indent=1))
+        self.metrics.write({"event": "summary", **report})
         self.metrics.image("timeline", timeline)
         self.metrics.image("learning_curve", curve)
         self.metrics.close()
         print(f"gyre: {self.cfg.scheduler} finished {len(self.step_rows)} steps in {wall_s:.1f} s")
-        print(f"gyre: outputs in {self.out}")
+        print(summary_line(self.run_rows, self.out, self.book.pool.skipped_causes()), flush=True)
 
     def summary(self, wall_s: float) -> dict[str, Any]:
         lat = self.switcher.latencies
