@@ -43,7 +43,7 @@ CLUSTER_BACKENDS = ("local", "slurm")
 TRANSFER_BACKENDS = ("mooncake", "gloo")
 WANDB_MODES = ("offline", "online", "disabled")
 CELL_SCHEDULERS = ("colocate_cells", "async", "elastic")  # cells as an MPI job (gyre/sched)
-SCHEDULERS = ("colocate", *CELL_SCHEDULERS)  # colocate: one process alternates (gyre/loop.py)
+SCHEDULERS = ("colocate", *CELL_SCHEDULERS)  # colocate: the core cell alternates (gyre/sched/local.py)
 RESUME_MODES = ("auto", "never", "must")  # gyre/resume/recovery.py
 LOGGERS = ("jsonl", "tensorboard", "wandb")
 

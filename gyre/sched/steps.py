@@ -119,7 +119,7 @@ class StepBook:
 
 
 def outcome_summary(outcomes: list[RolloutOutcome]) -> dict[str, Any]:
-    """The step's rollouts as the colocate loop reports them (gyre.rollouts.StepRollouts.summary), computed
+    """The step's rollouts as a step row reports them (gyre.health reads them), computed
     here so that the controller never imports the trainer."""
     graded = [o for o in outcomes if o.grade.status != "failed"]
     return {
