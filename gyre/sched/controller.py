@@ -53,8 +53,29 @@ from gyre.tracking import open_trackers
 # is there for users' own tooling (gyre.resume.preemption)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
 IN_PROCESS_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+
 ENGINE_PROBE_S = 15.0  # how long the controller tries to reach each engine before the first rollout
 MAX_ENGINE_FAILURES = 5  # calls in a row an engine fails (the proxy routing around it) before its cell is dead
+
+
+class StopRequest:
+    """The first stop signal, noted from before any work (a resume's moves, the warm start) until the run
+    ends; the controller checkpoints at the last completed step and stops when it next looks. Install from
+    the main thread."""
+
+    def __init__(self, in_process: bool = False) -> None:
+        self.name = ""
+        for sig in IN_PROCESS_STOP_SIGNALS if in_process else STOP_SIGNALS:
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.name:
+            return  # already stopping: Slurm signals every process and the batch shell forwards another
+        self.name = signal.Signals(signum).name
+        # os.write, not print: a handler may run in the middle of another print to the same stream
+        os.write(2, f"\ngyre: {self.name} received: checkpointing and stopping now (rollouts in flight are "
+                    "abandoned; an update in progress completes)\n".encode())  # fmt: skip
 
 
 def policy_config(cfg: RunConfig) -> PolicyConfig:
@@ -73,10 +94,10 @@ class Controller:
         tokenizer_dir: Path,
         out: Path,
         point: ResumePoint | None = None,
-        in_process: bool = False,
+        stop: StopRequest | None = None,
     ) -> None:
         self.cfg, self.cp, self.out = cfg, cp, out
-        self.stop_signals = IN_PROCESS_STOP_SIGNALS if in_process else STOP_SIGNALS
+        self.stop_request = stop or StopRequest()
         self.pcfg = policy_config(cfg)
         self.metrics = MetricsWriter(out, open_trackers(cfg, out))
         self.timeline = Timeline(self.pcfg.n_cells)
@@ -108,7 +129,6 @@ class Controller:
         self.finalize = True  # False once a cell died (see gyre.sched.job)
         self.step_rows: list[dict[str, Any]] = []
         self.exclusions = ExclusionWatch(cfg.rl.max_excluded_fraction, cfg.rl.max_excluded_steps)
-        self.stop_signal = ""  # set by SIGTERM/SIGUSR2: checkpoint at the last completed step, then stop
         self.dead_reasons: dict[int, str] = {}  # cell -> why it was declared dead
         self.abandoned: set[int] = set()  # ranks declared dead whose process may still run (told to stop at the end)
 
@@ -143,8 +163,6 @@ class Controller:
     def run(self) -> None:
         """Until the last step's weights are published; raises Preempted (checkpointed, cells shut down)
         after a stop signal."""
-        for sig in self.stop_signals:
-            signal.signal(sig, self._on_stop)
         start = time.monotonic()
         self.bar = tqdm(
             desc="gyre", unit="step", dynamic_ncols=True, initial=self.state.next_step, total=self.cfg.steps
@@ -176,13 +194,10 @@ class Controller:
             self.driver.submit(self.book.open(self.submitted))
             self.submitted += 1
 
-    def _on_stop(self, signum: int, frame: object) -> None:
-        if self.stop_signal:
-            return  # already stopping: Slurm signals every process and the batch shell forwards another
-        self.stop_signal = signal.Signals(signum).name
-        # os.write, not print: a handler may run in the middle of another print to the same stream
-        os.write(2, f"\ngyre: {self.stop_signal} received: checkpointing and stopping now (rollouts in flight are "
-                    "abandoned; an update in progress completes)\n".encode())  # fmt: skip
+    @property
+    def stop_signal(self) -> str:
+        """The stop signal's name once one came (SIGTERM, SIGUSR2; in one process SIGUSR1 too), else ""."""
+        return self.stop_request.name
 
     def log(self, row: dict[str, Any]) -> None:
         self.metrics.write(row | {"t": round(self.timeline.now(), 3)})

@@ -26,11 +26,12 @@ def run_controller(cfg: RunConfig, cp: ControlPlane, out: Path, start_id: str, i
     cells through policy.json, run; returns whether the cells may MPI_Finalize. A stop signal checkpoints
     and raises Preempted."""
     from gyre.resume.recovery import prepare_resume
-    from gyre.sched.controller import Controller
+    from gyre.sched.controller import Controller, StopRequest
 
+    stop = StopRequest(in_process)  # a stop from here on is a checkpoint at the last completed step
     point = prepare_resume(out, cfg.resume, log=print)
     tokenizer_dir = write_policy(cfg, out, start_id, point.checkpoint, point.state.next_step)
-    controller = Controller(cfg, cp, tokenizer_dir, out, point, in_process=in_process)
+    controller = Controller(cfg, cp, tokenizer_dir, out, point, stop)
     try:
         controller.run()
     except BaseException:
