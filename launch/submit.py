@@ -20,10 +20,9 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from gyre.config.load import check_overrides, compose
-from gyre.config.schema import RunConfig
+from gyre.config.schema import CELL_SCHEDULERS, RunConfig
 from gyre.errors import reported, take_verbose_flag
 from gyre.sched.launch import POLICY_FILE, RANK_ERROR_FILE
-from gyre.sched.policy import SCHEDULERS as CELL_SCHEDULERS
 from launch.slurm.plan import cells, cluster_python, job_command, plan_step
 from launch.slurm.preflight import SlurmPreflightError, check_addresses, check_request, read_inventory
 from launch.slurm.sbatch import ScriptLayout, render_sbatch

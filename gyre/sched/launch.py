@@ -22,11 +22,10 @@ from omegaconf import OmegaConf
 
 import gyre
 from gyre.config.domain import fail
-from gyre.config.schema import RunConfig
+from gyre.config.schema import SCHEDULERS, RunConfig
 from gyre.config.validate import cell_ranks, check_cells
 from gyre.errors import UserError
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted
-from gyre.sched.policy import SCHEDULERS
 from gyre.sched.runtime import POLICY_FILE
 
 CONTROLLER_PID_FILE = "controller.pid"  # rank 0's pid, for passing stop signals on
