@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from gyre.config.schema import RunConfig
-from gyre.config.validate import check_loggers
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +119,6 @@ def run_name(cfg: RunConfig, output_dir: Path) -> str:
 
 def open_trackers(cfg: RunConfig, output_dir: Path) -> list[Tracker]:
     """The trackers `logger` names beyond jsonl (which MetricsWriter always writes)."""
-    check_loggers(cfg.logger)
     name = run_name(cfg, output_dir)
     trackers: list[Tracker] = []
     if "tensorboard" in cfg.logger:

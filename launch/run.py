@@ -48,6 +48,10 @@ def check_before_start(cfg: RunConfig) -> None:
     user namespaces is told so before a warm start), then the task suite, which must load
     (gyre/tasks/source.py): its usable and skipped tasks are printed."""
     check_run(cfg)
+    if cfg.model.path:  # the directory's config.json is the architecture; its files are checked against the run
+        from gyre.model.pretrained import check_pretrained
+
+        check_pretrained(cfg)
     check_families(cfg)
     from gyre.sandbox import make_sandbox
     from gyre.tasks.source import preflight_suite

@@ -3,8 +3,8 @@
 import pytest
 
 from gyre.proxy.call_log import read_call_log
+from gyre.proxy.synthetic import RolloutShape, make_record
 from gyre.traj.build import build_tree
-from gyre.traj.synthetic import RolloutShape, make_record
 from tools.bench_tree_training import (
     RECORDING,
     UNBOUNDED,

@@ -21,7 +21,7 @@ from omegaconf.errors import ValidationError
 
 from gyre.config.domain import OneOf, Range, domain_of
 from gyre.config.load import compose, register_configs, to_run_config
-from gyre.config.schema import RunConfig
+from gyre.config.schema import ModelInit, RunConfig, Scheduler
 from gyre.config.validate import ConfigValueError
 from launch.run import check_before_start
 
@@ -179,3 +179,16 @@ def test_task_families_are_the_registered_ones():
         check_before_start(compose(["warm_start.families=[bogus]"]))
     with pytest.raises(ConfigValueError, match=r"tasks.families=\[\]: tasks.source=builtin needs families"):
         check_before_start(compose(["tasks.families=[]"]))
+
+
+def test_a_choice_holds_a_plain_string_that_equals_its_enum_member():
+    """Defaults too: a config's values pickle and load anywhere (torch.load(weights_only=True) of a checkpoint
+    that records the model config refuses gyre's enum classes)."""
+    cfg = RunConfig()
+    for f in CHOICES:
+        value = cfg
+        for part in f.key.split("."):
+            value = value[int(part)] if part.isdigit() else getattr(value, part)
+        for item in value if isinstance(value, list) else [value]:
+            assert type(item) is str, (f.key, type(item))
+    assert cfg.scheduler == Scheduler.colocate and cfg.model.init == ModelInit.torch

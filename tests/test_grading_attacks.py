@@ -257,6 +257,84 @@ def test_harbor_grading_is_refused_not_run_unguarded(tmp_path, bwrap, monkeypatc
     assert (grade.status, grade.score) == ("failed", None) and "did not arm" in grade.reason, grade
 
 
+# A test script that writes its reward from an inline Python program (the cookbook's multi-reward, the
+# score.txt tasks): the reward guard admits `python3 -c` unrestricted, in isolated mode, from the image only.
+PY_REWARD = (
+    "python3 /tests/test_outputs.py > /logs/verifier/unittest.txt 2>&1 && r=1 || r=0\n"
+    "python3 -c \"import json, sys; json.dump({'reward': int(sys.argv[1])}, "
+    "open('/logs/verifier/reward.json', 'w'))\" $r\n"
+)
+WRITES_REWARD = "open('/logs/verifier/reward.json', 'w').write('{\"reward\": 1}')\n"
+# Each way agent code could ride the admitted interpreter (workspace files beside stats/, the script's prefix)
+ADMITTED_PYTHON_ATTACKS = {
+    # the interpreter imports `json` from the working directory (sys.path[0] without -I), or the workspace
+    # named on PYTHONPATH (a sitecustomize.py there)
+    "shadow_module": (
+        {"json.py": WRITES_REWARD + "raise SystemExit", "sitecustomize.py": WRITES_REWARD},
+        "export PYTHONPATH=/app\n",
+    ),
+    # the agent's code, run by the tests, starting `python3 -c` itself: it stays under the tests' Landlock domain
+    "own_python_c": (
+        {"stats/__init__.py": f"import subprocess\nsubprocess.run(['python3', '-c', {WRITES_REWARD.strip()!r}])\n"},
+        "",
+    ),
+    # a `python3` of the workspace first on PATH: a venv whose site-packages runs the agent's .pth
+    "workspace_venv": (
+        {
+            "pyvenv.cfg": "home = /usr/bin\n",
+            "bin/python3": None,
+            "lib/python{v}/site-packages/evil.pth": "import atexit; atexit.register(lambda: "
+            + WRITES_REWARD.strip()
+            + ")\n",
+        },
+        "PATH=/app/bin:$PATH\n",
+    ),
+}
+
+
+SANDBOX_PYTHON = "/usr/bin/python3"  # python3 on the sandbox's PATH, without a task image: the host's /usr
+
+
+def _python_version() -> str:
+    return subprocess.run([SANDBOX_PYTHON, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+
+
+@pytest.mark.parametrize("attack", sorted(ADMITTED_PYTHON_ATTACKS))
+def test_the_admitted_python_runs_none_of_the_agents_code(attack, tmp_path, bwrap):
+    files, prologue = ADMITTED_PYTHON_ATTACKS[attack]
+    task = harbor_task(prologue + PY_REWARD)
+    ws = task.materialize(tmp_path / "ws")
+    for rel, text in files.items():
+        path = ws / rel.format(v=_python_version())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if text is None:
+            path.symlink_to(os.path.realpath(SANDBOX_PYTHON))
+        elif rel == "stats/__init__.py":
+            path.write_text(text + path.read_text())
+        else:
+            path.write_text(text)
+    grade = grade_workspace(task, ws, sandbox=bwrap)
+    assert grade.score == 0.0 and grade.status != "failed", grade
+    fixed = task.materialize(tmp_path / "fixed")  # the honest control: the reward the inline program writes
+    assert solve(task, fixed, bwrap)[0] == ""
+    honest = grade_workspace(task, fixed, sandbox=bwrap)
+    assert (honest.status, honest.score) == ("ok", 1.0), honest
+
+
+def test_the_tests_cannot_rewrite_the_script_they_run(tmp_path, bwrap):
+    """/tests takes the tests' new files (score.txt), but the task's own stay read-only: bash reads test.sh as
+    it goes, so a line the agent's code appends would run in the shell that writes the reward."""
+    task = harbor_task()
+    ws = task.materialize(tmp_path / "ws")
+    init = ws / "stats" / "__init__.py"
+    attack = TRY + "attempt(lambda: open('/tests/test.sh', 'a').write('\\necho 1 > /logs/verifier/reward.txt\\n'))\n"
+    attack += "attempt(lambda: os.rename('/tests/test.sh', '/tests/old.sh'))\nopen('/tests/made.txt', 'w').write('1')\n"
+    init.write_text(attack + init.read_text())
+    grade = grade_workspace(task, ws, sandbox=bwrap)
+    assert (grade.status, grade.score) == ("ok", 0.0), grade
+
+
 # ---------------------------------------------------------------- SWE-bench
 
 

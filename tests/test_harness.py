@@ -20,10 +20,10 @@ import pytest
 from aiohttp import web
 
 from gyre.config.schema import HarnessConfig, TaskConfig
+from gyre.harness.demos import demonstration
 from gyre.harness.runner import live_group_members, run_rollout, run_rollouts
 from gyre.harness.tools import TOOL_SCHEMAS, execute_tool
 from gyre.sandbox.base import WORKSPACE
-from gyre.tasks.demos import demonstration
 from gyre.tasks.families import FAMILIES, echo_files_task, fix_value_task, write_value_task
 from gyre.tasks.suite import sample_tasks
 

@@ -13,14 +13,15 @@ import pytest
 
 from gyre.config.load import compose
 from gyre.config.validate import ConfigValueError
-from gyre.harness.formats import claude_code_demonstration, demonstration, first_request
+from gyre.harness.formats import claude_code_demonstration
+from gyre.harness.kinds import harness_spec
 from gyre.harness.preflight import check_harness_fits
 from gyre.metrics import read_metrics
 from gyre.model.chat_template import GENERATION_PROMPT, render_text
 from gyre.model.tokenizer import Tokenizer
 from gyre.sched.controller.report import step_rows
 from gyre.tasks.suite import TaskPool, sample_tasks
-from gyre.train.warm_start import encode_conversation, harness_corpus
+from gyre.warm_start import encode_conversation, harness_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["tokenizer.corpus_tasks=40", "tokenizer.vocab_size=512"]
@@ -76,7 +77,9 @@ def test_claude_code_demonstration_is_bash_tool_use_then_done(claude_tokenizer):
     assert demo.messages[4]["content"] == "Done."
     ids, mask = encode_conversation(demo.messages, demo.tools, claude_tokenizer)
     assert len(ids) == len(mask) and 0 < sum(mask) < len(ids)
-    assert render_text(*first_request("claude_code", task)) in render_text(*demonstration("claude_code", task))
+    assert render_text(*harness_spec("claude_code").first_request(task)) in render_text(
+        *harness_spec("claude_code").demonstration(task)
+    )
 
 
 @pytest.mark.unit
@@ -119,7 +122,7 @@ def test_claude_code_preset_runs_a_step_and_its_prompts_are_the_demonstrations(t
     tok = Tokenizer.load(policy / "tokenizer")
     cfg = compose(["harness=claude_code"])
     (task,) = TaskPool(cfg.tasks.families, cfg.tasks.pool_size, seed=cfg.seed).for_step(0, 1)
-    ids, _ = encode_conversation(*first_request("claude_code", task), tok)
+    ids, _ = encode_conversation(*harness_spec("claude_code").first_request(task), tok)
     ids += tok.encode(GENERATION_PROMPT)
     for rollout in ("s0-g0-r0", "s0-g0-r1"):
         first = min((c for c in calls if c["rollout_id"] == rollout), key=lambda c: c["call_id"])
@@ -135,7 +138,7 @@ def test_mini_swe_agent_preset_runs_a_step_through_its_bash_blocks(tmp_path):
     tok = Tokenizer.load(policy / "tokenizer")
     cfg = compose(["harness=mini_swe_agent"])
     (task,) = TaskPool(cfg.tasks.families, cfg.tasks.pool_size, seed=cfg.seed).for_step(0, 1)
-    ids, _ = encode_conversation(*first_request("mini_swe_agent", task, bare=cfg.harness.bare), tok)
+    ids, _ = encode_conversation(*harness_spec("mini_swe_agent").first_request(task, bare=cfg.harness.bare), tok)
     ids += tok.encode(GENERATION_PROMPT)
     for rollout in ("s0-g0-r0", "s0-g0-r1"):
         first = min((c for c in calls if c["rollout_id"] == rollout), key=lambda c: c["call_id"])
@@ -146,7 +149,7 @@ def test_mini_swe_agent_preset_runs_a_step_through_its_bash_blocks(tmp_path):
 @pytest.mark.parametrize("bare", [True, False])
 def test_mini_swe_agent_demonstration_is_bash_blocks_then_submit(bare):
     (task,) = sample_tasks(["echo_files"], 1, seed=5)
-    demo = demonstration("mini_swe_agent", task, bare=bare)
+    demo = harness_spec("mini_swe_agent").demonstration(task, bare=bare)
     writes = [c["arguments"] for c in task.solution if c["name"] == "write_file"]
     assert demo.tools == [] and [m["role"] for m in demo.messages[:2]] == ["system", "user"]
     assert task.prompt in demo.messages[1]["content"]
@@ -161,19 +164,21 @@ def test_mini_swe_agent_demonstration_is_bash_blocks_then_submit(bare):
     assert (prompt < 400 and demo.messages[1]["content"].startswith(task.prompt)) if bare else prompt > 2500
     assert "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT" in demo.messages[1]["content"]
     with pytest.raises(ValueError, match="warm_start.families"):
-        demonstration("mini_swe_agent", sample_tasks(["fix_value"], 1, seed=0)[0])
+        harness_spec("mini_swe_agent").demonstration(sample_tasks(["fix_value"], 1, seed=0)[0])
 
 
 @pytest.mark.unit
 def test_mini_swe_agent_runs_under_its_own_venv(tmp_path):
     from gyre.config.schema import SandboxConfig
+    from gyre.harness.kinds import HarnessLaunch, mini_swe_agent_command
     from gyre.harness.mini_swe_agent import venv_python
-    from gyre.harness.runner import HarnessLaunch, harness_python, mini_swe_agent_command
     from gyre.sandbox import make_sandbox
     from gyre.sandbox.base import GYRE_ROOT, SOURCE_ROOT
 
-    assert harness_python("mini_swe_agent", make_sandbox(SandboxConfig())) == venv_python(GYRE_ROOT)
-    assert harness_python("mini_swe_agent", make_sandbox(SandboxConfig(backend="none"))) == venv_python(SOURCE_ROOT)
+    assert harness_spec("mini_swe_agent").python(make_sandbox(SandboxConfig())) == venv_python(GYRE_ROOT)
+    assert harness_spec("mini_swe_agent").python(make_sandbox(SandboxConfig(backend="none"))) == venv_python(
+        SOURCE_ROOT
+    )
     launch = HarnessLaunch("http://127.0.0.1:1/v1", "r", tmp_path, tmp_path / "t", tmp_path / "r", 3, 32, 0.7, 0.0)
     argv = mini_swe_agent_command(launch)
     assert argv[1:3] == ["-m", "gyre.harness.mini_swe_agent"] and argv[-4:] == [
@@ -187,9 +192,25 @@ def test_mini_swe_agent_runs_under_its_own_venv(tmp_path):
 
 @pytest.mark.unit
 def test_each_harness_has_its_own_warm_start():
-    from gyre.train.warm_start import cache_key
+    from gyre.warm_start import cache_key
 
     keys = {cache_key(compose([f"harness={name}"])) for name in ("builtin", "claude_code", "mini_swe_agent")}
     keys.add(cache_key(compose(["harness=claude_code", "harness.bare=false"])))
     keys.add(cache_key(compose(["harness=mini_swe_agent", "harness.bare=false"])))
     assert len(keys) == 5
+
+
+@pytest.mark.unit
+def test_every_configurable_harness_kind_is_one_object_in_the_registry():
+    from gyre.config.schema import HarnessKind
+    from gyre.harness.kinds import HARNESSES
+
+    assert set(HARNESSES) == set(HarnessKind)
+    assert all(spec.name == name for name, spec in HARNESSES.items())
+    assert {k for k, spec in HARNESSES.items() if spec.short_prompt} == {"claude_code", "mini_swe_agent"}
+    assert [k for k, spec in HARNESSES.items() if spec.own_max_tokens] == ["claude_code"]
+    with pytest.raises(ValueError, match="unknown harness kind 'aider'"):
+        harness_spec("aider")
+    env = harness_spec("claude_code").env("k", "/h", {"CLAUDE_X": "1", "GYRE_CLAUDE_TRACE": "/t", "HOME": "/r"})
+    assert env == {"GYRE_API_KEY": "k", "CLAUDE_X": "1", "GYRE_CLAUDE_TRACE": "/h/claude.trace"}
+    assert harness_spec("builtin").env("k", "/h", {"CLAUDE_X": "1"}) == {"GYRE_API_KEY": "k"}

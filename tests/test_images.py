@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -34,9 +35,12 @@ from gyre.proxy.server import ProxyServer
 from gyre.sandbox import ApptainerSandbox, SandboxJob, SandboxUnavailable, make_sandbox
 from gyre.sandbox.backends import PYTHON_ROOT, BwrapSandbox, image_env, relocated_python_mounts
 from gyre.sandbox.base import GYRE_ROOT, Mount, code_mounts
+from gyre.sandbox.overlay import CHANGES_DIR, RootOverlay
 from gyre.sandbox.rootfs import IMAGE_PREFIX, cache_root, ensure_mountpoint, image_root, passwd_ids
+from gyre.tasks.grading import grade_workspace
 from gyre.tasks.harbor import load_harbor_task
 from gyre.tasks.harbor_checker import network_hint
+from gyre.tasks.harbor_root import root_changes
 from gyre.tasks.images import (
     BaseImageMissing,
     BuildSpec,
@@ -52,7 +56,7 @@ from gyre.tasks.images import (
     workspace_from_rootfs,
 )
 from gyre.tasks.offline_tests import PIP_DIR, offline_env, pip_requirements, uv_version, uvx_commands
-from gyre.tasks.oracle import check_task
+from gyre.tasks.oracle import check_task, solve
 from gyre.tasks.source import load_instances
 from tools.make_base_images import make_base
 from tools.record_claude_code import CONTEXT_TOKENS, english_corpus
@@ -131,6 +135,29 @@ def test_bwrap_uses_the_image_rootfs_env_and_user(tmp_path, monkeypatch):
     assert "/usr" not in [argv[i + 2] for i, a in enumerate(argv) if a == "--ro-bind"]  # the image owns /usr
     with pytest.raises(Exception, match="not unpacked"):
         BwrapSandbox(SandboxConfig()).command(SandboxJob(argv=["true"], cwd="/", image=IMAGE_PREFIX + "gone"))
+
+
+@pytest.mark.unit
+def test_an_overlaid_root_keeps_the_images_system_trees_and_path_read_only(tmp_path, monkeypatch):
+    """With a root overlay the command mounts it in a user and mount namespace of its own (unshare), binds it as
+    `/`, the system trees, /etc and each PATH prefix read-only over it, and watches the agent's changes."""
+    monkeypatch.setenv("GYRE_CACHE", str(tmp_path))
+    image_dir = tmp_path / "images" / "d3"
+    for tree in ("usr/bin", "etc", "opt/venv/bin", "srv"):
+        (image_dir / "rootfs" / tree).mkdir(parents=True)
+    (image_dir / "rootfs" / "bin").symlink_to("usr/bin")
+    meta = {"env": {"PATH": "/opt/venv/bin:/usr/bin:/bin"}, "workdir": "/", "user": "", "uid": 0, "gid": 0}
+    (image_dir / "image.json").write_text(json.dumps(meta))
+    overlay = RootOverlay.under(tmp_path / "ws.root", watch_upper=True)
+    argv = BwrapSandbox(SandboxConfig()).command(SandboxJob(argv=["true"], cwd="/", image=IMAGE_PREFIX + "d3",
+                                                            overlay=overlay))  # fmt: skip
+    assert argv[argv.index("--user") - 1].endswith("unshare") and "--mount" in argv
+    assert argv[argv.index("--bind") : argv.index("--bind") + 3] == ["--bind", str(overlay.merged), "/"]
+    binds = {argv[i + 2]: argv[i + 1] for i, a in enumerate(argv) if a == "--ro-bind"}
+    assert {t: binds[t] for t in ("/usr", "/etc", "/opt/venv")} == {t: f"{overlay.merged}{t}" for t in
+                                                                   ("/usr", "/etc", "/opt/venv")}  # fmt: skip
+    assert "/srv" not in binds and "/bin" not in binds  # writable; /bin is the image's link into /usr
+    assert binds[CHANGES_DIR] == str(overlay.upper) and f"{CHANGES_DIR}:{2048 << 20}" in argv
 
 
 @pytest.mark.unit
@@ -518,3 +545,67 @@ def test_claude_codes_bash_tool_runs_inside_the_task_image(bases, tmp_path, caps
             f"{rollout_s:.1f}s ({len(records)} calls, stop {outcome.stop_reason}, turns {outcome.turns}, least token "
             f"logprob of the tool call {min(records[0].output_logprobs):.2g})"
         )
+
+
+# ---------------------------------------------------------------- the image's root, writable (Harbor's container)
+
+OUTSIDE_TEST = """\
+[ "$(cat /output/answer.txt 2>/dev/null)" = 42 ] && r=1 || r=0
+echo $r > /logs/verifier/reward.txt
+"""
+OUTSIDE_SOLVE = """\
+mkdir -p /output && echo 42 > /output/answer.txt
+for f in /etc/gyre-probe /usr/local/bin/gyre-probe; do (echo x > $f) 2>/dev/null && echo "$f: rw" || echo "$f: ro"; done
+"""
+# A losing agent that rearranges the root for its grading: a /logs and a /tests of its own, a /bin whose bash
+# writes the reward, the loader's preload list, a program on PATH (each attempt may fail; none may count).
+OUTSIDE_ATTACK = """\
+mkdir -p /output && echo 41 > /output/answer.txt
+rm -rf /logs /tests; mkdir -p /srv/logs/verifier && ln -s /srv/logs /logs
+mkdir -p /tests && echo 'echo 1 > /logs/verifier/reward.txt' > /tests/test.sh
+rm -f /bin; mkdir -p /bin && printf '#!/usr/bin/sh\\necho 1 > /logs/verifier/reward.txt\\n' > /bin/bash && chmod +x /bin/bash
+echo /srv/evil.so > /etc/ld.so.preload
+printf '#!/bin/sh\\necho 42\\n' > /usr/local/bin/cat && chmod +x /usr/local/bin/cat
+true
+"""
+
+
+def outside_task(root: Path, solve_sh: str) -> Path:
+    d = root / "outside"
+    files = {"task.toml": "[verifier]\ntimeout_sec = 60.0\n[agent]\ntimeout_sec = 60.0\n", "instruction.md": "Write 42.",
+             "environment/Dockerfile": "FROM debian:bookworm\nWORKDIR /app\nRUN mkdir -p /output\n",
+             "tests/test.sh": OUTSIDE_TEST, "solution/solve.sh": solve_sh}  # fmt: skip
+    for rel, text in files.items():
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_text(text)
+    return d
+
+
+@pytest.mark.integration
+def test_what_the_agent_writes_outside_its_working_directory_reaches_grading(bases, tmp_path):
+    """Harbor grades in the agent's container: a solution that writes /output/answer.txt (outside /app) scores 1,
+    the do-nothing agent 0; /usr and /etc stay the image's (read-only) for the agent too."""
+    built = build_task_environment(load_harbor_task(outside_task(tmp_path, OUTSIDE_SOLVE), build_images=True),
+                                   ImageBuilder())  # fmt: skip
+    sandbox = make_sandbox(SandboxConfig())
+    report = check_task(built, sandbox, check_timeout_s=60)
+    assert (report.oracle.score, report.nop.score, report.problem) == (1.0, 0.0, ""), report.line()
+    ws = built.materialize(tmp_path / "ws")
+    problem, out = solve(built, ws, sandbox)
+    assert problem == "" and out.split() == ["/etc/gyre-probe:", "ro", "/usr/local/bin/gyre-probe:", "ro"], out
+    assert (root_changes(ws) / "upper" / "output" / "answer.txt").read_text() == "42\n"
+    work = [Path(d) for d, _, _ in os.walk(root_changes(ws) / "work")]  # overlayfs made it 000: a user could not
+    assert len(work) > 1 and all(d.stat().st_mode & 0o700 == 0o700 for d in work)  # remove the rollout's scratch
+
+
+@pytest.mark.integration
+def test_an_agent_rearranging_the_root_cannot_forge_its_grade(bases, tmp_path):
+    built = build_task_environment(load_harbor_task(outside_task(tmp_path, OUTSIDE_ATTACK), build_images=True),
+                                   ImageBuilder())  # fmt: skip
+    sandbox = make_sandbox(SandboxConfig())
+    ws = built.materialize(tmp_path / "ws")
+    problem, out = solve(built, ws, sandbox)
+    upper = root_changes(ws) / "upper"
+    assert problem == "" and (upper / "logs").is_symlink() and (upper / "bin" / "bash").is_file(), out  # it took place
+    grade = grade_workspace(built, ws, sandbox=sandbox)
+    assert (grade.status, grade.score) == ("ok", 0.0), grade

@@ -23,13 +23,14 @@ from gyre.model.hf_io import save_hf_checkpoint
 from gyre.model.tokenizer import Tokenizer
 from gyre.pipeline import rl_micro_batches, tree_gspo_loss_fn
 from gyre.proxy.call_log import CallRecord
+from gyre.proxy.synthetic import make_record
 from gyre.store.reader import read_shard
 from gyre.store.schema import TABLES, RolloutMeta, checksum
 from gyre.store.writer import ShardWriter
 from gyre.train.megatron_trainer import MegatronTrainer
+from gyre.train.tree_pack import pack_forest
 from gyre.traj.build import build_tree
 from gyre.traj.sampling import sample_tree
-from gyre.traj.synthetic import make_record
 
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.*")]
 METRICS = ("kl_k3", "ratio_p05", "ratio_p50", "ratio_p95", "seq_ratio_min", "seq_ratio_max", "masked_frac",
@@ -52,8 +53,21 @@ async def sample_rollout(url: str, rid: str, prompt: list[int], seed: int) -> li
     return records
 
 
+def write_shard(url: str, tok: Tokenizer, path: Path) -> Path:
+    """Two rollouts sampled by the engine at `url` (advantages +1 and -1) as one group shard."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with ShardWriter(path, run_id="mismatch", step=0) as w:
+        for i, adv in enumerate((1.0, -1.0)):
+            prompt = tok.encode(f"Write the value {3 + i} into out_{i}.txt")
+            records = asyncio.run(sample_rollout(url, f"r{i}", prompt, seed=10 * i))
+            meta = RolloutMeta("s0-g0", f"t{i}", "f", "builtin", "ok", 0.5 + adv / 2, 0.5 + adv / 2, adv)
+            w.add(sample_tree(build_tree(f"r{i}", records)), meta)
+    return path
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
+    """(trainer, its starting weights, a shard the fp32 engine sampled, one a bf16 engine sampled)."""
     torch.manual_seed(0)
     root = tmp_path_factory.mktemp("mismatch")
     tok = Tokenizer.train([f"Write the value {i} into out_{i % 7}.txt and stop." for i in range(200)], 320)
@@ -62,18 +76,15 @@ def stack(tmp_path_factory):
                       num_query_groups=2, ffn_hidden_size=128)  # fmt: skip
     trainer = MegatronTrainer(cfg, TrainConfig(lr=1e-2, num_threads=1))
     start = trainer.hf_state_dict()
-    engine = start_engine(save_hf_checkpoint(root / "v0", start, cfg, root / "tok"), num_threads=1)
-    shard = root / "step00000-group0000.h5"
-    try:
-        with ShardWriter(shard, run_id="mismatch", step=0) as w:
-            for i, adv in enumerate((1.0, -1.0)):
-                prompt = tok.encode(f"Write the value {3 + i} into out_{i}.txt")
-                records = asyncio.run(sample_rollout(engine.url, f"r{i}", prompt, seed=10 * i))
-                meta = RolloutMeta("s0-g0", f"t{i}", "f", "builtin", "ok", 0.5 + adv / 2, 0.5 + adv / 2, adv)
-                w.add(sample_tree(build_tree(f"r{i}", records)), meta)
-    finally:
-        engine.stop()
-    yield trainer, start, shard
+    ckpt = save_hf_checkpoint(root / "v0", start, cfg, root / "tok")
+    shards = []
+    for name, dtype in (("fp32", "float32"), ("bf16", "bfloat16")):
+        engine = start_engine(ckpt, num_threads=1, extra_args=["--dtype", dtype])
+        try:
+            shards.append(write_shard(engine.url, tok, root / name / "step00000-group0000.h5"))
+        finally:
+            engine.stop()
+    yield trainer, start, *shards
 
 
 def train(trainer: MegatronTrainer, start: dict, shard: Path, mismatch: MismatchConfig) -> dict[str, float]:
@@ -114,7 +125,7 @@ def k3(log_ratio: np.ndarray) -> float:
 
 
 def test_on_the_embedded_path_the_ratio_is_one_and_nothing_is_masked(stack):
-    trainer, start, shard = stack
+    trainer, start, shard, _ = stack
     m = train(trainer, start, shard, MismatchConfig(proximal="trainer", correction="mask"))
     assert {f"mismatch/{k}" for k in METRICS} <= set(m)
     assert m["ratio_mean"] == 1.0 and m["clip_frac"] == 0.0  # GSPO's ratio at the first micro-batch: exactly 1
@@ -125,7 +136,7 @@ def test_on_the_embedded_path_the_ratio_is_one_and_nothing_is_masked(stack):
 
 
 def test_perturbed_engine_logprobs_are_masked_and_truncated_as_computed_by_hand(stack, tmp_path):
-    trainer, start, shard = stack
+    trainer, start, shard, _ = stack
     rows, weight, rollout = targets_of(shard)
     n = len(rows)
     # pi_engine raised e^1.5 (rho 0.22), lowered e^1 (rho 2.72) and e^0.3 (rho 1.35) on three targets of rollout 0
@@ -153,3 +164,30 @@ def test_perturbed_engine_logprobs_are_masked_and_truncated_as_computed_by_hand(
                                                   low=band[0], high=band[1]))  # fmt: skip
     assert m["mismatch/masked_frac"] == pytest.approx(float(np.mean(rollout == 0)), abs=1e-12)  # all of rollout 0
     assert m["mismatch/seq_ratio_max" if seq > 1 else "mismatch/seq_ratio_min"] == pytest.approx(seq, rel=1e-5)
+
+
+def test_a_bf16_engine_mismatch_is_logged_as_computed_from_the_shard(stack):
+    """Real different numerics: the engine samples in bf16, the trainer scores in fp32. KL and masked fraction
+    are non-zero and equal a computation from the shard's engine logprobs and the trainer's own forward."""
+    trainer, start, _, shard = stack
+    trainer.load_hf_state_dict(start)
+    rollouts = list(read_shard(shard).trainable())
+    own, engine = [], []
+    for r in rollouts:
+        mb = pack_forest([r.tree], [r.loss_weight])
+        with torch.no_grad():
+            logp = trainer.tree_token_logprobs(mb).numpy()
+        targets = mb.loss_weight.numpy() > 0
+        own.append(logp[targets])
+        engine.append(r.tree.logprob[mb.source_index.numpy()][targets])
+    log_rho = np.concatenate(own).astype(np.float64) - np.concatenate(engine)
+    rho = np.sort(np.exp(log_rho))
+    assert k3(log_rho) > 1e-8, "bf16 sampling differs from the fp32 trainer (an fp32 engine: about 1e-13)"
+    k = int(0.75 * len(rho))
+    high = max(1.0, float(rho[k] + rho[k + 1]) / 2)  # about a quarter of the targets above the band
+    expected_masked = float(np.mean((rho > high) | (rho < 0.5)))
+    assert 0 < expected_masked < 1
+    m = train(trainer, start, shard, MismatchConfig(proximal="trainer", correction="mask", low=0.5, high=high))
+    assert m["ratio_mean"] == 1.0
+    assert m["mismatch/kl_k3"] == pytest.approx(k3(log_rho), rel=1e-4)
+    assert m["mismatch/masked_frac"] == pytest.approx(expected_masked, abs=1e-12)

@@ -20,6 +20,7 @@ from gyre.metrics import read_metrics
 from gyre.model.pretrained import check_pretrained
 from gyre.model.random_model import default_tokenizer
 from gyre.sched.controller.report import step_rows
+from launch.run import check_before_start
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 512
@@ -63,7 +64,7 @@ TOKENS = torch.randint(0, VOCAB, (2, 23), generator=torch.Generator().manual_see
 @pytest.mark.unit
 def test_a_save_pretrained_directory_is_the_run_s_policy(qwen3_dir: Path, tmp_path: Path) -> None:
     """The directory's config.json is the architecture, its files the policy's: no warm start is built."""
-    from gyre.train.warm_start import prepare_policy
+    from gyre.warm_start import prepare_policy
 
     assert len(list(qwen3_dir.glob("model-*.safetensors"))) > 1  # sharded, with an index
     cfg = compose([f"model.path={qwen3_dir}", f"warm_start.cache_dir={tmp_path / 'cache'}"])
@@ -137,11 +138,11 @@ def test_what_the_run_cannot_honour_fails_naming_the_file_or_key(qwen3_dir: Path
     d = tmp_path / "model"
     shutil.copytree(qwen3_dir, d)
     change(d)
-    if message is None:
-        check_pretrained(compose([f"model.path={d}", *overrides]))
+    if message is None:  # what launch.run checks before anything starts
+        check_before_start(compose([f"model.path={d}", *overrides]))
         return
     with pytest.raises(ConfigValueError, match="model.path=") as err:
-        check_pretrained(compose([f"model.path={d}", *overrides]))
+        check_before_start(compose([f"model.path={d}", *overrides]))
     assert message in str(err.value)
 
 
@@ -184,7 +185,7 @@ def test_the_megatron_trainer_starts_from_the_directory(qwen3_dir: Path, tmp_pat
     and go back out to the engines in the directory's HF names and config."""
     from gyre.model.hf_io import load_hf_state, save_hf_checkpoint
     from gyre.train.megatron_trainer import MegatronTrainer
-    from gyre.train.warm_start import prepare_policy
+    from gyre.warm_start import prepare_policy
 
     cfg = compose([f"model.path={qwen3_dir}", "train.num_threads=1"])
     policy = prepare_policy(cfg, log=lambda _: None)

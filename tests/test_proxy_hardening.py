@@ -23,7 +23,7 @@ from gyre.config.validate import ConfigValueError
 from gyre.engine.admin_key import ADMIN_KEY_ENV, set_run_admin_key, take_run_admin_key
 from gyre.engine.client import EngineClient
 from gyre.engine.launcher import EngineProcess, start_engine
-from gyre.harness.runner import harness_env
+from gyre.harness.kinds import harness_spec
 from gyre.model.random_model import SHAPES, create_random_model
 from gyre.model.tokenizer import Tokenizer
 from gyre.proxy.call_log import CallLog
@@ -112,7 +112,7 @@ def test_the_run_admin_key_stays_out_of_harness_environments(monkeypatch):
     assert ADMIN_KEY_ENV not in os.environ and take_run_admin_key() == key
     # not even a sandbox told to pass the variable through, nor a harness kind's own additions, can get it
     assert ADMIN_KEY_ENV not in allowlisted_env(SandboxConfig(env=[ADMIN_KEY_ENV]))
-    assert ADMIN_KEY_ENV not in harness_env("claude_code", "rollout-key", "/run/gyre/harness")
+    assert ADMIN_KEY_ENV not in harness_spec("claude_code").env("rollout-key", "/run/gyre/harness")
 
 
 def test_a_client_that_disconnects_frees_its_engine_slot_and_leaves_no_record(model_dir, engine, caplog):

@@ -31,8 +31,9 @@ import torch
 from gyre.config.domain import DOMAIN, OneOf
 from gyre.config.schema import HarnessConfig, HarnessKind, ModelConfig, ProxyConfig, SandboxConfig, TaskConfig
 from gyre.engine.launcher import start_engine
-from gyre.harness import runner
-from gyre.harness.runner import HarnessLaunch, run_rollouts
+from gyre.harness import kinds
+from gyre.harness.kinds import HarnessLaunch, HarnessSpec
+from gyre.harness.runner import run_rollouts
 from gyre.model.hf_io import save_hf_checkpoint
 from gyre.model.llama import LlamaForCausalLM
 from gyre.model.tokenizer import Tokenizer
@@ -92,7 +93,7 @@ def alive(pid: int) -> bool:
 @pytest.mark.parametrize("backend", ["bwrap", "none"])
 def test_attacks_fail_in_the_sandbox_and_work_without_it(stack, backend, tmp_path, monkeypatch):
     tokenizer, engine = stack
-    monkeypatch.setitem(runner.HARNESS_COMMANDS, "red_team", red_team_command)
+    monkeypatch.setitem(kinds.HARNESSES, "red_team", HarnessSpec("red_team", red_team_command))
     kind = HarnessConfig.__dataclass_fields__["kind"]  # the schema declares the harness kinds: add this one
     monkeypatch.setattr(kind, "metadata", {DOMAIN: OneOf((*HarnessKind, "red_team"), "harness")})
     monkeypatch.setenv("GYRE_RED_TEAM_SECRET", "s3cr3t-token")

@@ -36,6 +36,7 @@ from gyre.config.schema import ModelConfig, RunConfig, TrainConfig
 from gyre.harness.runner import RolloutOutcome
 from gyre.metrics import read_metrics
 from gyre.pipeline import FinishedRollout, write_group_shard
+from gyre.proxy.synthetic import make_record
 from gyre.resume import checkpoint as checkpoint_module
 from gyre.resume.checkpoint import Checkpointer, load_checkpoint, save_checkpoint
 from gyre.resume.kept_groups import restore_groups
@@ -45,7 +46,6 @@ from gyre.resume.state import RunState, find_checkpoint, write_state
 from gyre.tasks.grading import Grade
 from gyre.tasks.task import Task
 from gyre.train.megatron_trainer import MegatronTrainer
-from gyre.traj.synthetic import make_record
 from launch.slurm.sbatch import render_main_job_sbatch
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -355,9 +355,16 @@ def _kill_job(proc: subprocess.Popen, out: Path, scheduler: str) -> None:
         time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
+    cells = json.loads((out / "cells.json").read_text()) if scheduler != "colocate" else []
+    for pid in [p for c in cells for p in (c["pid"], c["engine_pid"]) if p > 0]:  # each rank has a process group
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(1200)  # a warm start of minutes on a busy machine, then two starts of the job
 @pytest.mark.parametrize("scheduler", ["colocate", "colocate_cells"])
 def test_a_run_killed_mid_step_keeps_the_steps_completed_groups(tmp_path, tmp_path_factory, scheduler):
     """SIGKILL in the middle of step k >= 2, one group's shard written and another group's rollouts running: the

@@ -21,12 +21,12 @@ from gyre.model.tokenizer import Tokenizer
 from gyre.pipeline import RLMicroBatch, rollout_log_ratios, tree_gspo_loss_fn
 from gyre.proxy.call_log import CallLog, CallRecord
 from gyre.proxy.server import ProxyServer
+from gyre.proxy.synthetic import make_record
 from gyre.train.megatron_trainer import MegatronTrainer
 from gyre.train.sampling_logprobs import TokenSampling, sampled_token_logprobs, tree_sampling_table
 from gyre.train.tree_pack import TreeMicroBatch, pack_forest
 from gyre.traj.build import build_tree
 from gyre.traj.sampling import sample_tree
-from gyre.traj.synthetic import make_record
 
 TOL = 1e-4  # fp32 engine vs trainer
 

@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from gyre.config.schema import ModelConfig, RunConfig, TrainConfig
+from gyre.config.schema import MismatchConfig, ModelConfig, RunConfig, TrainConfig
 from gyre.harness.runner import RolloutOutcome
 from gyre.pipeline import FinishedRollout, tree_gspo_loss_fn, write_group_shard
+from gyre.proxy.synthetic import make_record
 from gyre.sched.policy.ledger import MicroBatchLedger
 from gyre.sched.replica import MicroBatchSource, core_step, flat_grads, plan_group
 from gyre.tasks.grading import Grade
 from gyre.tasks.task import Task
 from gyre.train.megatron_trainer import MegatronTrainer
-from gyre.traj.synthetic import make_record
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.*")]
 
@@ -64,11 +64,18 @@ def replica(cfg: RunConfig, state: dict[str, torch.Tensor]) -> MegatronTrainer:
 
 
 @pytest.mark.integration
-def test_streamed_step_over_replicas_equals_one_replica_step(shards: tuple[RunConfig, list[Path]]) -> None:
+@pytest.mark.parametrize(
+    "mismatch",
+    [MismatchConfig(), MismatchConfig(proximal="trainer", correction="tis", level="sequence", cap=1.0)],
+    ids=["engine-proximal", "trainer-proximal-tis"],  # each replica recomputes the proximal of what it trains
+)
+def test_streamed_step_over_replicas_equals_one_replica_step(
+    shards: tuple[RunConfig, list[Path]], mismatch: MismatchConfig
+) -> None:
     cfg, paths = shards
     torch.manual_seed(0)
     state = MegatronTrainer(cfg.model, cfg.train).hf_state_dict()
-    loss_fn = tree_gspo_loss_fn(0.2, 0.2)  # wide clip: ratios move, the clipped branch is exercised too
+    loss_fn = tree_gspo_loss_fn(0.2, 0.2, mismatch)  # wide clip: ratios move, the clipped branch is exercised too
     source = MicroBatchSource(cfg)
     refs, n_rollouts = [], 0
     for p in paths:

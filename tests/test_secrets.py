@@ -58,3 +58,12 @@ def test_sglang_gets_the_key_from_a_file_only_its_user_reads(tmp_path):
     assert config.stat().st_mode & 0o777 == 0o600 and config.stat().st_uid == os.getuid()
     assert f'admin-api-key: "{key}"' in config.read_text() and f'api-key: "{key}"' in config.read_text()
     assert (config.parent.stat().st_mode & 0o077) == 0  # its private directory: no one else even lists it
+
+
+@pytest.mark.unit
+def test_an_engine_admin_key_never_reads_as_a_flag():
+    """SGLang gets the key as `--api-key KEY` (from its --config file): a key starting with '-' stopped its argument
+    parser (urlsafe base64 keys did, one in 64)."""
+    from gyre.engine.admin_key import new_admin_key
+
+    assert not any(new_admin_key().startswith("-") for _ in range(2000))

@@ -29,8 +29,8 @@ from sglang_io import (
     sglang_version,
 )
 
-from gyre.config.schema import EngineConfig, ModelConfig
-from gyre.config.validate import ConfigValueError
+from gyre.config.schema import EngineConfig, ModelConfig, RunConfig
+from gyre.config.validate import ConfigValueError, check_run
 from gyre.engine.admin_key import admin_headers, take_run_admin_key
 from gyre.engine.client import EngineClient, SamplingParams, SyncEngineClient
 from gyre.engine.sglang_backend import sglang_launch_command, sglang_server_args
@@ -330,11 +330,12 @@ def test_every_config_switch_maps_to_a_declared_flag():
 
 
 def test_server_args_reject_invalid_layouts_with_clear_errors():
+    """Refused at the edge, before anything starts (check_run: launch.run), not by the engine's own code."""
     with pytest.raises(ConfigValueError, match=r"engine.tp_size=3: does not divide model.num_attention_heads=16"):
-        sglang_server_args("/m", dataclasses.replace(SGLANG, tp_size=3), 1, QWEN3)
+        check_run(RunConfig(engine=dataclasses.replace(SGLANG, tp_size=3), model=QWEN3))
     kv3 = dataclasses.replace(QWEN3, num_query_groups=4, num_attention_heads=12)
     with pytest.raises(ConfigValueError, match="neither divides nor is a multiple of model.num_query_groups=4"):
-        sglang_server_args("/m", dataclasses.replace(SGLANG, tp_size=6), 1, kv3)
+        check_run(RunConfig(engine=dataclasses.replace(SGLANG, tp_size=6), model=kv3))
     with pytest.raises(ValueError, match="engine.backend=sglang"):
         sglang_server_args("/m", EngineConfig(), 1)
     with pytest.raises(ConfigValueError, match="unknown engine backend"):
@@ -344,8 +345,8 @@ def test_server_args_reject_invalid_layouts_with_clear_errors():
     with pytest.raises(ConfigValueError, match="enable_hierarchical_cache"):
         EngineConfig(backend="sglang", hicache_storage_backend="mooncake")
     with pytest.raises(ConfigValueError, match="max_position_embeddings"):
-        sglang_server_args("/m", dataclasses.replace(SGLANG, max_context_tokens=8192), 1,
-                           ModelConfig(num_attention_heads=4, max_position_embeddings=4096))  # fmt: skip
+        check_run(RunConfig(engine=dataclasses.replace(SGLANG, max_context_tokens=8192),
+                            model=ModelConfig(num_attention_heads=4, max_position_embeddings=4096)))  # fmt: skip
 
 
 def test_engine_preset_composes():

@@ -327,6 +327,27 @@ def test_broken_tasks_say_why_with_the_output(tmp_path, sandbox):
     assert "solution output ends" in report.line() and "name resolution" in report.solution_output
 
 
+@pytest.mark.integration
+def test_tests_that_write_tests_score_and_a_python_reward_are_sound(tmp_path, sandbox):
+    """The pattern of the AbdulGhaffarcs tasks and the cookbook's multi-reward: the tests write /tests/score.txt
+    (a private copy of tests/, made after the agent ended), and an inline `python3 -c` scales it into the reward
+    (the reward guard admits it, isolated)."""
+    test_sh = """\
+        #!/bin/bash
+        rm -f /tests/score.txt
+        [ "$(cat /app/answer.txt 2>/dev/null)" = 42 ] && echo 100 > /tests/score.txt || echo 0 > /tests/score.txt
+        SCORE=$(cat /tests/score.txt)
+        python3 -c "
+        import json
+        json.dump({'reward': round(float('${SCORE}') / 100, 4)}, open('/logs/verifier/reward.json', 'w'))
+        "
+        """
+    task = harbor_task(tmp_path, "score-file", "FROM x\nWORKDIR /app\n", test_sh,
+                       "#!/bin/bash\necho 42 > /app/answer.txt\n")  # fmt: skip
+    report = check_task(load_harbor_task(task), sandbox)
+    assert (report.verdict, report.oracle.score, report.nop.score) == ("sound", 1.0, 0.0), report.line()
+
+
 # ---------------------------------------------------------------- real SWE-bench instances (integration)
 
 

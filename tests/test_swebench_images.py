@@ -14,14 +14,17 @@ from pathlib import Path
 
 import pytest
 
+from gyre.config.load import compose
 from gyre.config.schema import SandboxConfig
 from gyre.sandbox import SandboxJob, make_sandbox
 from gyre.sandbox.base import code_mounts
-from gyre.sandbox.rootfs import IMAGE_PREFIX, cache_root
+from gyre.sandbox.rootfs import IMAGE_PREFIX, cache_root, image_root
+from gyre.tasks.grading import grade_workspace
 from gyre.tasks.images import ImageBuilder, build_task_environment
-from gyre.tasks.oracle import check_task
+from gyre.tasks.oracle import apply_patch, check_task, reference_patch
 from gyre.tasks.swebench import load_swebench_suite
 from gyre.tasks.swebench_images import (
+    FREEZE_FILE,
     InstallSpec,
     Specs,
     environment_dockerfile,
@@ -61,9 +64,10 @@ def test_a_spec_becomes_swebench_s_steps_in_a_dockerfile():
                        pre_install=("sed -i s/a/b/ setup.cfg",), eval_commands=("export LANG=C.UTF-8",))  # fmt: skip
     dockerfile = environment_dockerfile(spec, Specs(Path("specs.json"), {}, apt_packages=("git",)), requirements=True)
     lines = dockerfile.splitlines()
-    assert lines[0] == "FROM python:3.11-slim" and lines[-1] == "RUN python -m pip install -e ."
+    assert lines[0] == "FROM python:3.11-slim" and lines[-2] == "RUN python -m pip install -e ."
+    assert lines[-1].endswith(f"python -m pip freeze --all > {FREEZE_FILE}")
     steps = [line.split()[0] for line in lines]
-    assert steps == ["FROM", "ARG", "RUN", "COPY", "RUN", "RUN", "COPY", "WORKDIR", "RUN", "RUN"]
+    assert steps == ["FROM", "ARG", "RUN", "COPY", "RUN", "RUN", "COPY", "WORKDIR", "RUN", "RUN", "RUN"]
     assert "RUN python -m pip install Werkzeug==2.3.7 'pandas<2'" in lines  # one shell word each
     assert lines.index("COPY repo/ /testbed/") < lines.index("RUN sed -i s/a/b/ setup.cfg")  # pre_install in the repo
     assert spec_test_command(spec, TEST_PATCH) == ["bash", "-c", "export LANG=C.UTF-8\npytest -rA tests/test_config.py"]
@@ -98,10 +102,11 @@ def test_an_instance_without_a_spec_is_skipped_with_its_cause(tmp_path):
 
 
 @pytest.mark.integration
-def test_a_swebench_instance_is_graded_in_its_spec_image():
+def test_a_swebench_instance_is_graded_in_its_spec_image(tmp_path):
     """flask-4992 in flask 2.3's environment (SWE-bench's pins, pip at build time, `pip install -e .` in
     /testbed): the reference patch scores 1 and the untouched repository 0, graded offline in the image under
-    bwrap; the image has the spec's Werkzeug, not the host's; a second build is a cache hit."""
+    bwrap; the image has the spec's Werkzeug, not the host's; a second build is a cache hit. The runner hooks
+    hold in the image: code that ends pytest early scores 0 (tests_incomplete), never a pass."""
     store = cache_root() / "bases"
     assert make_base(ImageBuilder(), "python:3.11-slim", store).is_file()  # mmdebstrap, once per machine
     tasks, skipped = load_swebench_suite(REAL / "instances.jsonl", build_images=True)
@@ -122,7 +127,23 @@ def test_a_swebench_instance_is_graded_in_its_spec_image():
     job = SandboxJob(argv=["python3", "-c", probe], cwd="/", image=built.image, mounts=code_mounts())
     out = subprocess.run(sandbox.command(job), capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["2.3.7", "/testbed/src/flask/__init__.py"], out.stderr
-    report = check_task(built, sandbox, check_timeout_s=120.0)
+    freeze = (image_root(built.image).rootfs / FREEZE_FILE.lstrip("/")).read_text().splitlines()
+    assert "Werkzeug==2.3.7" in freeze and "pytest==7.3.0" in freeze  # what pip resolved, kept in the image
+    report = check_task(built, sandbox, check_timeout_s=120.0)  # statuses come only from the runner's own record
     assert (report.verdict, report.oracle.score, report.nop.score) == ("sound", 1.0, 0.0), report.line()
     assert report.oracle.passed == report.oracle.total == 19
+    ws = built.materialize(tmp_path / "exit")  # the image's pytest still runs the runner hooks: no record, no pass
+    assert apply_patch(ws, reference_patch(built)) == ""
+    (ws / "src" / "flask" / "__init__.py").write_text("import os\nos._exit(0)\n")
+    (ws / "sitecustomize.py").write_text("raise SystemExit(0)\n")
+    grade = grade_workspace(built, ws, check_timeout_s=120.0, sandbox=sandbox)
+    assert (grade.status, grade.score) == ("agent_failed", 0.0) and grade.reason.startswith("tests_incomplete"), grade
     print(f"\n[swebench image] {built.image}: {first_s:.1f}s to build or find")
+
+
+@pytest.mark.unit
+def test_the_real_suite_s_config_builds_its_images_and_plain_snapshots_give_their_requirements():
+    assert compose(["tasks=swebench_real"]).tasks.build_images is True  # launch.run grades in the spec images
+    read = snapshot_reader(Path("/nonexistent"), "base", "base", {"requirements/dev.txt": b"-r tests.txt\nflit\n"})
+    assert read("requirements/dev.txt") == "-r tests.txt\nflit\n" and read("requirements/tests.txt") is None
+    assert snapshot_reader(Path("/nonexistent"), "other", "base", {"requirements/dev.txt": b"x"})("x") is None

@@ -18,7 +18,7 @@ import pytest
 from test_harness import STALL, ScriptedServer, tool_reply
 
 from gyre.config.load import compose
-from gyre.config.schema import HarnessConfig, RunConfig, SandboxConfig, TaskConfig
+from gyre.config.schema import HarnessConfig, RunConfig, SandboxConfig, TaskConfig, TaskSourceKind
 from gyre.config.validate import ConfigValueError
 from gyre.harness.runner import RolloutOutcome, run_rollout
 from gyre.metrics import read_metrics
@@ -32,7 +32,7 @@ from gyre.tasks.grading import Grade, grade_workspace
 from gyre.tasks.harbor import TaskFormatError, load_harbor_task, workspace_from_dockerfile
 from gyre.tasks.harbor_checker import read_rewards, score_of
 from gyre.tasks.oracle import apply_patch, reference_patch
-from gyre.tasks.source import load_instances, split_of
+from gyre.tasks.source import TASK_SOURCES, SuiteError, load_instances, split_of, task_source
 from gyre.tasks.suite import TaskPool
 from gyre.tasks.swebench import load_swebench_tasks
 from gyre.tasks.swebench_checker import parse_pytest, parse_unittest, report
@@ -135,6 +135,19 @@ def test_task_config_fails_early_naming_the_key():
     harbor, swe = compose(["tasks=harbor_examples"]), compose(["tasks=swebench_examples"])
     assert (harbor.tasks.source, harbor.tasks.path) == ("harbor", "examples/tasks/harbor")
     assert (swe.tasks.source, swe.tasks.path) == ("swebench", "examples/tasks/swebench/instances.jsonl")
+
+
+@pytest.mark.unit
+def test_every_task_source_kind_is_one_task_source():
+    assert set(TASK_SOURCES) == set(TaskSourceKind)
+    assert [k for k, source in TASK_SOURCES.items() if source.endless] == ["builtin"]
+    assert load_instances(TaskConfig()) is None  # the endless source: TaskPool draws per step
+    suite = task_source("swebench").read(TaskConfig(source="swebench", path=str(SWEBENCH)))
+    assert len(suite.tasks) == 8 and not suite.skipped
+    with pytest.raises(SuiteError, match="draws its instances per step"):
+        task_source("builtin").read(TaskConfig())
+    with pytest.raises(SuiteError, match="tasks.source='nl2repo': choose one of builtin, harbor, swebench"):
+        task_source("nl2repo")
 
 
 # ---------------------------------------------------------------- grading rules (unit)
@@ -304,7 +317,9 @@ def test_swebench_grading_applies_the_test_patch_to_the_final_workspace(tmp_path
 @pytest.mark.integration
 def test_slow_agent_times_out_and_the_preserved_workspace_is_graded(tmp_path):
     """The task's own agent limit ends the harness; its /app (the workspace) is graded by the hidden tests."""
-    task = dataclasses.replace(load_harbor_task(HARBOR / "write-value"), agent_timeout_s=1.5)
+    # 4 s: time for the sandboxed harness to start and make its first call on a loaded machine (at 1.5 s, under
+    # load ~45, it was killed before turn 1); the script then stalls, so the limit, not the agent, ends it
+    task = dataclasses.replace(load_harbor_task(HARBOR / "write-value"), agent_timeout_s=4.0)
     script = [tool_reply("write_file", 0, path="value.txt", content="rive"), STALL]
 
     async def main():

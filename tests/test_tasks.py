@@ -9,11 +9,11 @@ from collections import Counter
 import pytest
 
 from gyre.config.schema import HarnessConfig, TaskConfig
+from gyre.harness.demos import demonstration, tokenizer_corpus
 from gyre.harness.tools import TOOL_SCHEMAS, execute_tool
 from gyre.model.chat_template import assistant_body, render_text
 from gyre.model.tokenizer import Tokenizer
 from gyre.tasks.checker_report import CheckerReport
-from gyre.tasks.demos import demonstration, tokenizer_corpus
 from gyre.tasks.families import FAMILIES, echo_files_task, fix_value_task, write_value_task
 from gyre.tasks.grading import _grade_from, grade_workspace
 from gyre.tasks.suite import TaskPool, sample_tasks

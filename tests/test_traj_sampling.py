@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
+from gyre.proxy.synthetic import RolloutShape, claude_code_like_rollout, make_record
 from gyre.traj.build import build_tree
 from gyre.traj.sampling import choose_paths, sample_tree
-from gyre.traj.synthetic import RolloutShape, claude_code_like_rollout, make_record
 from gyre.traj.tree import CallInfo, TrajectoryTree
 
 pytestmark = pytest.mark.unit

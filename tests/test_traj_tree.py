@@ -3,10 +3,10 @@ import dataclasses
 import numpy as np
 import pytest
 
+from gyre.proxy.synthetic import RolloutShape, claude_code_like_rollout, make_record
 from gyre.traj.build import MissingCallError, build_tree
 from gyre.traj.expand import expand_paths
 from gyre.traj.sampling import sample_tree
-from gyre.traj.synthetic import RolloutShape, claude_code_like_rollout, make_record
 from gyre.traj.tree import CONTEXT, ROLE_CODE, TreeError
 
 pytestmark = pytest.mark.unit

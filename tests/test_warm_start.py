@@ -2,11 +2,11 @@ import pytest
 import torch
 
 from gyre.config.schema import ModelConfig, TrainConfig
+from gyre.harness.demos import demonstration
 from gyre.model.tokenizer import Tokenizer
-from gyre.tasks.demos import demonstration
 from gyre.tasks.suite import sample_tasks
 from gyre.train.megatron_trainer import MegatronTrainer
-from gyre.train.warm_start import encode_conversation, pack_batch
+from gyre.warm_start import encode_conversation, pack_batch
 
 pytestmark = pytest.mark.unit
 

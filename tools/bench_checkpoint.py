@@ -8,8 +8,9 @@ The trainer is the embedded default's (MegatronTrainer on the default ModelConfi
 training a synthetic batch. The unit is a pair of steps, the first followed by a checkpoint of the run's state:
 none, sync or async, rotated pair by pair so that all three see the same machine. A pair's wall time holds the
 train steps, the checkpoint call (for async: copying the snapshot) and whatever the background write takes from
-the next step (its thread shares the cores). Cost on the critical path = median(pair with a checkpoint) -
-median(pair without), reported as a fraction of a train step and, with --step-s or --metrics (a run's
+the next step (its thread shares the cores). Cost on the critical path = the median, over rounds of the three, of
+(pair with a checkpoint - the same round's pair without), reported as a fraction of a train step and, with --step-s
+or --metrics (a run's
 metrics.jsonl: the median step wall_s), of a whole RL step (rollouts + training + weight sync): the measure that
 counts, since a real step is mostly rollouts. The snapshot's own time (the caller's share) is reported too.
 """
@@ -120,13 +121,18 @@ def summarize(
         "checkpoint_mb": round(size / 2**20, 2),
         "pairs_per_mode": args.pairs,
         "train_step_s": round(train_s, 4),
+        "pair_without_checkpoint_s": round(median("none", "pair_s"), 4),
         "rl_step_s": rl_step_s,
     }
     for mode in ("sync", "async"):
-        cost = median(mode, "pair_s") - median("none", "pair_s")
+        paired = zip(samples[mode], samples["none"], strict=True)  # the same round: the same load on the machine
+        diffs = [with_it["pair_s"] - without["pair_s"] for with_it, without in paired]
+        cost = statistics.median(diffs)
+        quartiles = statistics.quantiles(diffs, n=4) if len(diffs) > 1 else [cost, cost, cost]
         out[mode] = {
             "save_call_s": round(median(mode, "save_s"), 4),
             "critical_path_s": round(cost, 4),
+            "critical_path_iqr_s": [round(quartiles[0], 4), round(quartiles[2], 4)],
             "of_train_step": round(cost / train_s, 4),
             "of_rl_step": round(cost / rl_step_s, 5) if rl_step_s else None,
         }
@@ -136,8 +142,8 @@ def summarize(
 def parse() -> tuple[argparse.Namespace, ModelConfig]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pairs", type=int, default=12, help="pairs of steps per mode")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=256)
     p.add_argument("--step-s", type=float, default=0.0, help="a whole RL step's seconds, to report the fraction of")
     p.add_argument("--metrics", type=Path, help="a run's metrics.jsonl: its median step wall_s is the RL step")
     p.add_argument("--dir", default=None, help="where the checkpoints are written (default: the temp dir)")

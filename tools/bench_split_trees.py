@@ -1,6 +1,6 @@
 """One forward-backward of one Claude-Code-shaped rollout at a fixed micro-batch budget: split trees vs whole.
 
-Rollouts come from gyre.traj.synthetic at the bench's recorded shape (tools/bench_tree_training.py),
+Rollouts come from gyre.proxy.synthetic at the bench's recorded shape (tools/bench_tree_training.py),
 300 calls, every token count divided by --scale per size: 1/100 is ~10K tokens, 1/10 ~100K, 1/1 ~1M
 (a 160K-token context, so paths up to ~160K deep). The whole tree is trained (every policy token a
 target, weights summing to 1). Each run is a fresh process: MegatronTrainer.forward_backward once to

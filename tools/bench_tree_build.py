@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+from gyre.proxy.synthetic import RolloutShape, claude_code_like_rollout
 from gyre.traj.build import build_tree
 from gyre.traj.sampling import sample_tree
-from gyre.traj.synthetic import RolloutShape, claude_code_like_rollout
 
 
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:

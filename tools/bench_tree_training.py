@@ -1,6 +1,6 @@
 """Tree-packed training vs expanded sequences on Claude-Code-shaped rollouts: tokens, forward-backward time, memory.
 
-Rollouts come from gyre.traj.synthetic (main thread re-sending its whole conversation each call,
+Rollouts come from gyre.proxy.synthetic (main thread re-sending its whole conversation each call,
 sub-agents, compactions, dropped retries). Their shape is RolloutShape's default (300 calls, ~1M
 tokens, a 20K-token system prompt and tools as in Claude Code's ~78 KB requests, 160K context)
 with the sub-agent's system prompt and tools sized by the ratio recorded from Claude Code
@@ -42,11 +42,11 @@ import torch
 
 from gyre.config.schema import ModelConfig, TrainConfig
 from gyre.proxy.call_log import CallRecord, read_call_log
+from gyre.proxy.synthetic import RolloutShape, claude_code_like_rollout
 from gyre.train.megatron_trainer import MegatronTrainer
 from gyre.train.tree_pack import TreeMicroBatch, pack_trees, weighted_token_loss
 from gyre.traj.build import build_tree
 from gyre.traj.sampling import SampledTree, sample_tree, subtree
-from gyre.traj.synthetic import RolloutShape, claude_code_like_rollout
 from gyre.traj.tree import TrajectoryTree
 
 UNBOUNDED = 1 << 30

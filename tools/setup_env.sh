@@ -11,7 +11,8 @@ VENV=${VENV:-.venv}
 # buildah, mmdebstrap: task environment images (gyre/tasks/images.py) and the bases tools/make_base_images makes.
 # gcc, libc6-dev: build the Harbor reward guard (gyre/tasks/runner_hooks/reward_guard.c) on first use.
 # python3-pytest ... python3-simplejson: what the tests of the real SWE-bench instances in examples/tasks/swebench_real
-# import, for the system python3 that bwrap sandboxes see (/usr): pytest, Flask 2.3's and marshmallow 3.0's test dependencies.
+# import when they run without their images (tasks.build_images=false), for the system python3 that bwrap sandboxes see
+# (/usr): pytest, Flask 2.3's and marshmallow 3.0's test dependencies. Their images get SWE-bench's pins from PyPI instead.
 GYRE_APT_PACKAGES=${GYRE_APT_PACKAGES-libibverbs1 hdf5-tools bubblewrap gcc libc6-dev buildah mmdebstrap python3-pytest python3-werkzeug python3-jinja2
   python3-itsdangerous python3-click python3-blinker python3-dotenv python3-tz python3-simplejson}
 need_apt=()

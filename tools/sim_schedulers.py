@@ -1,6 +1,6 @@
 """Elastic vs colocate vs async in the simulator (gyre.sim): validation, the reference system's scale, a map.
 
-    python -m tools.sim_schedulers [--out DIR] [--bench DIR [--save-data]] [--quick]
+    python -m tools.sim_schedulers [--out DIR] [--bench DIR [--save-data]] [--quick] [--cross]
 
 1. Validation: every run of the local benchmark (tools/bench_schedulers.py, layout disjoint2, three
    workloads) is simulated from its own calibration (its sessions, micro-batches, switches, steps, the
@@ -8,6 +8,9 @@
    measured medians, and what the model gives without the shard writes. The records of the recorded
    benchmark are in tools/sim_data/bench17_runs.json.gz; `--bench DIR` reads a benchmark's output
    directory instead (DIR/<workload>/<scheduler>-<repeat>/), `--save-data` stores its records there.
+   1b. Cross-prediction: calibrated on one scheduler's runs alone, the other schedulers' walls predicted
+   (`--cross` prints only this). 1c. One lower bound per workload, the same for every scheduler, and
+   each scheduler's distance from it.
 2. The reference system's scale: the 2.4T setting (4 cells of 48 nodes x 8 GPUs) and the 122B setting
    (24 and 32 nodes), with the throughputs and costs below stated as assumptions, beside the reference
    table; GPU utilisation of each scheduler and the lower bound (gyre.sim.bound).
@@ -29,7 +32,7 @@ from typing import Any
 
 from gyre.config.schema import CELL_SCHEDULERS as SCHEDULERS
 from gyre.sched.policy import KEEP_TRAINING
-from gyre.sim.bound import alone_seconds, lower_bound
+from gyre.sim.bound import alone_seconds, lower_bound, workload_bound
 from gyre.sim.calibrate import Calibration, RunRecord, calibrate, read_run
 from gyre.sim.simulator import SimResult, simulate
 from gyre.sim.workload import CellModel, RunShape, Workload
@@ -189,6 +192,97 @@ def print_validation(table: dict[str, Any]) -> None:
               f"measured runs: {runs}")  # fmt: skip
 
 
+def cross_predict(records: dict[str, dict[str, RunRecord]]) -> dict[str, Any]:
+    """Calibrate on one scheduler's runs of a workload alone and predict every scheduler's wall on it.
+
+    The validation above replays each run from its own records, so it cannot tell a model that predicts
+    from one that copies; here the off-diagonal cells (a scheduler the calibration never saw) are the test.
+    Returns workload -> calibrated-on -> predicted scheduler -> {measured_s, simulated_s, error}, plus the
+    median and worst absolute error off the diagonal."""
+    table: dict[str, Any] = {}
+    off: list[float] = []
+    for wl, runs in records.items():
+        walls = {s: statistics.median(r.wall_s for r in runs.values() if r.scheduler == s) for s in SCHEDULERS}
+        rows: dict[str, Any] = {}
+        for src in SCHEDULERS:
+            cal = calibrate([r for r in runs.values() if r.scheduler == src])
+            rows[src] = {}
+            for tgt in SCHEDULERS:
+                sim = simulate(tgt, cal.cell, cal.shape, cal.trace()).wall_s
+                err = sim / walls[tgt] - 1
+                rows[src][tgt] = {
+                    "measured_s": round(walls[tgt], 2),
+                    "simulated_s": round(sim, 2),
+                    "error": round(err, 4),
+                }
+                if tgt != src:
+                    off.append(abs(err))
+        table[wl] = rows
+    return {"table": table, "median_error": round(statistics.median(off), 4), "worst_error": round(max(off), 4),
+            "repeat_noise": repeat_noise(records)}  # fmt: skip
+
+
+def repeat_noise(records: dict[str, dict[str, RunRecord]]) -> dict[str, float] | None:
+    """What the same scheduler's repeats say about the data: each run, simulated from its own calibration,
+    against every other repeat of its scheduler on its workload (median and worst absolute error). A
+    cross-prediction cannot be judged finer than this: the runs themselves disagree by as much."""
+    errors = []
+    for runs in records.values():
+        for name, run in runs.items():
+            others = [r.wall_s for n, r in runs.items() if n != name and r.scheduler == run.scheduler]
+            if others:
+                cal = calibrate([run])
+                sim = simulate(run.scheduler, cal.cell, cal.shape, cal.trace()).wall_s
+                errors += [abs(sim / w - 1) for w in others]
+    if not errors:
+        return None
+    return {"median_error": round(statistics.median(errors), 4), "worst_error": round(max(errors), 4), "n": len(errors)}
+
+
+def print_cross(cross: dict[str, Any]) -> None:
+    print("\n1b. Cross-prediction: calibrated on one scheduler's runs alone, each scheduler's wall predicted "
+          "(error against its measured median; the diagonal, in brackets, was fitted)")  # fmt: skip
+    print(f"{'workload':24s} {'calibrated on':15s} " + " ".join(f"{s:>15s}" for s in SCHEDULERS))
+    for wl, rows in cross["table"].items():
+        for src in SCHEDULERS:
+            cells = [f"({e:+.1%})" if t == src else f"{e:+.1%}" for t in SCHEDULERS for e in [rows[src][t]["error"]]]
+            print(f"{WORKLOADS.get(wl, wl):24s} {src:15s} " + " ".join(f"{c:>15s}" for c in cells))
+    print(f"off the diagonal: median error {cross['median_error']:.1%}, worst {cross['worst_error']:.1%}")
+    if noise := cross["repeat_noise"]:
+        print(f"the data's own spread: a run's replay against the other repeats of its scheduler, median "
+              f"{noise['median_error']:.1%}, worst {noise['worst_error']:.1%} ({noise['n']} pairs)")  # fmt: skip
+
+
+def workload_bounds(records: dict[str, dict[str, RunRecord]]) -> dict[str, Any]:
+    """Each workload's one bound (gyre.sim.bound.workload_bound) and every scheduler's distance from it, beside
+    the bound each scheduler's own runs give (what over_bound used to compare)."""
+    out: dict[str, Any] = {}
+    for wl, runs in records.items():
+        bound = workload_bound(list(runs.values()))
+        rows: dict[str, Any] = {"bound_s": round(bound.seconds, 2), "chain_s": round(bound.chain_s, 2),
+                                "work_s": round(bound.work_s, 2)}  # fmt: skip
+        for sched in SCHEDULERS:
+            mine = [r for r in runs.values() if r.scheduler == sched]
+            wall = statistics.median(r.wall_s for r in mine)
+            own = statistics.median(
+                lower_bound(c.cell, c.shape, c.trace()).seconds for c in (calibrate([r]) for r in mine)
+            )
+            rows[sched] = {"measured_s": round(wall, 2), "over_bound": round(wall / bound.seconds, 3),
+                           "own_bound_s": round(own, 2), "over_own_bound": round(wall / own, 3)}  # fmt: skip
+        out[wl] = rows
+    return out
+
+
+def print_workload_bounds(bounds: dict[str, Any]) -> None:
+    print("\n1c. One bound per workload (each rollout as quick as any run saw it; engine and training costs from "
+          "all runs): each scheduler's median wall over it, and over the bound of its own runs")  # fmt: skip
+    for wl, rows in bounds.items():
+        parts = [f"{s} {rows[s]['over_bound']:.2f}x (own {rows[s]['over_own_bound']:.2f}x of {rows[s]['own_bound_s']:.0f} s)"
+                 for s in SCHEDULERS]  # fmt: skip
+        print(f"{WORKLOADS.get(wl, wl):24s} bound {rows['bound_s']:6.1f} s (chain {rows['chain_s']:.0f}, "
+              f"work {rows['work_s']:.0f}): " + "; ".join(parts))  # fmt: skip
+
+
 # ----- 2. the reference scale -----
 def reference(setting: dict[str, Any]) -> dict[str, Any]:
     cell, shape, wl = setting["cell"], setting["shape"], setting["workload"]
@@ -331,6 +425,7 @@ def main() -> None:
     p.add_argument("--bench", default=None, help="refit the validation from a bench_schedulers output directory")
     p.add_argument("--save-data", action="store_true", help=f"store the run records of --bench as {DATA.name}")
     p.add_argument("--quick", action="store_true", help="a smaller map (6 steps) and the reference at 12 steps")
+    p.add_argument("--cross", action="store_true", help="print only the cross-prediction table (1b) and stop")
     args = p.parse_args()
     if args.save_data:
         if not args.bench:
@@ -339,8 +434,17 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    results: dict[str, Any] = {"validation": validate(load_calibrations(Path(args.bench) if args.bench else None))}
+    bench = Path(args.bench) if args.bench else None
+    results: dict[str, Any] = {"cross": cross_predict(load_records(bench))}
+    if args.cross:
+        print_cross(results["cross"])
+        (out / "cross.json").write_text(json.dumps(results["cross"], indent=1))
+        return
+    results["validation"] = validate(load_calibrations(bench))
     print_validation(results["validation"])
+    print_cross(results["cross"])
+    results["workload_bounds"] = workload_bounds(load_records(bench))
+    print_workload_bounds(results["workload_bounds"])
     settings = {
         "2.4T, 4 cells x 48 nodes x 8 GPUs": REF_24T,
         "122B, 32 nodes": ref_122b(32),

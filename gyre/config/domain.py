@@ -106,6 +106,9 @@ def choice(default: Any, choices: tuple[str, ...] | type[enum.StrEnum], what: st
     """A string field that takes one of `choices`, a tuple or the values of a StrEnum (a list-valued field:
     `default` is a factory)."""
     domain = OneOf(tuple(str(c) for c in choices), what)
+    # the value a field holds is a plain str (what Hydra gives, what pickles and loads anywhere); it equals its
+    # enum member
+    default = default.value if isinstance(default, enum.Enum) else default
     if callable(default):
         return dataclasses.field(default_factory=default, metadata={DOMAIN: domain})
     return dataclasses.field(default=default, metadata={DOMAIN: domain})

@@ -97,6 +97,11 @@ class HarnessKind(StrEnum):
     claude_code = "claude_code"
     mini_swe_agent = "mini_swe_agent"
 
+    @staticmethod
+    def short_prompt_kinds() -> tuple[str, ...]:
+        """Kinds with a short prompt (harness.bare): Claude Code's --bare, mini-swe-agent's compact templates."""
+        return (HarnessKind.claude_code, HarnessKind.mini_swe_agent)
+
 
 class SandboxBackend(StrEnum):
     bwrap = "bwrap"
@@ -421,7 +426,7 @@ class CorrectionLevel(StrEnum):
 
 @dataclass
 class MismatchConfig:
-    """Train/inference mismatch correction (gyre/train/mismatch.py; README "Train/inference mismatch")."""
+    """Train/inference mismatch correction (gyre/train/mismatch.py; docs/architecture.md, "Train/inference mismatch")."""
 
     # GSPO's old policy: engine (recorded logprobs) or trainer (recomputed before the update)
     proximal: MismatchProximal = MismatchProximal.engine

@@ -3,9 +3,11 @@ and what to change. Imports no torch/megatron/sglang.
 
 Each field's own domain (a range, a choice) is declared beside it in the schema (gyre/config/domain.py) and
 checked when a config is built, with the cross-field checks of its section (EngineConfig.__post_init__
-calls check_engine). check_run is every check, the entry point launch.run calls. Checks against the model
-run where a model meets a backend (SGLang command lines, the trainer's parallel layout), because presets
-such as cluster=slurm_gpu are composed with whatever model a run brings.
+calls check_engine). check_run is every check of the config across sections (the model against the engine's
+and the trainer's layouts, since presets such as cluster=slurm_gpu are composed with whatever model a run
+brings), run once at the edge, before anything starts (launch.run.check_before_start, which also checks a
+model.path directory with gyre.model.pretrained.check_pretrained). Trainer and engine code never validate.
+Imports nothing of gyre above the config.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import TYPE_CHECKING
 from gyre.config.domain import ConfigValueError as ConfigValueError  # where callers have always found it
 from gyre.config.domain import check_fields
 from gyre.config.domain import fail as _fail
-from gyre.config.schema import Logger, SandboxBackend, Scheduler, TaskSourceKind
+from gyre.config.schema import HarnessKind, SandboxBackend, Scheduler, TaskSourceKind
 
 if TYPE_CHECKING:
     from gyre.config.schema import (
@@ -55,7 +57,7 @@ def check_task_sandbox(cfg: RunConfig) -> None:
 
 def check_harness(h: HarnessConfig) -> None:
     check_fields(h, "harness.")
-    if h.bare and h.kind not in ("claude_code", "mini_swe_agent"):
+    if h.bare and h.kind not in HarnessKind.short_prompt_kinds():
         _fail("harness.bare", h.bare, "a short prompt exists for harness.kind=claude_code|mini_swe_agent only")
 
 
@@ -133,11 +135,6 @@ def check_train(t: TrainConfig, m: ModelConfig) -> None:
         _fail("train.pipeline_parallel", t.pipeline_parallel, f"must divide model.num_layers={m.num_layers}")
 
 
-def check_loggers(loggers: list[str]) -> None:
-    if bad := sorted(set(loggers) - set(Logger)):
-        _fail("logger", list(loggers), f"unknown {bad}; choose from {', '.join(Logger)} (several: logger=[a,b])")
-
-
 def cell_ranks(cfg: RunConfig) -> list[int]:
     """Ranks of each cell (core first): its nodes x tasks_per_node."""
     return [c.nodes * c.tasks_per_node for c in (cfg.cluster.core, *cfg.cluster.satellites)]
@@ -190,18 +187,14 @@ def check_proxy(p: ProxyConfig) -> None:
 
 
 def check_run(cfg: RunConfig) -> None:
-    """Every check, for a run about to start its engines and trainer with this model: what launch.run calls
-    before anything starts (every field in its domain, then the checks across fields and sections)."""
+    """Every config check, for a run about to start its engines and trainer with this model: what launch.run
+    calls before anything starts (every field in its domain, then the checks across fields and sections)."""
     check_fields(cfg)
     check_engine(cfg.engine)
     check_rl(cfg.rl)
     check_sandbox(cfg.sandbox)
     check_task_sandbox(cfg)
-    if cfg.model.path:  # the directory's config.json is the architecture (and its files are checked)
-        from gyre.model.pretrained import check_pretrained
-
-        check_pretrained(cfg)
-    else:
+    if not cfg.model.path:  # else the directory's config.json is the architecture: gyre.model.pretrained checks it
         check_model(cfg.model)
         check_engine_for_model(cfg.engine, cfg.model)
         check_train(cfg.train, cfg.model)

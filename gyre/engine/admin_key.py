@@ -25,7 +25,9 @@ _key: str | None = None
 
 
 def new_admin_key() -> str:
-    return secrets.token_urlsafe(32)
+    """Hex, not urlsafe base64: one key in 64 of those starts with '-', which a command line (SGLang's --config
+    turns the key into `--api-key KEY`) takes for a flag."""
+    return secrets.token_hex(32)
 
 
 def take_run_admin_key() -> str:

@@ -23,7 +23,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-GREEDY_EPS = 1e-6  # SGLang treats temperature below this as greedy
+from gyre.traj.tree import GREEDY_EPS
+
 _DEFAULTS: dict[str, Any] = {
     "max_new_tokens": 128,
     "temperature": 1.0,

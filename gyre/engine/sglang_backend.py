@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gyre.config.schema import EngineConfig, ModelConfig
-from gyre.config.validate import check_engine, check_engine_for_model
 from gyre.engine.admin_key import sglang_key_config
 from gyre.engine.client import SyncEngineClient
 from gyre.engine.engine import EngineServers, EngineSetup, EngineUnsupported, resolved_weight_sync, stop_processes
@@ -90,11 +89,8 @@ def sglang_server_args(
     """The `python -m sglang.launch_server` arguments for one server of a cell (on one of its nodes when
     the server spans `nnodes`; every node of it gets the same arguments but --node-rank). The admin key's
     file goes to `key_dir` (a directory every node of the server reads; default: a private temporary one)."""
-    check_engine(cfg)
     if cfg.backend != "sglang":
         raise ValueError(f"engine.backend={cfg.backend!r}: SGLang command lines are for engine.backend=sglang")
-    if model is not None:
-        check_engine_for_model(cfg, model)
     if not 0 < port < 65536:
         raise ValueError(f"port {port} is not a TCP port; pick one with free_port()")
     argv = [

@@ -1,6 +1,6 @@
 """Claude Code (the real `claude` CLI from npm) as a black-box harness, offline, against the proxy.
 
-The runner starts `python -m gyre.harness.claude_code ...` (gyre.harness.runner.claude_code_command);
+The runner starts `python -m gyre.harness.claude_code ...` (gyre.harness.kinds.claude_code_command);
 this wrapper runs `claude -p <task prompt>` in the workspace with a private HOME, no network traffic besides the
 proxy, and the rollout id in the base-URL path (`<proxy>/rollout/<id>`, which sub-agents inherit),
 then turns Claude Code's JSON result into the runner's result file (turns, stop reason, errors).

@@ -1,7 +1,7 @@
 """Each harness kind's requests as the proxy sees them: a task's first request (for the preflight's context
 check) and its reference solution as that harness would send and receive it (warm-start demonstrations).
 
-The built-in harness's format is its own (gyre/tasks/demos.py). Claude Code's requests are recorded from
+The built-in harness's format is its own (gyre/harness/demos.py). Claude Code's requests are recorded from
 the pinned CLI (gyre/harness/templates/, by tools/record_harness_templates.py) with the task prompt, the
 workspace and the date as placeholders; a demonstration fills them in, answers with Anthropic tool_use
 blocks for Claude Code's Bash tool (the one tool `--bare` and the full tool set share that writes a
@@ -22,10 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gyre.harness.demos import Demonstration
 from gyre.proxy.anthropic_api import convert_messages, convert_tools
 from gyre.sandbox.base import WORKSPACE
-from gyre.tasks.demos import Demonstration
-from gyre.tasks.demos import demonstration as builtin_demonstration
 from gyre.tasks.task import Task
 
 TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
@@ -161,27 +160,3 @@ def mini_demonstration(task: Task, bare: bool = False) -> Demonstration:
         messages.append(dict(observation))
     messages.append({"role": "assistant", "content": submit})
     return Demonstration(messages, [])
-
-
-def demonstration(kind: str, task: Task, *, bare: bool = True, date: str | None = None) -> Demonstration:
-    """The task's reference solution in harness `kind`'s own request format (`bare`: Claude Code's --bare,
-    mini-swe-agent's compact templates; `date`: the day Claude Code's prompt names; default today)."""
-    if kind == "builtin":
-        return builtin_demonstration(task)
-    if kind == "claude_code":
-        return claude_code_demonstration(task, bare, date)
-    if kind == "mini_swe_agent":
-        return mini_demonstration(task, bare)
-    raise ValueError(f"harness.kind={kind!r} has no demonstration format")
-
-
-def first_request(kind: str, task: Task, *, bare: bool = True) -> Demonstration:
-    """What harness `kind` sends first for `task` (messages and tools as the proxy converts them)."""
-    if kind == "builtin":
-        demo = builtin_demonstration(task)
-        return Demonstration(demo.messages[:2], demo.tools)
-    if kind == "claude_code":
-        return claude_code_first_request(task, bare)
-    if kind == "mini_swe_agent":
-        return mini_first_request(task, bare)
-    raise ValueError(f"harness.kind={kind!r} has no request format")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from gyre.config.schema import RunConfig
 from gyre.config.validate import ConfigValueError
-from gyre.harness.formats import first_request
+from gyre.harness.kinds import harness_spec
 from gyre.model.chat_template import render_text
 from gyre.model.tokenizer import Tokenizer
 from gyre.tasks.task import Task
@@ -24,11 +24,11 @@ def reply_budget(cfg: RunConfig) -> int:
     """Tokens one reply may take: the proxy's cap, else what the harness asks for (Claude Code asks for 64000)."""
     if cfg.proxy.max_output_tokens is not None:
         return cfg.proxy.max_output_tokens
-    return cfg.harness.max_tokens if cfg.harness.kind != "claude_code" else cfg.proxy.default_max_tokens
+    return cfg.proxy.default_max_tokens if harness_spec(cfg.harness.kind).own_max_tokens else cfg.harness.max_tokens
 
 
 def first_request_tokens(cfg: RunConfig, task: Task, tokenizer: Tokenizer) -> int:
-    demo = first_request(cfg.harness.kind, task, bare=cfg.harness.bare)
+    demo = harness_spec(cfg.harness.kind).first_request(task, bare=cfg.harness.bare)
     return len(tokenizer.encode(render_text(demo.messages, demo.tools)))
 
 
@@ -38,7 +38,7 @@ def check_harness_fits(cfg: RunConfig, tasks: list[Task], tokenizer: Tokenizer) 
     prompt = max(first_request_tokens(cfg, t, tokenizer) for t in tasks)
     need, limit = prompt + reply_budget(cfg), context_limit(cfg)
     if need > limit:
-        short = cfg.harness.kind in ("claude_code", "mini_swe_agent") and not cfg.harness.bare
+        short = harness_spec(cfg.harness.kind).short_prompt and not cfg.harness.bare
         bare = " or harness.bare=true (the harness's short prompt)" if short else ""
         raise ConfigValueError(
             f"harness.kind={cfg.harness.kind!r}: its first request is {prompt} tokens, plus a reply of "

@@ -21,7 +21,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,92 +29,18 @@ from typing import Any
 from gyre.config.schema import HarnessConfig, SandboxConfig, TaskConfig
 from gyre.harness.attribution import harness_failure
 from gyre.harness.endpoint import DEFAULT_MAX_CONNECTIONS, ProxyEndpoint
-from gyre.harness.mini_swe_agent import venv_python
+from gyre.harness.kinds import HarnessLaunch, harness_spec
 from gyre.proxy.keys import RolloutKeys
 from gyre.sandbox import Mount, Sandbox, SandboxJob, make_sandbox, place
-from gyre.sandbox.base import GYRE_ROOT, HARNESS_DIR, RELAY_PORT, SOURCE_ROOT, WORKSPACE, code_mounts, host_env
+from gyre.sandbox.base import HARNESS_DIR, RELAY_PORT, WORKSPACE, code_mounts, host_env
 from gyre.sandbox.limits import connections_per_rollout
 from gyre.tasks.grading import Grade, grade_workspace
+from gyre.tasks.harbor_root import agent_overlay
 from gyre.tasks.task import Task
 
 log = logging.getLogger(__name__)
 KILL_GRACE_S = 2.0
 STDERR_TAIL_CHARS = 2000
-
-
-@dataclass(frozen=True)
-class HarnessLaunch:
-    """What a harness command is built from; paths are absolute."""
-
-    base_url: str
-    rollout_id: str
-    workspace: Path
-    task_file: Path
-    result_file: Path
-    max_turns: int
-    max_tokens: int
-    temperature: float
-    tool_delay: float
-    tool_time: float = 0.0
-    tool_time_sigma: float = 1.0
-    python: str = "python3"
-    bare: bool = False  # claude_code --bare; mini_swe_agent's compact prompt templates
-
-
-def harness_argv(module: str, launch: HarnessLaunch) -> list[str]:
-    """`python -m <module>` with what every harness process gets: proxy URL, rollout id, workspace, files."""
-    return [
-        launch.python, "-m", module,
-        "--base-url", launch.base_url,
-        "--rollout-id", launch.rollout_id,
-        "--workspace", str(launch.workspace),
-        "--task-file", str(launch.task_file),
-        "--result-file", str(launch.result_file),
-        "--max-turns", str(launch.max_turns),
-    ]  # fmt: skip
-
-
-def builtin_command(launch: HarnessLaunch) -> list[str]:
-    return [
-        *harness_argv("gyre.harness.builtin", launch),
-        "--max-tokens", str(launch.max_tokens),
-        "--temperature", str(launch.temperature),
-        "--tool-delay", str(launch.tool_delay),
-        "--tool-time", str(launch.tool_time),
-        "--tool-time-sigma", str(launch.tool_time_sigma),
-    ]  # fmt: skip
-
-
-def claude_code_command(launch: HarnessLaunch) -> list[str]:
-    """Harness kind "claude_code" (gyre.harness.claude_code; max_tokens/temperature are Claude Code's own)."""
-    return [*harness_argv("gyre.harness.claude_code", launch), *(["--bare"] if launch.bare else [])]
-
-
-def mini_swe_agent_command(launch: HarnessLaunch) -> list[str]:
-    """Harness kind "mini_swe_agent" (gyre.harness.mini_swe_agent), run by the interpreter of its own venv."""
-    return [
-        *harness_argv("gyre.harness.mini_swe_agent", launch),
-        "--max-tokens", str(launch.max_tokens),
-        "--temperature", str(launch.temperature),
-        *(["--bare"] if launch.bare else []),
-    ]  # fmt: skip
-
-
-HARNESS_COMMANDS: dict[str, Callable[[HarnessLaunch], list[str]]] = {
-    "builtin": builtin_command,
-    "claude_code": claude_code_command,
-    "mini_swe_agent": mini_swe_agent_command,
-}
-
-
-def harness_python(kind: str, sandbox: Sandbox) -> str:
-    """The interpreter a harness kind runs under: mini-swe-agent has its own venv (its dependencies are not gyre's)."""
-    if kind != "mini_swe_agent":
-        return sandbox.python
-    python = venv_python(SOURCE_ROOT)
-    if not Path(python).exists():
-        raise FileNotFoundError(f"mini-swe-agent is not installed at {python}: run `bash tools/setup_env.sh`")
-    return venv_python(GYRE_ROOT) if sandbox.isolated else python
 
 
 @dataclass
@@ -205,31 +131,6 @@ def openai_base_url(url: str) -> str:
     return url if url.endswith("/v1") else url + "/v1"
 
 
-CLAUDE_TRACE = "claude.trace"  # GYRE_CLAUDE_TRACE inside the sandbox: in the harness directory, copied out after
-
-
-def harness_env(kind: str, key: str, harness_dir: str, source: Mapping[str, str] | None = None) -> dict[str, str]:
-    """What a harness kind gets in its environment besides the sandbox's allowlist: its rollout key, and
-    for claude_code the CLAUDE_* variables and gyre's Claude Code knobs."""
-    env = {"GYRE_API_KEY": key}
-    source = os.environ if source is None else source
-    if kind == "claude_code":
-        names = ("GYRE_CLAUDE_FOLLOW_UPS", "GYRE_CLAUDE_BIN")
-        env.update({k: v for k, v in source.items() if k.startswith("CLAUDE_") or k in names})
-        if source.get("GYRE_CLAUDE_TRACE"):
-            env["GYRE_CLAUDE_TRACE"] = f"{harness_dir}/{CLAUDE_TRACE}"
-    return env
-
-
-def _copy_out_trace(kind: str, harness_dir: Path) -> None:
-    target = os.environ.get("GYRE_CLAUDE_TRACE")
-    if kind == "claude_code" and target:
-        try:  # the harness directory is the agent's: whatever it left there must not stop the run
-            shutil.copyfile(harness_dir / CLAUDE_TRACE, target, follow_symlinks=False)
-        except OSError as e:
-            log.warning("no Claude Code trace copied from %s: %s", harness_dir, e)
-
-
 def agent_timeout(harness_cfg: HarnessConfig, task: Task) -> float:
     """The harness's wall clock limit: harness.timeout_s, or the task's own agent timeout when shorter."""
     if task.agent_timeout_s is None:
@@ -306,8 +207,7 @@ async def run_rollout(
     Cancelling this coroutine kills the harness's sandbox."""
     task_cfg = task_cfg or TaskConfig()
     sandbox = sandbox or make_sandbox(SandboxConfig())
-    if harness_cfg.kind not in HARNESS_COMMANDS:
-        raise ValueError(f"unknown harness kind {harness_cfg.kind!r}; known: {sorted(HARNESS_COMMANDS)}")
+    kind = harness_spec(harness_cfg.kind)
     workdir = Path(workdir).resolve()
     workspace = workdir / "workspace"
     if workspace.exists():
@@ -336,20 +236,25 @@ async def run_rollout(
             tool_delay=task_cfg.tool_delay_s,
             tool_time=task_cfg.tool_time_s,
             tool_time_sigma=task_cfg.tool_time_sigma,
-            python=harness_python(harness_cfg.kind, sandbox),
+            python=kind.python(sandbox),
             bare=harness_cfg.bare,
         )
         (harness_dir / "task.json").write_text(json.dumps(task.harness_view()))
         job = SandboxJob(
-            argv=HARNESS_COMMANDS[harness_cfg.kind](launch),
+            argv=kind.command(launch),
             cwd=str(launch.workspace),
-            env=harness_env(harness_cfg.kind, key, inside_io),
+            env=kind.env(key, inside_io),
             mounts=[*code_mounts(), ws_mount, *also, io_mount],
             proxy_socket=endpoint.unix_path,
             image=task.image,
+            overlay=agent_overlay(task, sandbox, workspace),  # a Harbor task's image root, writable, kept for grading
         )
         log_path = workdir / "harness.log"
-        run, pid = await _run_harness(sandbox, job, log_path, agent_timeout(harness_cfg, task), kill_grace_s)
+        try:
+            run, pid = await _run_harness(sandbox, job, log_path, agent_timeout(harness_cfg, task), kill_grace_s)
+        finally:
+            if job.overlay is not None:
+                job.overlay.release()
     finally:
         await endpoint.close()
         if keys is not None:
@@ -357,7 +262,7 @@ async def run_rollout(
         if sock_dir is not None:
             shutil.rmtree(sock_dir, ignore_errors=True)
 
-    _copy_out_trace(harness_cfg.kind, harness_dir)
+    kind.copy_out_trace(harness_dir)
     result = _read_result(harness_dir / "result.json")
     stop_reason = "timeout" if run.timed_out else (result or {}).get("stop_reason", "no_result")
     if endpoint.context_overflows and not run.timed_out:

@@ -1,6 +1,6 @@
 """The built-in harness's tools: schemas, execution inside the workspace, and result texts.
 
-Demonstrations (gyre/tasks/demos.py) build their tool messages with the same text functions, so a
+Demonstrations (gyre/harness/demos.py) build their tool messages with the same text functions, so a
 warm-started model sees exactly what the harness will show it.
 """
 

@@ -5,15 +5,18 @@
   finishes first (its step then counts as completed).
 - `checkpoint`: `output_dir/checkpoint/` holds the trainer (weights + optimizer), RNG states and
   `state.json` (next step, weight version, task-pool position, the ledger of trained rollout ids
-  per step, one entry per start of the job). It is replaced atomically as a whole directory.
+  per step, one entry per start of the job). It is replaced atomically as a whole directory, by default
+  after every step, written from a snapshot on a background thread (`Checkpointer`).
 - `recovery`: on start, `resume=auto|never|must` decides whether to continue from that
   checkpoint. Whatever the output directory holds for steps at or after the checkpoint's next step
   (shards, partial shard temp files, metrics rows, call-log lines, rollout workspaces of
   abandoned rollouts) is *moved aside* into `output_dir/preempted/<name>/` with a manifest, never
-  deleted; those steps are then run again with the same rollout ids. So the shards of a
+  deleted; those steps are then run again with the same rollout ids, except the groups of the first of them
+  whose shards are complete and were served by the checkpoint's weights (`kept_groups`). So the shards of a
   preempted and resumed run hold each rollout id of each completed step exactly once, and the
   ledger lists every completed step exactly once.
 
-The controller (gyre/sched/controller/orchestrator.py) uses all three, for every scheduler. Only
-`checkpoint` imports torch, so the CLI can import `preemption` and `recovery` cheaply.
+The controller (gyre/sched/controller/orchestrator.py) uses the same functions for every scheduler (the core cell
+writes the checkpoint). Only `checkpoint` and `kept_groups` (imported by `recovery` only when resuming) import torch,
+so the CLI can import `preemption` and `recovery` cheaply.
 """

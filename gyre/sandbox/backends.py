@@ -35,6 +35,7 @@ from gyre.sandbox.base import (
     launcher_argv,
 )
 from gyre.sandbox.limits import pids_prefix
+from gyre.sandbox.overlay import CHANGES_DIR, RootOverlay, protected_trees
 from gyre.sandbox.rootfs import ImageRoot
 from gyre.sandbox.userns import userns_refusal
 
@@ -108,7 +109,7 @@ class BwrapSandbox:
         uid, gid = (root.uid, root.gid) if root.uid else (SANDBOX_UID, SANDBOX_UID)
         mounts, relocate = relocated_python_mounts(job.mounts)
         argv = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--uid", str(uid),
-                "--gid", str(gid), "--hostname", "sandbox", "--ro-bind", str(root.rootfs), "/",
+                "--gid", str(gid), "--hostname", "sandbox", *root_args(root, job.overlay),
                 "--proc", "/proc", "--dev", "/dev", *self.scratch_args()]  # fmt: skip
         for m in mounts:
             argv += ["--bind" if m.writable else "--ro-bind", str(m.source), m.target]
@@ -125,7 +126,8 @@ class BwrapSandbox:
             + [(t, True) for t in users]
             + [
                 (m.target, not m.source.is_dir())
-                for m in mounts  # a file or a socket
+                for i, m in enumerate(mounts)  # a file or a socket
+                if not inside_earlier_mount(m.target, mounts[:i])  # bound over a file an earlier mount brings
             ]
         )
         try:  # what bwrap mounts on must exist in the read-only root
@@ -137,7 +139,30 @@ class BwrapSandbox:
         for key, value in image_env(root.env, self.base_env(), job.env).items():
             argv += ["--setenv", key, value]
         launcher = map(relocate, launcher_argv(self.python, self.cfg, job))
-        return [*pids_prefix(self.cfg.processes), *argv, "--", *launcher]
+        try:
+            mount = job.overlay.mount_prefix(root.rootfs) if job.overlay is not None else []
+        except ValueError as e:
+            raise SandboxUnavailable(str(e)) from None
+        return [*pids_prefix(self.cfg.processes), *mount, *argv, "--", *launcher]
+
+
+def root_args(root: ImageRoot, overlay: RootOverlay | None) -> list[str]:
+    """The image's rootfs as `/`: read-only and shared, or (with an overlay) the overlay mounted by the command's
+    prefix, writable but for the trees that stay the image's, and with the agent's changes bound read-only for
+    the launcher's size watch."""
+    if overlay is None:
+        return ["--ro-bind", str(root.rootfs), "/"]
+    args = ["--bind", str(overlay.merged), "/"]
+    for tree in protected_trees(root.rootfs, root.env):
+        args += ["--ro-bind", f"{overlay.merged}{tree}", tree]
+    if overlay.watch_upper:
+        args += ["--ro-bind", str(overlay.upper), CHANGES_DIR]
+    return args
+
+
+def inside_earlier_mount(target: str, earlier: list[Mount]) -> bool:
+    """Whether `target` lies under the target of an earlier mount: its mount point is that mount's, not the image's."""
+    return any(target.startswith(m.target.rstrip("/") + "/") for m in earlier)
 
 
 PYTHON_ROOT = "/opt/gyre/python"  # the host interpreter's prefix in an image, when the host's is under /usr

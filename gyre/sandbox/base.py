@@ -18,6 +18,7 @@ from typing import Protocol
 import gyre
 from gyre.config.schema import SandboxConfig
 from gyre.errors import UserError
+from gyre.sandbox.overlay import CHANGES_DIR, RootOverlay
 
 # Fixed paths inside an isolated sandbox
 WORKSPACE = "/workspace"
@@ -55,6 +56,7 @@ class SandboxJob:
     proxy_socket: Path | None = None  # host Unix socket relayed to 127.0.0.1:RELAY_PORT inside
     started_fd: int = -1  # pipe the launcher writes "started" to once the sandbox is up
     image: str = ""  # the task's environment image (apptainer: sandbox.apptainer_images maps it to a .sif)
+    overlay: RootOverlay | None = None  # bwrap with a built image: the image's root writable (gyre/sandbox/overlay.py)
 
 
 class Sandbox(Protocol):
@@ -123,6 +125,8 @@ def launcher_argv(python: str, cfg: SandboxConfig, job: SandboxJob) -> list[str]
         argv += ["--relay", f"{RELAY_PORT}:{SOCKET_PATH}", "--connections", str(cfg.relay_connections)]
     if any(m.target == WORKSPACE and m.writable for m in job.mounts):
         argv += ["--watch", f"{WORKSPACE}:{cfg.workspace_mb << 20}"]
+    if job.overlay is not None and job.overlay.watch_upper:  # the agent's changes to the root: the same limit
+        argv += ["--watch", f"{CHANGES_DIR}:{cfg.workspace_mb << 20}"]
     if job.started_fd >= 0:
         argv += ["--started", str(job.started_fd)]
     return [*argv, "--", *job.argv]

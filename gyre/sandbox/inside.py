@@ -173,7 +173,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seccomp", action="store_true")
     p.add_argument("--relay", default="")
     p.add_argument("--connections", type=int, default=0)
-    p.add_argument("--watch", default="", help="DIR:BYTES: kill the harness once DIR holds more than BYTES")
+    p.add_argument("--watch", action="append", default=[], help="DIR:BYTES: kill the harness once DIR holds more "
+                   "than BYTES (repeatable: the workspace, the root's changes)")  # fmt: skip
     p.add_argument("--started", type=int, default=-1)
     p.add_argument("command", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
@@ -204,13 +205,13 @@ def main(argv: list[str]) -> int:
     except OSError as e:
         print(f"gyre sandbox: cannot start {command[:1]}: {e}", file=sys.stderr)
         return 127
-    watch = None
-    if args.watch:
-        root, limit = args.watch.rsplit(":", 1)
-        watch = Watch(root, int(limit))
-        threading.Thread(target=watch.run, args=(proc,), daemon=True).start()
+    watches = []
+    for spec in args.watch:
+        root, limit = spec.rsplit(":", 1)
+        watches.append(Watch(root, int(limit)))
+        threading.Thread(target=watches[-1].run, args=(proc,), daemon=True).start()
     code = proc.wait()
-    return 128 + signal.SIGKILL if watch is not None and watch.tripped else code  # killed for its limits
+    return 128 + signal.SIGKILL if any(w.tripped for w in watches) else code  # killed for its limits
 
 
 if __name__ == "__main__":

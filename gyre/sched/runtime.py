@@ -47,7 +47,7 @@ def write_policy(cfg: RunConfig, out: Path, start_id: str, resume_from: Path | N
     start from (the warm start, and the run's checkpoint when resuming); returns the tokenizer dir."""
     from gyre.harness.preflight import check_harness_fits
     from gyre.tasks.suite import TaskPool
-    from gyre.train.warm_start import prepare_policy
+    from gyre.warm_start import prepare_policy
 
     first = TaskPool(cfg.tasks.families, cfg.tasks.pool_size, seed=cfg.seed).for_step(0, cfg.rl.groups_per_step)
     policy = prepare_policy(cfg, log=print, check=lambda tok: check_harness_fits(cfg, first, tok))
@@ -110,7 +110,7 @@ def run_cell(cfg: RunConfig, cp: ControlPlane, out: Path, start_id: str, in_proc
 
     def build() -> None:
         from gyre.sched.cell.worker import build_replica  # torch, megatron: seconds
-        from gyre.train.warm_start import Policy
+        from gyre.warm_start import Policy
 
         have_paths.wait()
         got["policy"] = Policy(got["model_cfg"], got["tok"], got["ckpt"])
@@ -143,7 +143,7 @@ def run_follower(cfg: RunConfig, cp: ControlPlane, out: Path, start_id: str) -> 
     """A cell rank after its first: its shard of the replica, run as the cell's leader tells it."""
     from gyre.sched.cell.ranks import CellFollower
     from gyre.sched.cell.worker import build_replica
-    from gyre.train.warm_start import Policy
+    from gyre.warm_start import Policy
 
     paths = policy_paths(out, cp, start_id)
     policy = Policy(paths["model_cfg"], paths["tok"], paths["ckpt"])

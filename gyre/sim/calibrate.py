@@ -30,7 +30,8 @@ class RunRecord:
     scheduler: str
     wall_s: float
     shape: dict[str, Any]
-    sessions: dict[str, dict[str, Any]]  # rollout id -> {seconds, harness_s, calls: [[prefill, decode, dur, gap]]}
+    sessions: dict[str, dict[str, Any]]  # rollout id -> {seconds, harness_s, calls: [[prefill, decode, dur, gap]],
+    #                                      started (runs recorded since it was kept)}
     micro_batches: list[tuple[int, float, bool]]  # (tokens, seconds, first on its cell since it began training)
     switches: dict[str, list[float]]  # direction -> latencies
     reduce_s: list[float]
@@ -81,6 +82,8 @@ def read_run(run_dir: str | Path) -> RunRecord:
         if out:  # harness time not between calls (before the first, after the last: its final tool call)
             out[-1][3] += max(0.0, r.get("harness_s", inside) - inside)
         sessions[r["rollout_id"]] = {"seconds": r["seconds"], "harness_s": r.get("harness_s", inside), "calls": out}
+        if "started" in r:  # on the controller's timeline: how many sessions shared the machine with this one
+            sessions[r["rollout_id"]]["started"] = r["started"]
     steps = [r for r in rows if r["event"] == "step"]
     switches: dict[str, list[float]] = defaultdict(list)
     for r in rows:
@@ -249,7 +252,9 @@ def fit_engine(calls: list[tuple[float, int, int, float]]) -> tuple[float, float
     return a, b, c
 
 
-def fit_rollouts(runs: list[RunRecord], shape: RunShape) -> dict[str, Rollout]:
+def fit_rollouts(runs: list[RunRecord], shape: RunShape, least: bool = False) -> dict[str, Rollout]:
+    """Each rollout id's representative: the measured session whose harness time is the median over the
+    runs, or with `least` the quickest (its overhead too the least seen), for a bound."""
     by_id: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in runs:
         for rid, s in r.sessions.items():
@@ -260,8 +265,9 @@ def fit_rollouts(runs: list[RunRecord], shape: RunShape) -> dict[str, Rollout]:
     out = {}
     for rid, seen in by_id.items():
         seen = sorted(seen, key=lambda s: s["harness_s"])
-        rep = seen[len(seen) // 2]
-        overhead = statistics.median(s["seconds"] - s["harness_s"] for s in seen)
+        rep = seen[0] if least else seen[len(seen) // 2]
+        outside = [s["seconds"] - s["harness_s"] for s in seen]
+        overhead = min(outside) if least else statistics.median(outside)
         calls = tuple(Call(int(p), int(d), max(0.0, gap)) for p, d, _, gap in rep["calls"])
         group = int(rid.split("-")[1][1:])
         out[rid] = Rollout(rid, group, calls, max(0.0, overhead), round(tokens_per_rollout))

@@ -2,7 +2,7 @@
 
 Every family copies or transforms short strings from the prompt or a file into tool-call
 arguments; none needs arithmetic. Each instance carries its reference solution (one tool call per
-turn, ending with finish), from which gyre/tasks/demos.py builds warm-start demonstrations.
+turn, ending with finish), from which gyre/harness/demos.py builds warm-start demonstrations.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ that socket; its stdout, which its parent in the sandbox shares, carries nothing
 root agent has ptrace rights over the checker: none promises none of this.
 
 A task's hidden files (Harbor's tests/) are written only here, after the agent has finished, into a
-directory the grading sandbox sees read-only at /tests; a Harbor task's verifier writes its reward under
+private directory the grading sandbox sees at /tests (a Harbor task's tests may add files there, never change
+the task's own: tests_mounts); a Harbor task's verifier writes its reward under
 /logs, a fresh writable directory of this sandbox alone, read by the checker inside it, where the reward
 guard keeps the programs of the tests from writing it (gyre.tasks.harbor_checker).
 """
@@ -49,8 +50,10 @@ from gyre.config.schema import SandboxConfig
 from gyre.sandbox import Mount, Sandbox, SandboxJob, place
 from gyre.sandbox.backends import NoSandbox
 from gyre.sandbox.base import WORKSPACE, code_mounts, host_env
+from gyre.sandbox.overlay import RootOverlay
 from gyre.tasks import checker, harbor_checker, swebench_checker
 from gyre.tasks.checker_report import CheckerReport, ReportListener
+from gyre.tasks.harbor_root import grading_overlay
 from gyre.tasks.offline_tests import PIP_DIR, UV_DIR
 from gyre.tasks.reward_guard import GuardUnavailable, reward_guard_library
 from gyre.tasks.task import Task
@@ -232,13 +235,9 @@ def _grading_mounts(task: Task, sandbox: Sandbox, scratch: Path, copy: Path) -> 
         mounts.append(Mount(copy, task.workdir, writable=True))
         where["workdir"] = task.workdir
     if task.hidden_files:
-        tests = scratch / "tests"
-        for rel, content in task.hidden_files.items():
-            path = tests / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(base64.b64decode(content))
-        mounts.append(Mount(tests, TESTS_DIR))
-        where["tests_dir"] = place(sandbox, mounts[-1])
+        tests = tests_mounts(task, scratch, writable=task.checker == "harbor" and sandbox.isolated)
+        mounts += tests
+        where["tests_dir"] = place(sandbox, tests[0])
     if sandbox.isolated:
         mounts += offline_test_mounts(task, scratch)
     if task.checker == "harbor":
@@ -248,6 +247,23 @@ def _grading_mounts(task: Task, sandbox: Sandbox, scratch: Path, copy: Path) -> 
         mounts.append(Mount(reward_guard_library(), REWARD_GUARD))
         where["reward_guard"] = place(sandbox, mounts[-1])
     return mounts, where
+
+
+def tests_mounts(task: Task, scratch: Path, writable: bool) -> list[Mount]:
+    """The task's hidden files written into scratch/tests, a private copy made after the agent has ended, and
+    mounted at /tests. `writable` (Harbor, as Harbor copies the tests into its container: tests that write
+    /tests/score.txt): the directory takes new files, while each file of the task stays read-only, bound over
+    itself, so that the agent's code the tests run cannot rewrite the script (bash reads it as it goes) or a
+    file it sources: what the test script's shell runs stays the task's own."""
+    tests = scratch / "tests"
+    for rel, content in task.hidden_files.items():
+        path = tests / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(base64.b64decode(content))
+    if not writable:
+        return [Mount(tests, TESTS_DIR)]
+    files = [Mount(tests / rel, f"{TESTS_DIR}/{rel}") for rel in sorted(task.hidden_files)]
+    return [Mount(tests, TESTS_DIR, writable=True), *files]
 
 
 def offline_test_mounts(task: Task, scratch: Path) -> list[Mount]:
@@ -279,12 +295,13 @@ def _run_checker(
     timeout_s: float,
     scratch: Path,
     image: str = "",
+    overlay: RootOverlay | None = None,
 ) -> tuple[int | None, str, CheckerReport]:
     """(returncode or None on timeout, stderr, what it reported) of the checker in a fresh sandbox with `mounts`."""
     report = Mount(scratch / "report.sock", REPORT_SOCKET, writable=True)
     mounts = [*code_mounts(), *mounts, report]
     job = SandboxJob(argv=[sandbox.python, "-I", "-c", _CHECKER_BOOT], cwd="/tmp" if sandbox.isolated else "/",
-                     mounts=mounts, image=image)  # fmt: skip
+                     mounts=mounts, image=image, overlay=overlay)  # fmt: skip
     command = sandbox.command(job)
     listener = ReportListener(report.source)
     try:
@@ -355,7 +372,15 @@ def grade_workspace(
             **task.grading,
             **where,
         }
-        code, err, report = _run_checker(sandbox, source, spec, mounts, check_timeout_s, scratch, task.image)
+        targets = [m.target for m in [*code_mounts(), *mounts]] + [REPORT_SOCKET]
+        overlay = grading_overlay(task, sandbox, workspace, scratch, targets)
+        try:
+            code, err, report = _run_checker(
+                sandbox, source, spec, mounts, check_timeout_s, scratch, task.image, overlay
+            )
+        finally:
+            if overlay is not None:
+                overlay.release()
     except WorkspaceTooLarge as e:
         return Grade.agent_failed("workspace_limits", str(e))
     except GuardUnavailable as e:

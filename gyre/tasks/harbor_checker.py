@@ -14,8 +14,10 @@ preloaded into the script's shell) puts every program the script starts under La
 verifier/reward.txt and reward.json are links into a directory nothing but the script's own shell can
 write. The script waits (runner_hooks/reward_gate.sh) until the guard is armed; where it cannot be (no
 Landlock here, the library did not load) grading is refused as an evaluation error, never run unguarded.
-So a task whose reward is written by a program test.sh runs, rather than by its shell (`echo 1 >
-/logs/verifier/reward.txt`, or a program's output redirected there), scores 0 here: tools/check_tasks
+One program the shell starts writes the reward as its own hand: `python3 -c CODE` (the script's own code,
+inline), admitted unrestricted in isolated mode when the interpreter and all it loads are the image's
+(read-only); see reward_guard.c. Any other program that writes the reward (a script file, a program of the
+workspace, anything the agent's code starts) is refused, so such a task scores 0 here: tools/check_tasks
 reports it.
 
 The score is reward.json's "reward" when it names one, else the mean of its scores (partial credit);

@@ -15,7 +15,6 @@ the oracle's workspace, in the same sandbox, with their output kept (grading kee
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import re
@@ -30,8 +29,9 @@ from typing import Any
 
 from gyre.sandbox import Mount, Sandbox, SandboxJob, place
 from gyre.sandbox.base import WORKSPACE, code_mounts, host_env
-from gyre.tasks.grading import LOGS_DIR, TESTS_DIR, Grade, grade_workspace, offline_test_mounts
+from gyre.tasks.grading import LOGS_DIR, TESTS_DIR, Grade, grade_workspace, offline_test_mounts, tests_mounts
 from gyre.tasks.harbor_checker import _PYTEST_SUMMARY
+from gyre.tasks.harbor_root import agent_overlay, grading_overlay
 from gyre.tasks.swebench_checker import reset_and_patch
 from gyre.tasks.task import GIT_ENV, SkippedTask, Task
 
@@ -189,9 +189,14 @@ def solve(task: Task, workspace: Path, sandbox: Sandbox) -> tuple[str, str]:
     mounts, cwd = _workspace_mounts(task, sandbox, workspace)
     mounts.append(Mount(solution, SOLUTION_DIR))
     script = f"{SOLUTION_DIR if sandbox.isolated else solution}/solve.sh"
-    job = SandboxJob(argv=["bash", script], cwd=cwd, mounts=mounts, image=task.image)
+    job = SandboxJob(argv=["bash", script], cwd=cwd, mounts=mounts, image=task.image,
+                     overlay=agent_overlay(task, sandbox, workspace))  # fmt: skip
     timeout = task.agent_timeout_s or DEFAULT_SOLVE_TIMEOUT_S
-    code, out = _run_in_sandbox(sandbox, job, timeout)
+    try:
+        code, out = _run_in_sandbox(sandbox, job, timeout)
+    finally:
+        if job.overlay is not None:
+            job.overlay.release()
     if code is None:
         return f"solve.sh ran past the task's agent timeout ({timeout:g}s)", out
     if code != 0:
@@ -224,13 +229,10 @@ def test_output(task: Task, workspace: Path, sandbox: Sandbox, timeout: float) -
         mounts, cwd = _workspace_mounts(task, sandbox, copy)
         env: dict[str, str] = {}
         if task.checker == "harbor":
-            tests, logs = scratch / "tests", scratch / "logs"
-            for rel, content in task.hidden_files.items():
-                (tests / rel).parent.mkdir(parents=True, exist_ok=True)
-                (tests / rel).write_bytes(base64.b64decode(content))
+            logs = scratch / "logs"
             for sub in ("verifier", "agent", "artifacts"):
                 (logs / sub).mkdir(parents=True)
-            mounts += [Mount(tests, TESTS_DIR), Mount(logs, LOGS_DIR, writable=True)]
+            mounts += [*tests_mounts(task, scratch, writable=sandbox.isolated), Mount(logs, LOGS_DIR, writable=True)]
             mounts += offline_test_mounts(task, scratch) if sandbox.isolated else []
             argv, env = (
                 ["bash", f"{TESTS_DIR}/{task.grading.get('test_script', 'test.sh')}"],
@@ -241,8 +243,13 @@ def test_output(task: Task, workspace: Path, sandbox: Sandbox, timeout: float) -
             argv = list(task.grading["test_cmd"])  # in the working directory grading runs them in
         else:
             return ""
-        code, out = _run_in_sandbox(sandbox, SandboxJob(argv=argv, cwd=cwd, env=env, mounts=mounts, image=task.image),
-                                    timeout)  # fmt: skip
+        overlay = grading_overlay(task, sandbox, workspace, scratch, [m.target for m in mounts])
+        job = SandboxJob(argv=argv, cwd=cwd, env=env, mounts=mounts, image=task.image, overlay=overlay)
+        try:
+            code, out = _run_in_sandbox(sandbox, job, timeout)
+        finally:
+            if overlay is not None:
+                overlay.release()
         if task.checker == "harbor":  # what the tests wrote beside the reward (pytest logs, ctrf)
             for log in sorted((scratch / "logs" / "verifier").glob("*.txt")):
                 out += f"\n[{LOGS_DIR}/verifier/{log.name}]\n{log.read_text(errors='replace')}"

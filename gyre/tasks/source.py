@@ -4,6 +4,8 @@
     harbor    tasks.path: a directory of Harbor / Terminal-Bench task directories (gyre/tasks/harbor.py)
     swebench  tasks.path: a JSONL file of SWE-bench instances, snapshots in tasks.repos (gyre/tasks/swebench.py)
 
+Each is a TaskSource (BuiltinSource, HarborSource, SWEBenchSource) in TASK_SOURCES, keyed by its TaskSourceKind.
+
 A suite on disk is a finite list of instances, split into train and held-out eval by a hash of each
 instance id (tasks.eval_fraction; the split of an instance never changes as the suite grows), and
 tasks.split chooses which one a run uses. Sampling is by seed (gyre/tasks/suite.py's TaskPool).
@@ -20,6 +22,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from gyre.config.schema import TaskConfig, TaskSourceKind
 from gyre.config.validate import ConfigValueError
@@ -77,25 +80,78 @@ def build_environments(tasks: Sequence[Task], images: str = "") -> tuple[list[Ta
     return built, skipped
 
 
-def read_suite(cfg: TaskConfig) -> Suite:
-    """Every task of the configured suite that loads, and the skipped ones with their causes (no split, no
-    strictness: tools/check_tasks reports them all). Raises SuiteError when there is no suite at the path."""
-    if not cfg.path:
-        raise SuiteError(f"tasks.source={cfg.source} needs tasks.path (a directory of tasks or a JSONL file)")
-    try:
-        if cfg.source == TaskSourceKind.harbor:
-            tasks, skipped = load_harbor_suite(resolve(cfg.path), cfg.build_images)
-        elif cfg.source == TaskSourceKind.swebench:
-            repos = resolve(cfg.repos) if cfg.repos else None
-            tasks, skipped = load_swebench_suite(resolve(cfg.path), repos, cfg.build_images)
-        else:
-            raise SuiteError(f"tasks.source={cfg.source!r}: choose one of {', '.join(TaskSourceKind)}")
+class TaskSource(Protocol):
+    """Where a run's tasks come from: an endless source, whose instances TaskPool draws per step, or a suite
+    on disk, whose `read` gives every task that loads and the skipped ones with their causes (no split, no
+    strictness: load_suite applies those)."""
+
+    kind: TaskSourceKind
+    endless: bool
+
+    def read(self, cfg: TaskConfig) -> Suite: ...
+
+
+@dataclass(frozen=True)
+class BuiltinSource:
+    """The registered families (gyre/tasks/families.py, tasks.families): endless."""
+
+    kind: TaskSourceKind = TaskSourceKind.builtin
+    endless: bool = True
+
+    def read(self, cfg: TaskConfig) -> Suite:
+        raise SuiteError(f"tasks.source={self.kind} draws its instances per step; tasks.path is for a suite on disk")
+
+
+@dataclass(frozen=True)
+class HarborSource:
+    """tasks.path: a directory of Harbor / Terminal-Bench task directories, each built into its image with
+    tasks.build_images."""
+
+    kind: TaskSourceKind = TaskSourceKind.harbor
+    endless: bool = False
+
+    def read(self, cfg: TaskConfig) -> Suite:
+        tasks, skipped = load_harbor_suite(resolve(cfg.path), cfg.build_images)
         if cfg.build_images:
             tasks, unbuilt = build_environments(tasks, cfg.images)
             skipped += unbuilt
+        return Suite(tasks, skipped)
+
+
+@dataclass(frozen=True)
+class SWEBenchSource:
+    """tasks.path: a JSONL file of SWE-bench instances, repository snapshots in tasks.repos."""
+
+    kind: TaskSourceKind = TaskSourceKind.swebench
+    endless: bool = False
+
+    def read(self, cfg: TaskConfig) -> Suite:
+        repos = resolve(cfg.repos) if cfg.repos else None
+        tasks, skipped = load_swebench_suite(resolve(cfg.path), repos, cfg.build_images)
+        if cfg.build_images:  # each instance's environment image from its install spec (gyre/tasks/swebench_images.py)
+            tasks, unbuilt = build_environments(tasks, cfg.images)
+            skipped += unbuilt
+        return Suite(tasks, skipped)
+
+
+TASK_SOURCES: dict[str, TaskSource] = {s.kind: s for s in (BuiltinSource(), HarborSource(), SWEBenchSource())}
+
+
+def task_source(kind: str) -> TaskSource:
+    if kind not in TASK_SOURCES:
+        raise SuiteError(f"tasks.source={kind!r}: choose one of {', '.join(TASK_SOURCES)}")
+    return TASK_SOURCES[kind]
+
+
+def read_suite(cfg: TaskConfig) -> Suite:
+    """Every task of the configured suite on disk that loads, and the skipped ones with their causes (no split,
+    no strictness: tools/check_tasks reports them all). Raises SuiteError when there is no suite at the path."""
+    if not cfg.path:
+        raise SuiteError(f"tasks.source={cfg.source} needs tasks.path (a directory of tasks or a JSONL file)")
+    try:
+        return task_source(cfg.source).read(cfg)
     except TaskFormatError as e:
         raise SuiteError(str(e)) from None
-    return Suite(tasks, skipped)
 
 
 def describe_skipped(skipped: Sequence[SkippedTask]) -> str:
@@ -109,7 +165,7 @@ def load_suite(cfg: TaskConfig) -> Suite | None:
     """The usable instances of the configured split, in a stable order, with the skipped ones; None for the
     endless built-in source. Refuses (SuiteError) under tasks.strict with any skipped task, or with fewer
     usable instances than tasks.min_tasks."""
-    if cfg.source == TaskSourceKind.builtin:
+    if task_source(cfg.source).endless:
         return None
     suite = read_suite(cfg)
     if suite.skipped and cfg.strict:

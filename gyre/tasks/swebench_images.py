@@ -15,7 +15,10 @@ workspace mounted on the repository's directory, where the editable install (`pi
 `packages` is pip's to install here (no conda): `requirements.txt` (the repository's requirement files at
 environment_setup_commit, else base_commit, read from the snapshot as SWE-bench reads them from GitHub), or
 package names; `environment.yml` is refused by name. SWE-bench runs `install` again before the tests; here
-the tests are offline and the editable install already points at the workspace, so it is not rerun.
+the tests are offline and the image read-only, so it is not rerun: an editable install (`pip install -e .`)
+points at the workspace, and a package at the repository's root is on the tests' path (runner_hooks), but a
+non-editable install of a src/ layout would test the base_commit's copy. What pip resolved is kept in the
+image (FREEZE_FILE), since a spec may leave versions open.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ import hashlib
 import json
 import re
 import shlex
+import shutil
 import subprocess
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +42,8 @@ SPECS_FILE = "specs.json"  # beside the instances' JSONL file
 SPEC_KEYS = ("python", "packages", "pip_packages", "pre_install", "install", "test_cmd", "eval_commands",
              "base_image", "swebench_python")  # fmt: skip
 NON_TEST_EXTS = (".json", ".png", "csv", ".txt", ".md", ".jpg", ".jpeg", ".pkl", ".yml", ".yaml", ".toml")
+# What pip resolved at build time (a spec may leave versions open: marshmallow's `.[dev]` takes the newest pytest)
+FREEZE_FILE = "/usr/local/share/gyre/pip-freeze.txt"
 REQUIREMENTS_EXCLUDED = ("-e .", "#", ".[test")  # lines SWE-bench's get_requirements_by_commit drops
 _TEST_PATCH_FILE = re.compile(r"diff --git a/.* b/(.*)")
 
@@ -196,6 +203,7 @@ def environment_dockerfile(spec: InstallSpec, specs: Specs, requirements: bool) 
     lines += [f"RUN {command}" for command in spec.pre_install]
     if spec.install:
         lines.append(f"RUN {spec.install}")
+    lines.append(f"RUN mkdir -p {FREEZE_FILE.rpartition('/')[0]} && python -m pip freeze --all > {FREEZE_FILE}")
     return "\n".join(lines) + "\n"
 
 
@@ -209,19 +217,21 @@ def build_context(dockerfile: str, requirements: str | None, tree: dict[str, byt
     if (context / "Dockerfile").is_file():  # written last: a complete context
         return context
     context.parent.mkdir(parents=True, exist_ok=True)
-    staging = context.with_name(f".{context.name}.{id(tree)}")
+    staging = Path(tempfile.mkdtemp(prefix=f".{context.name}.", dir=context.parent))
+    staging.chmod(0o755)
+    executable = set(executables)
     for rel, data in tree.items():
         path = staging / "repo" / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
-        path.chmod(0o755 if rel in executables else 0o644)
+        path.chmod(0o755 if rel in executable else 0o644)
     if requirements is not None:
         (staging / "requirements.txt").write_text(requirements + "\n")
     (staging / "Dockerfile").write_text(dockerfile)
     try:
         staging.rename(context)
     except OSError:  # another loader made it first
-        subprocess.run(["rm", "-rf", str(staging)], check=False)
+        shutil.rmtree(staging, ignore_errors=True)
     return context
 
 

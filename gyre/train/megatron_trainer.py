@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from gyre.config.schema import ModelConfig, TrainConfig
-from gyre.config.validate import check_train
 from gyre.model.weights import hf_to_megatron, megatron_to_hf
 from gyre.train.chunked_logprobs import TargetLogprobs, hidden_states
 from gyre.train.dist_checkpoint import (
@@ -62,7 +61,6 @@ class MegatronTrainer:
         self.train_cfg = train_cfg
         # The CPU shim only applies without CUDA; with CUDA megatron's layers expect CUDA tensors.
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        check_train(train_cfg, model_cfg)
         init_model_parallel(train_cfg, model_cfg)  # over the launcher's world, or a one-process one
         self.parallel = torch.distributed.get_world_size() > 1  # shards, stages or data-parallel replicas
         self.pipelined = parallel_state.get_pipeline_model_parallel_world_size() > 1

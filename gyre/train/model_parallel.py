@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 from gyre.config.schema import ModelConfig, TrainConfig
-from gyre.config.validate import check_train
 from gyre.train.cpu_shim import apply_cpu_shim
 from gyre.train.megatron_gpt import parallel_state
 
@@ -33,7 +32,6 @@ def needs_model_parallel(train_cfg: TrainConfig) -> bool:
 def init_model_parallel(train_cfg: TrainConfig, model_cfg: ModelConfig) -> None:
     """megatron's TP/PP/CP groups over the default world, started here when nobody has: a one-process
     world (in-process store) or, with WORLD_SIZE set (torchrun, srun), the env:// rendezvous."""
-    check_train(train_cfg, model_cfg)
     apply_cpu_shim()
     cuda = torch.cuda.is_available()
     if train_cfg.context_parallel > 1 and not cuda:

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gyre.engine.sampling import GREEDY_EPS
-from gyre.traj.tree import CONTEXT, TrajectoryTree
+from gyre.traj.tree import CONTEXT, GREEDY_EPS, TrajectoryTree
 
 _NEUTRAL = (1.0, 1.0, -1.0, 0.0)  # temperature, top_p, top_k, min_p of context tokens
 

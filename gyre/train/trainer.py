@@ -37,7 +37,10 @@ class Trainer(Protocol):
         """zero_grad, forward_backward over the micro-batches, optimizer_step; the metrics of both."""
         ...
 
-    def forward_backward(self, micro_batches: Sequence[Any], loss_fn: LossFn) -> dict[str, float]: ...
+    def forward_backward(self, micro_batches: Sequence[Any], loss_fn: LossFn) -> dict[str, float]:
+        """Accumulate gradients. A loss_fn with `needs_proximal` true (rl.mismatch.proximal=trainer) first gets
+        each micro-batch's `proximal`: its logprobs under the weights before any update, without gradient."""
+        ...
 
     def optimizer_step(self) -> dict[str, float]: ...
 
@@ -60,6 +63,16 @@ class Trainer(Protocol):
         ...
 
     def load(self, path: str | os.PathLike) -> None: ...
+
+    @property
+    def snapshots(self) -> bool:
+        """Whether snapshot() copies the checkpoint rather than give None."""
+        ...
+
+    def snapshot(self) -> Any:
+        """What save() would write, copied now; its `write(path)` runs later on another thread (the background
+        checkpoint writer, gyre.resume.checkpoint.Checkpointer). None: this trainer saves only in place."""
+        ...
 
 
 def make_trainer(model_cfg: ModelConfig, train_cfg: TrainConfig) -> Trainer:

@@ -16,6 +16,7 @@ import numpy as np
 ROLES: tuple[str, ...] = ("main", "main_summary", "subagent", "subagent_summary", "side")
 ROLE_CODE: dict[str, int] = {name: code for code, name in enumerate(ROLES)}
 CONTEXT = -1  # call_id of a token no call generated (prompt, tool output, template)
+GREEDY_EPS = 1e-6  # a call's temperature below this is greedy (SGLang's rule; the engine and trainer both apply it)
 
 
 class TreeError(ValueError):

@@ -40,7 +40,7 @@ from gyre.sched.cell.ranks import CellGroup, GroupCheckpoint, load_local_shard, 
 from gyre.sched.liveness import connect
 from gyre.sched.replica import MicroBatchSource, grad_numel
 from gyre.train.trainer import Trainer, make_trainer
-from gyre.train.warm_start import Policy
+from gyre.warm_start import Policy
 
 
 def advertised_url(url: str, hostname: str) -> str:

@@ -10,7 +10,16 @@
  * .reward/, where verifier/reward.txt and reward.json point. From Landlock ABI 6 on, the domain cannot
  * signal processes outside it either (the shell, the checker). The shell itself, which writes the reward
  * (`echo 1 > /logs/verifier/reward.txt`), stays unrestricted. A program that cannot be restricted is not
- * run (exit 126). Build: cc -shared -fPIC -O2 -o reward_guard.so reward_guard.c -ldl
+ * run (exit 126).
+ *
+ * One program the shell starts is admitted unrestricted, as the shell's own hand: a Python interpreter given
+ * the script's code inline (`python3 -c CODE`, how many tests write reward.json or scale a score), run in
+ * isolated mode (-I is put first: no PYTHON* variables, no user site, neither the working directory nor a
+ * script's directory on the import path), and only when nothing it loads can be the agent's: the interpreter
+ * (as named and as resolved, an executable, not a script), the directories Python looks in for pyvenv.cfg and its prefix, and every
+ * LD_LIBRARY_PATH entry are on read-only mounts (the image), and no LD_PRELOAD, LD_AUDIT or GCONV_PATH is
+ * set. Programs started by anything restricted stay restricted: the domain is inherited, whatever they exec.
+ * Build: cc -shared -fPIC -O2 -o reward_guard.so reward_guard.c -ldl
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -23,6 +32,7 @@
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -53,6 +63,7 @@ struct path_beneath_attr {
 
 static int armed;
 static char logs[PATH_MAX - 16];
+static char preload[PATH_MAX + 16]; /* "LD_PRELOAD=<this library>", as the shell still exports it */
 
 __attribute__((constructor)) static void guard_init(void) {
     const char *fd = getenv("GYRE_REWARD_GUARD_FD");
@@ -60,6 +71,7 @@ __attribute__((constructor)) static void guard_init(void) {
     if (fd == NULL || dir == NULL || strlen(dir) >= sizeof logs)
         return;
     strcpy(logs, dir);
+    snprintf(preload, sizeof preload, "LD_PRELOAD=%s", getenv("LD_PRELOAD") ? getenv("LD_PRELOAD") : "");
     armed = 1;
     if (write(atoi(fd), "armed\n", 6) != 6)
         armed = 0;
@@ -129,24 +141,136 @@ static void guard(void) {
     }
 }
 
+/* `path` (and, with `up`, its directory and that directory's parent) is on a read-only mount. */
+static int read_only(const char *path, int up) {
+    char dir[PATH_MAX];
+    struct statvfs vfs;
+    if (strlen(path) >= sizeof dir)
+        return 0;
+    strcpy(dir, path);
+    for (int i = 0; i <= up; i++) {
+        if (statvfs(dir, &vfs) != 0 || !(vfs.f_flag & ST_RDONLY))
+            return 0;
+        char *slash = strrchr(dir, '/');
+        if (slash == NULL)
+            return 0;
+        if (slash == dir)
+            slash[1] = '\0';
+        else
+            *slash = '\0';
+    }
+    return 1;
+}
+
+static int python_name(const char *path) {
+    const char *name = strrchr(path, '/');
+    name = name ? name + 1 : path;
+    if (strncmp(name, "python", 6))
+        return 0;
+    name += 6;
+    if (*name == '3')
+        name++;
+    if (*name == '.' && name[1] >= '0' && name[1] <= '9')
+        name += strspn(name + 1, "0123456789") + 1;
+    return *name == '\0';
+}
+
+static int library_path_read_only(const char *value) {
+    char entry[PATH_MAX];
+    while (value && *value) {
+        size_t n = strcspn(value, ":");
+        if (n == 0 || n >= sizeof entry || value[0] != '/')
+            return 0;
+        memcpy(entry, value, n);
+        entry[n] = '\0';
+        if (!read_only(entry, 0))
+            return 0;
+        value += n + (value[n] == ':');
+    }
+    return 1;
+}
+
+/* An executable itself, not a script whose interpreter line would run something else with our -I. */
+static int elf(const char *path) {
+    char magic[4];
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    int ok = read(fd, magic, 4) == 4 && !memcmp(magic, "\177ELF", 4);
+    close(fd);
+    return ok;
+}
+
+static const char *env_value(char *const envp[], const char *name) {
+    size_t n = strlen(name);
+    for (; envp && *envp; envp++)
+        if (!strncmp(*envp, name, n) && (*envp)[n] == '=')
+            return *envp + n + 1;
+    return NULL;
+}
+
+/* The argv of an admitted `python3 -c CODE` with -I put first, or NULL: the program is restricted as any other. */
+static char **admitted_python(const char *path, char *const argv[], char *const envp[]) {
+    char real[PATH_MAX];
+    if (!armed || path[0] != '/' || !python_name(path) || argv[0] == NULL || argv[1] == NULL ||
+        strcmp(argv[1], "-c") || argv[2] == NULL)
+        return NULL;
+    if (env_value(envp, "LD_PRELOAD") || env_value(envp, "LD_AUDIT") || env_value(envp, "GCONV_PATH") ||
+        !library_path_read_only(env_value(envp, "LD_LIBRARY_PATH")))
+        return NULL;
+    if (realpath(path, real) == NULL || !read_only(path, 2) || !read_only(real, 2) || !elf(real))
+        return NULL;
+    int argc = 0;
+    while (argv[argc])
+        argc++;
+    char **isolated = calloc(argc + 2, sizeof *isolated);
+    if (isolated == NULL)
+        return NULL;
+    isolated[0] = argv[0];
+    isolated[1] = "-I";
+    memcpy(isolated + 2, argv + 1, argc * sizeof *isolated); /* argv[1..argc-1] and the NULL */
+    return isolated;
+}
+
+/* The shell's environment without the guard's own variables (bash exports what it started with): no program
+ * it starts loads the guard or sees its descriptor's number. */
+static char *const *without_guard(char *const envp[]) {
+    int n = 0;
+    while (envp && envp[n])
+        n++;
+    char **clean = armed ? calloc(n + 1, sizeof *clean) : NULL;
+    if (clean == NULL)
+        return envp;
+    for (int i = 0, j = 0; i < n; i++)
+        if (strcmp(envp[i], preload) && strncmp(envp[i], "GYRE_REWARD_GUARD_FD=", 21) &&
+            strncmp(envp[i], "GYRE_REWARD_GUARD_LOGS=", 23))
+            clean[j++] = envp[i];
+    return clean;
+}
+
 #define NEXT(name) ((__typeof__(&name))dlsym(RTLD_NEXT, #name))
 
+extern char **environ;
+
 int execve(const char *path, char *const argv[], char *const envp[]) {
+    char *const *env = without_guard(envp);
+    char **isolated = admitted_python(path, argv, env);
+    if (isolated != NULL)
+        return NEXT(execve)(path, isolated, env);
     guard();
-    return NEXT(execve)(path, argv, envp);
+    return NEXT(execve)(path, argv, env);
 }
 
 int execv(const char *path, char *const argv[]) {
-    guard();
-    return NEXT(execv)(path, argv);
+    return execve(path, argv, environ);
 }
 
 int execvp(const char *file, char *const argv[]) {
     guard();
-    return NEXT(execvp)(file, argv);
+    return NEXT(execvpe)(file, argv, without_guard(environ));
 }
 
 int execvpe(const char *file, char *const argv[], char *const envp[]) {
     guard();
-    return NEXT(execvpe)(file, argv, envp);
+    return NEXT(execvpe)(file, argv, without_guard(envp));
 }

@@ -2,6 +2,9 @@
 
 Both are cached under `warm_start.cache_dir`, keyed by everything that shapes them, so a second
 run starts at once. The cache entry is written to a temp directory and renamed into place.
+
+A bootstrap stage above the trainer, the harness kinds and the tasks it draws on (its demonstrations are a
+harness's requests on the suite's tasks), below the loops that start from its Policy.
 """
 
 from __future__ import annotations
@@ -20,13 +23,13 @@ from pathlib import Path
 import torch
 
 from gyre.config.schema import ModelConfig, ModelInit, RunConfig
-from gyre.harness.formats import demonstration
+from gyre.harness.demos import Demonstration, tokenizer_corpus
+from gyre.harness.kinds import harness_spec
 from gyre.model.chat_template import AssistantTurn, assistant_body, render_segments, render_text
 from gyre.model.hf_io import load_hf_state, save_hf_checkpoint
 from gyre.model.llama import LlamaForCausalLM
-from gyre.model.pretrained import check_pretrained
+from gyre.model.pretrained import pretrained_model_config
 from gyre.model.tokenizer import Tokenizer
-from gyre.tasks.demos import Demonstration, tokenizer_corpus
 from gyre.tasks.suite import sample_tasks
 from gyre.tasks.task import Task
 from gyre.train.trainer import Trainer, make_trainer
@@ -86,14 +89,14 @@ def harness_demo(cfg: RunConfig, task: Task, i: int) -> Demonstration:
     """Demonstration `i` in the configured harness's own format; Claude Code's prompt names the day, so
     demonstrations name days of a year (the policy learns to ignore it), the first the cache key's."""
     date = (DEMO_EPOCH + datetime.timedelta(days=i % 365)).isoformat()
-    return demonstration(cfg.harness.kind, task, bare=cfg.harness.bare, date=date)
+    return harness_spec(cfg.harness.kind).demonstration(task, bare=cfg.harness.bare, date=date)
 
 
 def harness_corpus(cfg: RunConfig) -> list[str]:
     """The tokenizer's corpus: the built-in suite's demonstrations, and the harness's own if it has others
     (Claude Code's prompt would otherwise tokenize at about one character a token)."""
     texts = list(tokenizer_corpus(cfg.tokenizer.corpus_tasks, cfg.model.seed, cfg.tasks.families))
-    if cfg.harness.kind != "builtin":
+    if harness_spec(cfg.harness.kind).demos_in_corpus:
         tasks = sample_tasks(demo_families(cfg), max(1, cfg.tokenizer.corpus_tasks // 4), cfg.model.seed + 7)
         texts += [render_text(*harness_demo(cfg, t, i)) for i, t in enumerate(tasks)]
     return texts
@@ -142,8 +145,8 @@ def prepare_policy(
 def pretrained_policy(
     cfg: RunConfig, log: Callable[[str], None], check: Callable[[Tokenizer], object] | None
 ) -> Policy:
-    """model.path, checked against the run before anything starts (gyre.model.pretrained)."""
-    model_cfg = check_pretrained(cfg)
+    """model.path as it is (checked against the run before anything starts: launch.run.check_before_start)."""
+    model_cfg = pretrained_model_config(cfg.model)
     policy = Policy(model_cfg, Path(model_cfg.path), Path(model_cfg.path))
     if check is not None:
         check(policy.tokenizer())
