@@ -51,6 +51,7 @@ class GroupShard:
     path_tokens: int  # tokens if every stored call's context + output were its own sequence (sum over calls)
     policy_tokens: int
     excluded: dict[str, str] = field(default_factory=dict)  # rollout id -> reason
+    rejected: list[str] = field(default_factory=list)  # rollout ids not stored: their call log made no tree
 
 
 def write_group_shard(
@@ -79,6 +80,7 @@ def write_group_shard(
                 sampled = sample_tree(build_tree(rid, r.calls), k=cfg.rl.max_trajectories_per_rollout)
             except TreeError as e:
                 result.excluded[rid] = f"call log rejected: {e}"
+                result.rejected.append(rid)
                 continue  # no tree to store; the reason is kept in the step's metrics
             if not reason and sampled.n_targets == 0:
                 reason = "no trainable policy token"

@@ -1,6 +1,7 @@
 """`python -m launch.run [--verbose] [key=value ...]`: the main job (embedded default: local colocate run).
 
-`scheduler=elastic|async|colocate_cells` runs the cells as an MPI job instead (gyre.sched).
+Every scheduler runs the one controller (gyre.sched.controller.orchestrator): `scheduler=colocate` on one cell in this
+process, `scheduler=elastic|async|colocate_cells` (or colocate over several cells) as an MPI job of cells.
 The same output_dir again continues the run from its checkpoint (`resume=auto`, gyre/resume); a run
 stopped by SIGTERM/SIGUSR1 checkpoints and exits with code 75. An expected failure (a refused config
 value, a runtime missing, a task suite that cannot run: gyre.errors.UserError) prints `gyre: <message>`
@@ -18,7 +19,7 @@ from omegaconf import DictConfig
 
 from gyre.config.domain import OneOf, fail
 from gyre.config.load import check_overrides, normalize_overrides, register_configs, to_run_config
-from gyre.config.schema import CELL_SCHEDULERS, RunConfig, TaskSourceKind
+from gyre.config.schema import RunConfig, TaskSourceKind
 from gyre.config.validate import check_run
 from gyre.errors import reported, take_verbose_flag
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted
@@ -77,14 +78,9 @@ def check_families(cfg: RunConfig) -> None:
 
 
 def start(cfg: RunConfig) -> None:
-    if cfg.scheduler in CELL_SCHEDULERS:  # cells as an MPI job: re-executes under mpirun
-        from gyre.sched.launch import run_cells
+    from gyre.sched.launch.local import run_cells  # heavy imports (torch, megatron) only once the config is valid
 
-        run_cells(cfg)
-        return
-    from gyre.loop import run  # heavy imports (torch, megatron) only once the config is valid
-
-    run(cfg)
+    run_cells(cfg)
 
 
 def run_app(app: Callable[[], object]) -> None:

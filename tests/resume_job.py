@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gyre.metrics import read_metrics
+from gyre.sched.controller.report import step_rows
 from gyre.store.reader import read_shard
 from gyre.train.dist_checkpoint import read_whole
 
@@ -58,7 +59,7 @@ def wait_until(what: str, predicate: Callable[[], object], timeout_s: float, ali
 def in_flight_after_trained_step(out: Path, first: int = 0, trained: bool = True) -> int | None:
     """The step whose rollouts are calling the engine once a step >= `first` has completed (and trained,
     if `trained`); None before. Fails the test when no such step comes before the last one."""
-    rows = read_metrics(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else []
+    rows = step_rows(read_metrics(out / "metrics.jsonl")) if (out / "metrics.jsonl").exists() else []
     done = [r["step"] for r in rows if r["step"] >= first and (r.get("train/trained") or not trained)]
     if not done or done[0] + 1 >= STEPS:
         assert not rows or rows[-1]["step"] + 1 < STEPS, "no step completed before the last one; nothing to stop"
@@ -111,7 +112,7 @@ def assert_each_rollout_once(out: Path, steps: int = STEPS) -> dict:
         assert record["trained"] == trainable, f"step {step}: trained {record['trained']} != trainable {trainable}"
     trained_steps = sum(1 for r in st["ledger"] if r["trained"])
     assert adam_steps(out) == trained_steps, "the optimizer state was not carried over the restart"
-    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(steps))
+    assert [r["step"] for r in step_rows(read_metrics(out / "metrics.jsonl"))] == list(range(steps))
     assert not (out / "checkpoint.tmp").exists() and not (out / "checkpoint.old").exists()
     return st
 

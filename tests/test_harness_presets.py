@@ -16,8 +16,10 @@ from gyre.config.validate import ConfigValueError
 from gyre.harness.formats import claude_code_demonstration
 from gyre.harness.kinds import harness_spec
 from gyre.harness.preflight import check_harness_fits
+from gyre.metrics import read_metrics
 from gyre.model.chat_template import GENERATION_PROMPT, render_text
 from gyre.model.tokenizer import Tokenizer
+from gyre.sched.controller.report import step_rows
 from gyre.tasks.suite import TaskPool, sample_tasks
 from gyre.warm_start import encode_conversation, harness_corpus
 
@@ -104,7 +106,7 @@ def run_preset(tmp_path: Path, preset: str, *extra: str) -> tuple[Path, list[dic
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "nan" not in proc.stdout.split("gyre: success rate")[-1]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = step_rows(read_metrics(out / "metrics.jsonl"))
     assert [r["step"] for r in rows] == [0] and rows[0]["n_rollouts"] == 2
     assert rows[0]["n_scored"] == 2, rows[0]["excluded_reason_counts"]
     return out, rows

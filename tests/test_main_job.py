@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from tracking_readers import tensorboard_scalars, tensorboard_tags, wandb_run
 
+from gyre.metrics import read_metrics
+from gyre.sched.controller.report import step_rows
 from gyre.store.reader import read_shard
 
 pytestmark = pytest.mark.integration
@@ -40,7 +42,7 @@ def test_main_job_runs_end_to_end(tmp_path):
                           capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"gyre: outputs in {out}" in proc.stdout
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = step_rows(read_metrics(out / "metrics.jsonl"))  # beside the controller's events
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
         assert REQUIRED <= set(r)
@@ -91,7 +93,7 @@ def check_trackers(out: Path, rows: list[dict]) -> None:
             if key != "step" and isinstance(value, (int, float)):
                 assert tb[key][r["step"]] == pytest.approx(value, rel=1e-6, abs=1e-6), key
                 assert by_step[r["step"]][key] == pytest.approx(value, rel=1e-9, abs=1e-9), key
-    assert tensorboard_tags(tb_dir)["images"] == ["learning_curve"]
+    assert sorted(tensorboard_tags(tb_dir)["images"]) == ["learning_curve", "timeline"]
 
 
 def test_a_step_of_excluded_rollouts_stops_the_run(tmp_path):
@@ -109,6 +111,6 @@ def test_a_step_of_excluded_rollouts_stops_the_run(tmp_path):
     assert proc.returncode != 0, proc.stdout[-2000:]
     assert "stopping: 1 step(s) in a row (0)" in proc.stderr and "(2 of 2)" in proc.stderr, proc.stderr[-3000:]
     assert "2x infrastructure: proxy answered HTTP N" in proc.stderr, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = step_rows(read_metrics(out / "metrics.jsonl"))
     assert [r["step"] for r in rows] == [0] and rows[0]["n_excluded"] == 2
     assert rows[0]["excluded_reason_counts"][0][1] == 2

@@ -16,8 +16,10 @@ import torch
 
 from gyre.config.load import compose
 from gyre.config.validate import ConfigValueError
+from gyre.metrics import read_metrics
 from gyre.model.pretrained import check_pretrained
 from gyre.model.random_model import default_tokenizer
+from gyre.sched.controller.report import step_rows
 from launch.run import check_before_start
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -202,8 +204,8 @@ def test_the_megatron_trainer_starts_from_the_directory(qwen3_dir: Path, tmp_pat
 
 @pytest.mark.unit
 def test_the_cell_job_starts_its_cells_from_the_directory(qwen3_dir: Path, tmp_path: Path) -> None:
-    """scheduler=elastic: rank 0 writes where every cell's trainer and engine start from (gyre.sched.job)."""
-    from gyre.sched.job import write_policy
+    """scheduler=elastic: rank 0 writes where every cell's trainer and engine start from (gyre.sched.launch.job)."""
+    from gyre.sched.launch.job import write_policy
 
     cfg = compose([f"model.path={qwen3_dir}", "scheduler=elastic"])
     assert write_policy(cfg, tmp_path, "start-1", None, 0) == qwen3_dir.resolve()
@@ -225,7 +227,7 @@ def test_main_job_trains_a_step_from_a_model_directory(qwen3_dir: Path, tmp_path
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert f"starting from the model in {qwen3_dir.resolve()} (no warm start)" in proc.stdout
     assert not (tmp_path / "cache").exists()
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = step_rows(read_metrics(out / "metrics.jsonl"))
     assert [r["step"] for r in rows] == [0] and rows[0]["n_rollouts"] == 2
     assert (out / "checkpoint" / "trainer" / ".metadata").exists()
     synced = out / "weights" / "current"

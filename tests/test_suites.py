@@ -21,9 +21,9 @@ from gyre.config.load import compose
 from gyre.config.schema import SandboxConfig, TaskConfig
 from gyre.config.validate import ConfigValueError
 from gyre.harness.runner import RolloutOutcome
-from gyre.loop import summary
 from gyre.pipeline import FinishedRollout, task_provenance
 from gyre.sandbox import make_sandbox
+from gyre.sched.controller.report import summary
 from gyre.tasks.grading import Grade
 from gyre.tasks.harbor import load_harbor_task
 from gyre.tasks.oracle import _causes, check_task, name_cause

@@ -21,10 +21,12 @@ from gyre.config.load import compose
 from gyre.config.schema import HarnessConfig, RunConfig, SandboxConfig, TaskConfig, TaskSourceKind
 from gyre.config.validate import ConfigValueError
 from gyre.harness.runner import RolloutOutcome, run_rollout
+from gyre.metrics import read_metrics
 from gyre.pipeline import FinishedRollout, task_provenance
 from gyre.sandbox import ApptainerSandbox, Mount, SandboxJob, SandboxUnavailable, make_sandbox
 from gyre.sandbox.backends import check_task_images
 from gyre.sandbox.base import ENV_ALLOWLIST
+from gyre.sched.controller.report import step_rows
 from gyre.store.reader import read_shard
 from gyre.tasks.grading import Grade, grade_workspace
 from gyre.tasks.harbor import TaskFormatError, load_harbor_task, workspace_from_dockerfile
@@ -371,7 +373,7 @@ def test_main_job_trains_on_a_harbor_suite(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "launch.run", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    (row,) = step_rows(read_metrics(out / "metrics.jsonl"))
     assert (row["n_rollouts"], row["n_scored"], row["n_excluded"]) == (4, 4, 0), row
     shards = [read_shard(p) for p in sorted((out / "shards").glob("*.h5"))]
     pool = {t.task_id for t in TaskPool.from_config(compose(args[:5]).tasks, seed=0).tasks}

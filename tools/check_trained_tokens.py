@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from gyre.metrics import read_metrics
+from gyre.sched.controller.report import step_rows
 from gyre.store.reader import read_shard
 
 
@@ -68,8 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     for problem in problems:
         print(problem)
     print(f"{args.run}: {n_rollouts} rollouts, {n_tokens} sampled tokens checked, {len(problems)} mismatches")
-    for line in (args.run / "metrics.jsonl").read_text().splitlines():
-        m = json.loads(line)
+    for m in step_rows(read_metrics(args.run / "metrics.jsonl")):
         print(f"step {m['step']}: success {m.get('success_rate')}, ratio_mean {m.get('train/ratio_mean')}, "
               f"clip_frac {m.get('train/clip_frac')}")  # fmt: skip
     return 1 if problems else 0

@@ -4,7 +4,7 @@
     python -m tools.import_graph --long 60      # also every function over 60 lines (gyre/ and launch/)
 
 Imports are read from the source (ast), lazy ones inside functions included: a deferred import is still a
-dependency. A package is gyre's first-level name (gyre/sched/cell.py -> sched, gyre/loop.py -> loop).
+dependency. A package is gyre's first-level name (gyre/sched/cell/worker.py -> sched, gyre/health.py -> health).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("engine", "sandbox", "health", "metrics", "tracking"),
     ("proxy", "tasks"),
     ("harness",),
-    ("warm_start", "pipeline", "resume", "rollouts"),
-    ("sched",),
-    ("loop", "sim"),  # the simulator drives the production scheduling code (gyre.sched.policy)
+    ("warm_start", "pipeline", "resume"),
+    ("sched",),  # the one orchestrator (gyre.sched.controller) for every scheduler
+    ("sim",),  # the simulator drives the production scheduling code (gyre.sched.policy)
 ]
 LAYER_OF = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 

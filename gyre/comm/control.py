@@ -1,12 +1,15 @@
-"""The MPI control plane: a controller on rank 0 and one communicator per cell.
+"""The control plane: a controller and the cells it drives, exchanging `gyre.comm.messages`.
 
-Messages are the dataclasses of `gyre.comm.messages`, pickled by mpi4py on one tag. Waiting never
-spins the CPU: MPICH's blocking receive busy-polls (a quarter of a core measured on an idle rank),
-so every wait here is a non-blocking probe or test followed by a sleep that doubles up to
-`poll_max_s` (about 0.5% of a core idle; a message after a long idle waits at most `poll_max_s`).
+One `ControlPlane` over a `Mailbox` that moves envelopes: MPI for a job of cells (gyre.comm.mpi_control, a
+controller on rank 0 and one communicator per cell), or in-process queues for one local cell run in a
+thread beside the controller (gyre.comm.local_control), as submitit's debug executor sits beside its Slurm
+one. Requests, acks, serving and waiting are the same code over either.
 
-All ranks of the job build their `ControlPlane` together: splitting the cell communicators is a
-collective over the world.
+Waiting never spins the CPU: MPICH's blocking receive busy-polls (a quarter of a core measured on an idle
+rank), so every wait here is a non-blocking probe followed by a pause that doubles up to `poll_max_s`
+(about 0.5% of a core idle); the in-process mailbox ends a pause as soon as a message arrives.
+
+Importing this module loads no MPI: `world_control_plane` imports mpi4py when a job of cells builds its plane.
 """
 
 from __future__ import annotations
@@ -16,13 +19,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
-
-from mpi4py import MPI
+from typing import Any, Protocol, TypeVar
 
 from gyre.comm.messages import Ack, Envelope, Message, Role, RoleSwitch, Shutdown
 
 CONTROL_TAG = 4242
+ANY_SOURCE = None  # recv's `source` for a message from anyone
 T = TypeVar("T")
 Handler = Callable[[Any], Mapping[str, Any] | None]
 
@@ -53,7 +55,7 @@ class CellLayout:
     @classmethod
     def from_places(cls, places: Sequence[tuple[int, int]]) -> CellLayout:
         """World rank i at `places[i]` = (cell, rank in the cell), cell -1 the controller (as each rank found
-        its place from Slurm's variables: gyre.sched.slurm_env.place_in_job)."""
+        its place from Slurm's variables: gyre.sched.launch.slurm_env.place_in_job)."""
         controllers = [r for r, (cell, _) in enumerate(places) if cell < 0]
         cells = sorted({cell for cell, _ in places if cell >= 0})
         if len(controllers) != 1 or cells != list(range(len(cells))):
@@ -80,7 +82,7 @@ class CellLayout:
 
     @property
     def leaders(self) -> tuple[int, ...]:
-        """Each cell's first rank: the one the cell runtime's controller talks to (gyre.sched.cell_group)."""
+        """Each cell's first rank: the one the cell runtime's controller talks to (gyre.sched.cell.ranks)."""
         return tuple(ranks[0] for ranks in self.cells)
 
     @property
@@ -96,19 +98,42 @@ class SwitchResult:
     acks: tuple[Ack, ...]
 
 
+class Mailbox(Protocol):
+    """Moves envelopes between ranks without blocking (MPI, or queues in one process)."""
+
+    rank: int
+    comm: Any  # the MPI world communicator (None in one process): gradients and shards move over it
+    cell_comm: Any  # this rank's cell: Get_rank, Get_size, bcast, gather, Ibarrier, Free (mpi4py's names)
+
+    def post(self, dest: int, env: Envelope) -> None: ...
+
+    def take(self, source: int | None) -> Envelope | None:
+        """The next envelope (from `source`; None: from anyone) if one has arrived."""
+
+    def has_mail(self) -> bool: ...
+
+    def pause(self, seconds: float) -> None:
+        """Wait up to `seconds` for something to arrive (a plain sleep where arrival cannot be seen)."""
+
+    def flush(self) -> bool:
+        """Whether every envelope posted has been delivered."""
+
+    def free(self) -> None: ...
+
+
 class ControlPlane:
-    def __init__(self, comm: MPI.Comm, layout: CellLayout, poll_max_s: float = 0.02, poll_min_s: float = 2e-4) -> None:
-        self.comm = comm
-        self.rank = comm.Get_rank()
+    def __init__(
+        self, mailbox: Mailbox, layout: CellLayout, poll_max_s: float = 0.02, poll_min_s: float = 2e-4
+    ) -> None:
+        self.mailbox = mailbox
+        self.comm = mailbox.comm
+        self.cell_comm = mailbox.cell_comm
+        self.rank = mailbox.rank
         self.layout = layout
         self.cell = layout.cell_of(self.rank)
         self.poll_min_s, self.poll_max_s = poll_min_s, poll_max_s
-        color = self.cell if self.cell >= 0 else MPI.UNDEFINED
-        key = layout.ranks(self.cell).index(self.rank) if self.cell >= 0 else 0  # its rank in the cell
-        self.cell_comm: MPI.Comm = comm.Split(color, key=key)
         self._seq = itertools.count(1)
         self._inbox: deque[Envelope] = deque()
-        self._sends: list[MPI.Request] = []
 
     @property
     def is_controller(self) -> bool:
@@ -116,7 +141,7 @@ class ControlPlane:
 
     # ----- waiting without spinning -----
     def wait_for(self, poll: Callable[[], T | None], timeout: float | None) -> T | None:
-        """Call `poll` until it returns something, sleeping between calls; None after `timeout` s."""
+        """Call `poll` until it returns something, pausing between calls; None after `timeout` s."""
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = self.poll_min_s
         while True:
@@ -127,30 +152,28 @@ class ControlPlane:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
-                time.sleep(min(delay, left))
+                self.mailbox.pause(min(delay, left))
             else:
-                time.sleep(delay)
+                self.mailbox.pause(delay)
             delay = min(delay * 2, self.poll_max_s)
 
     # ----- point to point -----
     def send(self, dest: int, body: Message, seq: int | None = None) -> int:
         """Send without blocking; returns the message's sequence number."""
         seq = next(self._seq) if seq is None else seq
-        self._sends = [r for r in self._sends if not r.Test()]
-        self._sends.append(self.comm.isend(Envelope(seq, self.rank, body, time.time()), dest=dest, tag=CONTROL_TAG))
+        self.mailbox.post(dest, Envelope(seq, self.rank, body, time.time()))
         return seq
 
-    def _probe(self, source: int) -> Envelope | None:
-        msg = self.comm.improbe(source=source, tag=CONTROL_TAG)
-        return None if msg is None else msg.recv()
-
-    def recv(self, timeout: float | None = None, source: int = MPI.ANY_SOURCE) -> Envelope | None:
+    def recv(self, timeout: float | None = None, source: int | None = ANY_SOURCE) -> Envelope | None:
         """The next message (from `source`), or None after `timeout` seconds (None: wait forever)."""
         for env in self._inbox:
-            if source in (MPI.ANY_SOURCE, env.src):
+            if source in (ANY_SOURCE, env.src):
                 self._inbox.remove(env)
                 return env
-        return self.wait_for(lambda: self._probe(source), timeout)
+        return self.wait_for(lambda: self.mailbox.take(source), timeout)
+
+    def has_mail(self) -> bool:
+        return bool(self._inbox) or self.mailbox.has_mail()
 
     def reply(self, env: Envelope, detail: Mapping[str, Any] | None = None, error: str = "") -> None:
         self.send(env.src, Ack(env.seq, self.rank, self.cell, dict(detail or {}), error))
@@ -166,7 +189,7 @@ class ControlPlane:
         deadline = time.monotonic() + timeout
 
         def poll() -> bool | None:
-            env = self._probe(MPI.ANY_SOURCE)
+            env = self.mailbox.take(ANY_SOURCE)
             if env is None:
                 return None
             if isinstance(env.body, Ack) and env.body.seq == seq and env.src in ranks:
@@ -220,17 +243,18 @@ class ControlPlane:
 
     def close(self, timeout: float = 10.0) -> None:
         """Wait for outgoing messages to be delivered, then free the cell communicator."""
-        pending = self._sends
-        if self.wait_for(lambda: True if MPI.Request.Testall(pending) else None, timeout) is None:
-            raise ControlError(f"rank {self.rank}: {len(pending)} control messages undelivered after {timeout} s")
-        self._sends = []
-        if self.cell_comm != MPI.COMM_NULL:
-            self.cell_comm.Free()
+        if self.wait_for(lambda: True if self.mailbox.flush() else None, timeout) is None:
+            raise ControlError(f"rank {self.rank}: control messages undelivered after {timeout} s")
+        self.mailbox.free()
 
 
 def world_control_plane(
     cell_sizes: Iterable[int], poll_max_s: float = 0.02, layout: CellLayout | None = None
 ) -> ControlPlane:
-    """The control plane over MPI_COMM_WORLD: `layout`, or rank 0 the controller and the cells in rank order."""
-    comm = MPI.COMM_WORLD
-    return ControlPlane(comm, layout or CellLayout.contiguous(comm.Get_size(), cell_sizes), poll_max_s)
+    """The control plane over MPI_COMM_WORLD: `layout`, or rank 0 the controller and the cells in rank order.
+    Collective: every rank of the job builds it (splitting the cell communicators)."""
+    from gyre.comm.mpi_control import MpiMailbox, world
+
+    comm = world()
+    layout = layout or CellLayout.contiguous(comm.Get_size(), cell_sizes)
+    return ControlPlane(MpiMailbox(comm, layout), layout, poll_max_s)

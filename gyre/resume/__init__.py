@@ -16,7 +16,7 @@
   preempted and resumed run hold each rollout id of each completed step exactly once, and the
   ledger lists every completed step exactly once.
 
-The colocate loop (gyre/loop.py) and the cell job (the controller, the core cell) use the same functions. Only
-`checkpoint` and `kept_groups` (imported by `recovery` only when resuming) import torch, so the CLI can import
-`preemption` and `recovery` cheaply.
+The controller (gyre/sched/controller/orchestrator.py) uses the same functions for every scheduler (the core cell
+writes the checkpoint). Only `checkpoint` and `kept_groups` (imported by `recovery` only when resuming) import torch,
+so the CLI can import `preemption` and `recovery` cheaply.
 """

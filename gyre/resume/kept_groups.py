@@ -9,8 +9,8 @@ group's rollouts are not run again, and the step trains it with the groups it do
 version (a newer one, whose weights the checkpoint lost) is moved aside as before.
 
 `find_kept_groups` decides (prepare_resume calls it); `restore_groups` turns the kept groups back into what the
-loops hold for a finished group (its rollouts, their calls from calls.jsonl, its GroupShard), for the colocate loop
-(gyre.rollouts) and the controller's step book (gyre.sched.steps) alike.
+loops hold for a finished group (its rollouts, their calls from calls.jsonl, its GroupShard), for the controller's
+step book (gyre.sched.controller.steps), for every scheduler.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What the loops need of a training replica, and the one place a backend is chosen (`train.backend`).
 
-The loops (gyre/loop.py, gyre/sched) and the warm start see a `Trainer`: they step it, read logprobs, move
+The controller's cells (gyre/sched) and the warm start see a `Trainer`: they step it, read logprobs, move
 weights in and out in HF names (what the rollout engines serve) and save/load it. MegatronTrainer
 (gyre/train/megatron_trainer.py) is the implementation; another backend joins by adding a branch to
 `make_trainer` and a value to `TrainBackend`.

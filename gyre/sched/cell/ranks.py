@@ -33,7 +33,6 @@ from gyre.comm.transfer import BufferHandle, ShardHandles, WeightTransport, make
 from gyre.config.schema import RunConfig
 from gyre.resume.checkpoint import TRAINER_FILE, BackgroundWriter, Snapshot
 from gyre.resume.state import checkpoint_paths
-from gyre.sched.grad_reduce import receive_gradients, send_gradients
 from gyre.sched.replica import MicroBatchSource, core_step, flat_grads, grad_numel
 from gyre.train.trainer import Trainer
 
@@ -96,14 +95,21 @@ def reduce_shard(cp: ControlPlane, trainer: Trainer, msg: GradientReduce, timeou
     contributors = shard_ranks(cp, msg.contributors, index)
     flat, has = flat_grads(trainer.model)
     if cp.rank != core_rank:
+        from gyre.sched.cell.grad_reduce import send_gradients  # MPI: a cell alone in its process sends nothing
+
         send_gradients(cp.comm, core_rank, flat, has, cp.wait_for, timeout)
         trainer.zero_grad()
         return None
     others = [r for r in contributors if r != cp.rank]
-    numel, n_params = grad_numel(trainer.model)
-    total, any_has = receive_gradients(cp.comm, others, numel, n_params, cp.wait_for, timeout)
-    if cp.rank in contributors:
-        total, any_has = total + flat, any_has | has
+    if others:
+        from gyre.sched.cell.grad_reduce import receive_gradients
+
+        numel, n_params = grad_numel(trainer.model)
+        total, any_has = receive_gradients(cp.comm, others, numel, n_params, cp.wait_for, timeout)
+        if cp.rank in contributors:
+            total, any_has = total + flat, any_has | has
+    else:
+        total, any_has = (flat, has) if cp.rank in contributors else (torch.zeros_like(flat), torch.zeros_like(has))
     return core_step(trainer, total, any_has, msg.scale)
 
 

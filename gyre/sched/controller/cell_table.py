@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gyre.comm.control import CONTROL_TAG, ControlError, ControlPlane
+from gyre.comm.control import ControlError, ControlPlane
 from gyre.comm.messages import Ack, Role
 from gyre.sched.liveness import LivenessWatch
 from gyre.sched.policy import CellState
@@ -122,7 +122,7 @@ class Outbox:
         self.waiting = {s: w for s, w in self.waiting.items() if w[0] != rank}
 
     def has_mail(self) -> bool:
-        return bool(self.cp.comm.Iprobe(tag=CONTROL_TAG))
+        return self.cp.has_mail()
 
     def call(
         self,

@@ -43,15 +43,21 @@ class CellEngine:
         nodes: list[str] | None = None,
         gpus_per_node: int = 0,
         trainer_address: str = "127.0.0.1",
+        kv_transfer: bool = True,
+        scratch: Path | None = None,
     ) -> None:
         self.cfg = dataclasses.replace(cfg, num_threads=threads)
         self.checkpoint_dir = checkpoint_dir
         shm = Path("/dev/shm")
-        self.scratch = Path(tempfile.mkdtemp(prefix="gyre-cell-weights-", dir=shm if shm.is_dir() else None))
+        self.owns_scratch = scratch is None  # its own, removed at stop; given: the run's, kept (RUN_DIR/weights)
+        if scratch is None:
+            scratch = Path(tempfile.mkdtemp(prefix="gyre-cell-weights-", dir=shm if shm.is_dir() else None))
+        self.scratch = scratch
         setup = EngineSetup(model_cfg, tokenizer_dir, log_dir, self.scratch, env, list(nodes or []), gpus_per_node,
                             trainer_address)  # fmt: skip
         self.engine: RolloutEngine = make_engine(self.cfg, setup)
         self.setup = setup
+        self.kv_transfer = kv_transfer  # False: the run's only engine, whose keys/values never move
         self.starts = 0
         self.start()
 
@@ -79,7 +85,9 @@ class CellEngine:
         weights = self.scratch / "current" if (self.scratch / "current").exists() else self.checkpoint_dir
         self.starts += 1
         self.engine.start(weights)
-        if self.engine.backend == "embedded":  # starts its Mooncake transfer engine now, not mid-switch
+        if (
+            self.engine.backend == "embedded" and self.kv_transfer
+        ):  # starts its Mooncake transfer engine now, not mid-switch
             from gyre.engine.client import SyncEngineClient
 
             SyncEngineClient(self.url).post("/gyre/kv/release")
@@ -110,7 +118,8 @@ class CellEngine:
 
     def stop(self) -> None:
         self.engine.stop()
-        shutil.rmtree(self.scratch, ignore_errors=True)
+        if self.owns_scratch:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def cell_env(hostname: str, protocol: str, threads: int) -> dict[str, str]:

@@ -1,7 +1,7 @@
-"""The cell job's MPI program: `mpirun -n 1+C python -m mpi4py -m gyre.sched.job RUN_DIR`.
+"""The cell job's MPI program: `mpirun -n 1+C python -m mpi4py -m gyre.sched.launch.job RUN_DIR`.
 
-Rank 0 runs the controller (gyre.sched.controller), ranks 1..C the cells (gyre.sched.cell), all from
-RUN_DIR/config.yaml. Started by gyre.sched.launch on one machine, or by `srun` over the components
+Rank 0 runs the controller (gyre.sched.controller.orchestrator), ranks 1..C the cells (gyre.sched.cell.worker), all from
+RUN_DIR/config.yaml. Started by gyre.sched.launch.local on one machine, or by `srun` over the components
 of a Slurm het job (launch/submit.py; `submitit_main` under submitit). `-m mpi4py` turns an exception
 on any rank into MPI_Abort of the job instead of a hang.
 """
@@ -17,32 +17,31 @@ import threading
 import traceback
 import uuid
 from collections.abc import Mapping
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NoReturn
 
 from mpi4py import MPI
 from omegaconf import OmegaConf
 
-from gyre.comm.control import CellLayout, ControlPlane, world_control_plane
+from gyre.comm.control import CellLayout, world_control_plane
 from gyre.config.load import to_run_config
-from gyre.config.schema import CellResources, ModelConfig, RunConfig
+from gyre.config.schema import RunConfig
 from gyre.config.validate import cell_ranks, check_cells
 from gyre.engine.admin_key import set_run_admin_key, take_run_admin_key
 from gyre.errors import UserError, report, wants_traceback
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted
 from gyre.sandbox.limits import raise_open_file_limit
-from gyre.sched.affinity import available_cpus, cpu_plan, pin
-from gyre.sched.faults import stalls_start
-from gyre.sched.job_preflight import run_preflight
-from gyre.sched.launch import (
+from gyre.sched.controller.faults import stalls_start
+from gyre.sched.launch.affinity import available_cpus, cpu_plan, pin
+from gyre.sched.launch.job_preflight import run_preflight
+from gyre.sched.launch.local import (
     CONTROLLER_PID_FILE,
     DEAD_CELLS_EXIT_CODE,
     LAUNCHER_REPORTS_ENV,
     RANK_ERROR_FILE,
     DeadCellsError,
 )
-from gyre.sched.slurm_env import (
+from gyre.sched.launch.slurm_env import (
     WORLD_UP_VAR,
     CellPlace,
     cell_rank_from_env,
@@ -51,6 +50,7 @@ from gyre.sched.slurm_env import (
     record_exit_status,
     start_attempt,
 )
+from gyre.sched.runtime import run_cell, run_controller
 
 
 def run(out: Path) -> tuple[bool, dict[str, Any], int]:
@@ -88,6 +88,7 @@ def run(out: Path) -> tuple[bool, dict[str, Any], int]:
         init_gloo_from_mpi(world, cfg.comm.hostname)
     code = 0
     if cp.is_controller:
+        (out / CONTROLLER_PID_FILE).write_text(str(os.getpid()))  # gyre.sched.launch.local passes stop signals here
         try:
             finalize = run_controller(cfg, cp, out, start_id)
         except Preempted:
@@ -116,30 +117,10 @@ def dead_cells_message(summary: dict[str, Any]) -> str:
     )
 
 
-def run_controller(cfg: RunConfig, cp: ControlPlane, out: Path, start_id: str) -> bool:
-    """Pick the starting point (a checkpoint to resume, outputs of unfinished steps moved aside), tell the
-    cells through policy.json, run. A stop signal checkpoints and raises Preempted."""
-    from gyre.resume.recovery import prepare_resume
-    from gyre.sched.controller import Controller
-
-    (out / CONTROLLER_PID_FILE).write_text(str(os.getpid()))  # gyre.sched.launch passes stop signals here
-    point = prepare_resume(out, cfg.resume, log=print)
-    tokenizer_dir = write_policy(cfg, out, start_id, point.checkpoint, point.state.next_step)
-    controller = Controller(cfg, cp, tokenizer_dir, out, point)
-    try:
-        controller.run()
-    except BaseException:
-        controller.abandon()
-        raise
-    finally:
-        controller.stop_engines_of_lost_cells()
-    return controller.finalize
-
-
 def job_layout(world: Any, cfg: RunConfig, env: Mapping[str, str]) -> CellLayout:
     """Which world ranks form each cell. The job has a rank for the controller, then each cell's ranks (nodes
     x tasks_per_node). Under a Slurm het job every rank finds its cell, its rank in it and its node among the
-    cell's nodes from Slurm's variables (gyre.sched.slurm_env.place_in_job: the controller and the core's
+    cell's nodes from Slurm's variables (gyre.sched.launch.slurm_env.place_in_job: the controller and the core's
     ranks on component 0, cell i's on component i, `tasks_per_node` of them on each of the cell's nodes), and
     the layout is what they found; elsewhere (mpirun) the cells take the ranks after the controller in order.
     Collective (an allgather under Slurm): every rank raises the same error."""
@@ -204,7 +185,7 @@ def record_rank_error(out: Path, error: UserError) -> bool:
 
 
 def fail_rank(out: Path, error: UserError) -> NoReturn:
-    """Stop the whole job on an expected failure with its message said once: by gyre.sched.launch when it
+    """Stop the whole job on an expected failure with its message said once: by gyre.sched.launch.local when it
     started the job (it reads rank_error.txt), else (srun) by the first rank that failed."""
     first = record_rank_error(out, error)
     if os.environ.get(LAUNCHER_REPORTS_ENV) == "1":
@@ -231,110 +212,6 @@ def submitit_main(run_dir: str, abort_after_s: float = 30.0) -> dict[str, Any]:
     # after submitit has written the result: skip the slow teardown; exit 75 when stopped (the script requeues)
     atexit.register(os._exit, code)
     return report
-
-
-def write_policy(cfg: RunConfig, out: Path, start_id: str, resume_from: Path | None, version: int) -> Path:
-    """Rank 0 finds or builds the warm start while the cells start up, and writes where the cells start
-    from (the warm start, and the run's checkpoint when resuming); returns the tokenizer dir."""
-    from gyre.harness.preflight import check_harness_fits
-    from gyre.tasks.suite import TaskPool
-    from gyre.warm_start import prepare_policy
-
-    first = TaskPool(cfg.tasks.families, cfg.tasks.pool_size, seed=cfg.seed).for_step(0, cfg.rl.groups_per_step)
-    policy = prepare_policy(cfg, log=print, check=lambda tok: check_harness_fits(cfg, first, tok))
-    paths = {"start_id": start_id, "model": asdict(policy.model_cfg), "tokenizer_dir": str(policy.tokenizer_dir)}
-    paths |= {"checkpoint_dir": str(policy.checkpoint_dir), "resume_from": str(resume_from or ""), "version": version}
-    tmp = out / "policy.json.tmp"
-    tmp.write_text(json.dumps(paths, indent=1))
-    tmp.rename(out / "policy.json")
-    return policy.tokenizer_dir
-
-
-def policy_paths(out: Path, cp: ControlPlane, start_id: str) -> dict[str, Any]:
-    """What rank 0 wrote for this start (building a warm start takes minutes; if it fails, rank 0's error
-    aborts the job). A policy.json of an earlier start (a requeued job) is not this one."""
-    path = out / "policy.json"
-
-    def written() -> dict[str, Any] | None:
-        try:
-            paths = json.loads(path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return None
-        return paths if paths.get("start_id") == start_id else None
-
-    paths = cp.wait_for(written, None)
-    return {
-        "model_cfg": ModelConfig(**paths["model"]),
-        "ckpt": Path(paths["checkpoint_dir"]),
-        "tok": Path(paths["tokenizer_dir"]),
-        "resume_from": Path(paths["resume_from"]) if paths["resume_from"] else None,
-        "version": int(paths["version"]),
-    }
-
-
-def cell_resources(cfg: RunConfig, cell: int) -> CellResources:
-    """Cell 0 is cluster.core, cell i satellite i-1 (local runs may have more cells than listed: the last)."""
-    sats = cfg.cluster.satellites
-    if cell == 0 or not sats:
-        return cfg.cluster.core
-    return sats[min(cell, len(sats)) - 1]
-
-
-def run_cell(cfg: RunConfig, cp: ControlPlane, out: Path, start_id: str) -> bool:
-    """Import megatron and build the training replica in a thread while the engine starts here (it must
-    start on the main thread: see gyre.sched.cell_engine), then serve the controller."""
-    from gyre.comm.mooncake_transport import resolve_hostname
-    from gyre.sched.cell_engine import CellEngine, cell_env, cell_nodes
-
-    if cp.cell_comm.Get_size() > 1:  # the cell's trainer world over its ranks (gloo), for megatron's layout
-        from gyre.comm.gloo_transport import init_gloo_from_mpi
-
-        init_gloo_from_mpi(cp.cell_comm, cfg.comm.hostname)
-    if cp.cell_comm.Get_rank() > 0:
-        return run_follower(cfg, cp, out, start_id)
-    got: dict[str, Any] = {}
-    have_paths = threading.Event()
-
-    def build() -> None:
-        from gyre.sched.cell import build_replica  # torch, megatron: seconds
-        from gyre.warm_start import Policy
-
-        have_paths.wait()
-        got["policy"] = Policy(got["model_cfg"], got["tok"], got["ckpt"])
-        got["trainer"] = build_replica(cfg, got["policy"], got["resume_from"])
-
-    builder = threading.Thread(target=build, name="gyre-replica", daemon=True)
-    builder.start()
-    try:
-        got.update(policy_paths(out, cp, start_id))
-    finally:
-        have_paths.set()
-    threads = cfg.sched.threads_per_cell
-    env = cell_env(cfg.comm.hostname, cfg.cluster.mooncake.protocol, threads)
-    resources = cell_resources(cfg, cp.cell)
-    nodes = cell_nodes(cp.cell, os.environ) if cfg.engine.backend == "sglang" else []
-    engine = CellEngine(
-        cfg.engine, got["model_cfg"], got["ckpt"], got["tok"], out / "cells" / f"cell{cp.cell}", threads, env,
-        nodes=nodes, gpus_per_node=resources.gpus_per_node, trainer_address=resolve_hostname(cfg.comm.hostname),
-    )  # fmt: skip
-    builder.join()
-    if "trainer" not in got:
-        engine.stop()
-        raise RuntimeError(f"cell {cp.cell}: building the training replica failed (its error is printed above)")
-    from gyre.sched.cell import CellWorker
-
-    return CellWorker(cfg, cp, got["policy"], engine, got["trainer"], got["version"]).serve()
-
-
-def run_follower(cfg: RunConfig, cp: ControlPlane, out: Path, start_id: str) -> bool:
-    """A cell rank after its first: its shard of the replica, run as the cell's leader tells it."""
-    from gyre.sched.cell import build_replica
-    from gyre.sched.cell_group import CellFollower
-    from gyre.warm_start import Policy
-
-    paths = policy_paths(out, cp, start_id)
-    policy = Policy(paths["model_cfg"], paths["tok"], paths["ckpt"])
-    return CellFollower(cfg, cp, build_replica(cfg, policy, paths["resume_from"])).serve()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
-"""Rank 0 of a cell job: the proxy, the harness sessions, the scheduler policy, shards, metrics.
+"""The run's one orchestrator: the proxy, the harness sessions, the scheduler policy, shards, the step
+clock, checkpoints and stops, metrics, the progress bar and the summary.
 
+Every scheduler is a configuration of it: colocate (every cell switches together; one local cell runs in
+this process, gyre.sched.launch.in_process), colocate_cells, async and elastic (cells as an MPI job, gyre.sched.launch.job).
 The loop reacts to what happened since it last looked (sessions finished, micro-batches done, cells
 died), lets the policy move cells between roles, and hands out training work; it sleeps between
 looks (no spinning) and ends once the last step's weights are published.
@@ -8,11 +11,15 @@ looks (no spinning) and ends once the last step's weights are published.
 from __future__ import annotations
 
 import json
+import math
+import os
 import signal
 import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from tqdm import tqdm
 
 from gyre.comm.address import engine_reachable
 from gyre.comm.control import ControlError, ControlPlane
@@ -28,35 +35,69 @@ from gyre.resume.preemption import Preempted
 from gyre.resume.recovery import ResumePoint, checkpoint_due, describe_start, task_pool_position
 from gyre.resume.state import RunState
 from gyre.sandbox import make_sandbox
-from gyre.sched.cells import Cell, CellDied, CellTable, Outbox, kill_pid, pid_alive
-from gyre.sched.faults import FaultInjector
+from gyre.sched.controller.cell_table import Cell, CellDied, CellTable, Outbox, kill_pid, pid_alive
+from gyre.sched.controller.faults import FaultInjector
+from gyre.sched.controller.report import progress, step_rows
+from gyre.sched.controller.report import summary as summary_line
+from gyre.sched.controller.sessions import RolloutDriver
+from gyre.sched.controller.steps import StepBook
+from gyre.sched.controller.switching import Switcher
+from gyre.sched.controller.timeline import Timeline
+from gyre.sched.controller.train_plane import TrainPlane
 from gyre.sched.liveness import LivenessWatch
 from gyre.sched.policy import Load, PolicyConfig, Switch, decide, initial_roles, may_start
-from gyre.sched.rollout_driver import RolloutDriver
-from gyre.sched.steps import StepBook
-from gyre.sched.switching import Switcher
-from gyre.sched.timeline import Timeline
-from gyre.sched.train_plane import TrainPlane
 from gyre.tracking import open_trackers
 
 # SIGTERM: Slurm preemption, `scontrol requeue`, the time-limit signal (the batch script forwards it through
-# srun). Not SIGUSR1: mpiexec uses it to tell survivors that a rank died
+# srun). Not SIGUSR1 in a cell job: mpiexec uses it to tell survivors that a rank died; in one process it
+# is there for users' own tooling (gyre.resume.preemption)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
+IN_PROCESS_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+
 ENGINE_PROBE_S = 15.0  # how long the controller tries to reach each engine before the first rollout
 MAX_ENGINE_FAILURES = 5  # calls in a row an engine fails (the proxy routing around it) before its cell is dead
 
 
+class StopRequest:
+    """The first stop signal, noted from before any work (a resume's moves, the warm start) until the run
+    ends; the controller checkpoints at the last completed step and stops when it next looks. Install from
+    the main thread."""
+
+    def __init__(self, in_process: bool = False) -> None:
+        self.name = ""
+        for sig in IN_PROCESS_STOP_SIGNALS if in_process else STOP_SIGNALS:
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.name:
+            return  # already stopping: Slurm signals every process and the batch shell forwards another
+        self.name = signal.Signals(signum).name
+        # os.write, not print: a handler may run in the middle of another print to the same stream
+        os.write(2, f"\ngyre: {self.name} received: checkpointing and stopping now (rollouts in flight are "
+                    "abandoned; an update in progress completes)\n".encode())  # fmt: skip
+
+
 def policy_config(cfg: RunConfig) -> PolicyConfig:
+    """colocate: the cells share harness.concurrency sessions (all of a step's at once by default)."""
     s = cfg.sched
     n = 1 + len(cfg.cluster.satellites)
-    return PolicyConfig(cfg.scheduler, n, s.capacity_per_cell, s.staleness, s.async_rollout_cells)
+    capacity = math.ceil(cfg.harness.concurrency / n) if cfg.scheduler == "colocate" else s.capacity_per_cell
+    return PolicyConfig(cfg.scheduler, n, capacity, s.staleness, s.async_rollout_cells)
 
 
 class Controller:
     def __init__(
-        self, cfg: RunConfig, cp: ControlPlane, tokenizer_dir: Path, out: Path, point: ResumePoint | None = None
+        self,
+        cfg: RunConfig,
+        cp: ControlPlane,
+        tokenizer_dir: Path,
+        out: Path,
+        point: ResumePoint | None = None,
+        stop: StopRequest | None = None,
     ) -> None:
         self.cfg, self.cp, self.out = cfg, cp, out
+        self.stop_request = stop or StopRequest()
         self.pcfg = policy_config(cfg)
         self.metrics = MetricsWriter(out, open_trackers(cfg, out))
         self.timeline = Timeline(self.pcfg.n_cells)
@@ -80,13 +121,13 @@ class Controller:
         self.state = point.state  # completed steps (their rollouts, trained ids, shards), starts of the job
         self.state.begin()
         self.metrics.rows = list(point.metrics_rows)
+        self.run_rows = step_rows(point.metrics_rows)  # every completed step's row, over every start
         print(describe_start(point, cfg, out), flush=True)
         self.train.version = self.state.next_step
         self.submitted = self.state.next_step  # steps whose sessions have been handed to the driver
-        self.finalize = True  # False once a cell died (see gyre.sched.job)
+        self.finalize = True  # False once a cell died (see gyre.sched.launch.job)
         self.step_rows: list[dict[str, Any]] = []
         self.exclusions = ExclusionWatch(cfg.rl.max_excluded_fraction, cfg.rl.max_excluded_steps)
-        self.stop_signal = ""  # set by SIGTERM/SIGUSR2: checkpoint at the last completed step, then stop
         self.dead_reasons: dict[int, str] = {}  # cell -> why it was declared dead
         self.abandoned: set[int] = set()  # ranks declared dead whose process may still run (told to stop at the end)
 
@@ -121,9 +162,10 @@ class Controller:
     def run(self) -> None:
         """Until the last step's weights are published; raises Preempted (checkpointed, cells shut down)
         after a stop signal."""
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, self._on_stop)
         start = time.monotonic()
+        self.bar = tqdm(
+            desc="gyre", unit="step", dynamic_ncols=True, initial=self.state.next_step, total=self.cfg.steps
+        )
         self.timeline.start_clock()
         initial = [Switch(c, r) for c, r in enumerate(initial_roles(self.pcfg)) if r != "rollout"]
         self.check_engines_reachable()
@@ -154,8 +196,10 @@ class Controller:
             self.driver.submit(jobs)
             self.submitted += 1
 
-    def _on_stop(self, signum: int, frame: object) -> None:
-        self.stop_signal = signal.Signals(signum).name
+    @property
+    def stop_signal(self) -> str:
+        """The stop signal's name once one came (SIGTERM, SIGUSR2; in one process SIGUSR1 too), else ""."""
+        return self.stop_request.name
 
     def log(self, row: dict[str, Any]) -> None:
         self.metrics.write(row | {"t": round(self.timeline.now(), 3)})
@@ -265,6 +309,7 @@ class Controller:
         train = self.train.finish_step()
         rec = self.book.steps[step]
         row = {"event": "step", "step": step, **self.book.summary(step), **train}
+        row["train/trained"] = float(bool(rec.trained_ids))  # an optimizer update on a gradient (none: skipped)
         row |= {"wall_s": round(time.monotonic() - rec.submitted, 3), "t": round(self.timeline.now(), 3)}
         row |= {"version": self.train.version, "continued_calls": self.proxy.dispatcher.continued}
         row |= {"continued_recomputed_tokens": self.proxy.dispatcher.continued_recomputed_tokens}
@@ -272,13 +317,16 @@ class Controller:
         row |= {"engine_failures": sum(self.proxy.dispatcher.engine_failures.values())}
         self.metrics.write(row)
         self.step_rows.append(row)
+        self.run_rows.append(row)
+        self.bar.set_postfix(progress(row) | {"v": str(self.train.version)}, refresh=False)
+        self.bar.update()
         self.exclusions.observe(row)  # raises ExcludedRunError (the run abandoned): its row is in metrics.jsonl
-        rollouts = [m.outcome.rollout_id for members in rec.groups.values() for m in members]
-        self.state.record_step(step, rollouts, rec.trained_ids, [s.path.name for s in rec.shards])
+        rejected = [rid for s in rec.shards for rid in s.rejected]  # no tree: not stored
+        stored = [m.outcome.rollout_id for members in rec.groups.values() for m in members]
+        stored = [rid for rid in stored if rid not in rejected]
+        self.state.record_step(step, stored, rec.trained_ids, [s.path.name for s in rec.shards], rejected)
         if checkpoint_due(self.cfg, step):
             self.checkpoint()
-        print(f"gyre[{self.cfg.scheduler}]: step {step} reward {row['reward_mean']:.2f} success "
-              f"{row['success_rate']:.2f} ({row['wall_s']:.1f} s)", flush=True)  # fmt: skip
 
     def checkpoint(self, final: bool = False) -> None:
         """The core writes weights, optimizer and the run state of the completed steps (gyre/resume), in the
@@ -298,6 +346,8 @@ class Controller:
         self.driver.close()
         self.checkpoint(final=True)
         self.finish(wall_s, stopped=self.stop_signal)
+        print(f"gyre: stopped by {self.stop_signal} before step {self.state.next_step}; checkpoint in "
+              f"{self.out / 'checkpoint'}; run the same command again to continue", flush=True)  # fmt: skip
         raise Preempted(self.stop_signal)
 
     # ----- what the policy sees -----
@@ -336,16 +386,17 @@ class Controller:
         for c in self.table.cells:  # a dead cell's followers on other hosts cannot see their leader go
             for rank in c.remote_followers if not c.alive else ():
                 self.cp.send(rank, Shutdown("its cell was declared dead", False))
+        self.bar.close()
         timeline = self.timeline.save(self.out, f"{self.cfg.scheduler}: {len(self.step_rows)} steps, {wall_s:.0f} s")
-        curve = plot_learning_curve(self.step_rows, self.out / "learning_curve.png")
-        summary = self.summary(wall_s) | {"stopped_by": stopped}
-        (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
-        self.metrics.write({"event": "summary", **summary})
+        curve = plot_learning_curve(self.run_rows, self.out / "learning_curve.png")
+        report = self.summary(wall_s) | {"stopped_by": stopped}
+        (self.out / "summary.json").write_text(json.dumps(report, indent=1))
+        self.metrics.write({"event": "summary", **report})
         self.metrics.image("timeline", timeline)
         self.metrics.image("learning_curve", curve)
         self.metrics.close()
         print(f"gyre: {self.cfg.scheduler} finished {len(self.step_rows)} steps in {wall_s:.1f} s")
-        print(f"gyre: outputs in {self.out}")
+        print(summary_line(self.run_rows, self.out, self.book.pool.skipped_causes()), flush=True)
 
     def summary(self, wall_s: float) -> dict[str, Any]:
         lat = self.switcher.latencies

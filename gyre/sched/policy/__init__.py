@@ -5,8 +5,9 @@ done, a cell died) with what it knows: each cell's role, whether a training cell
 and the rollout level (queued + running sessions). Capacity is counted in concurrent sessions per
 rollout cell (a cell's KV budget); the staleness bound decides which steps' rollouts may start.
 
-- colocate_cells: every cell serves rollouts while any session of the step is queued or running, then
-  every cell trains; weights are never older than the step (staleness 0).
+- colocate, colocate_cells: every cell serves rollouts while any session of the step is queued or running,
+  then every cell trains; weights are never older than the step (staleness 0). colocate may run one cell
+  (the embedded default: in one process, gyre.sched.launch.in_process); colocate_cells is the same over 2 or more.
 - async: a fixed split, `rollout_cells` serving and the rest (the core first) training, rollouts one
   step (or `staleness` steps) ahead of training.
 - elastic: a rollout cell is released to training as soon as the remaining rollout cells can still
@@ -25,8 +26,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gyre.comm.messages import Role
-from gyre.config.schema import CELL_SCHEDULERS as SCHEDULERS  # declared with the config field
-from gyre.config.schema import Scheduler
+from gyre.config.schema import Scheduler  # declared with the config field
+
+SCHEDULERS = tuple(Scheduler)
 
 # elastic: cells that keep training while sessions queue and training work waits. One cell alone would take
 # twice as long over the step whose update gates the next admission; beyond two, a cell that serves the
@@ -46,7 +48,7 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         if self.kind not in SCHEDULERS:
             raise ValueError(f"scheduler={self.kind!r}: the cell schedulers are {', '.join(SCHEDULERS)}")
-        if self.n_cells < 2:
+        if self.n_cells < self.min_cells:
             raise ValueError(f"{self.kind} needs at least 2 cells (core + 1 satellite), got {self.n_cells}")
         if self.capacity < 1:
             raise ValueError(f"sched.capacity_per_cell must be at least 1, got {self.capacity}")
@@ -61,9 +63,18 @@ class PolicyConfig:
             )
 
     @property
+    def colocated(self) -> bool:
+        """Every cell switches together (colocate on one cell or more, colocate_cells on two or more)."""
+        return self.kind in (Scheduler.colocate, Scheduler.colocate_cells)
+
+    @property
+    def min_cells(self) -> int:
+        return 1 if self.kind == Scheduler.colocate else 2
+
+    @property
     def max_lag(self) -> int:
         """The staleness bound in force: colocate always trains on its own weights."""
-        return 0 if self.kind == Scheduler.colocate_cells else self.staleness
+        return 0 if self.colocated else self.staleness
 
     @property
     def fixed_rollout_cells(self) -> int:
@@ -122,7 +133,7 @@ def decide(p: PolicyConfig, cells: Sequence[CellState], load: Load) -> list[Swit
     alive = [c for c in cells if c.alive]
     if p.kind == Scheduler.async_:
         return []
-    if p.kind == Scheduler.colocate_cells:
+    if p.colocated:
         want: Role = "rollout" if load.level > 0 else "train"
         return [
             Switch(c.cell, want, "colocate") for c in alive if c.role != want and not (c.busy and want == "rollout")

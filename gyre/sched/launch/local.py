@@ -1,7 +1,9 @@
-"""Starting a cell job on this machine: the run directory, the warm start, then `mpirun`.
+"""Starting a run on this machine: the run directory, then its cells, in this process or under `mpirun`.
 
-`run_cells(cfg)` writes RUN_DIR/config.yaml and re-executes under the venv's `mpirun -n 1+C`
-(gyre.sched.job; its rank 0 builds or reuses the warm start while the cells start up). Each rank runs inside `sh -c` with
+`run_cells(cfg)` writes RUN_DIR/config.yaml, then runs one local cell of one rank (scheduler=colocate, the
+embedded default) in this process (gyre.sched.launch.in_process), and any other layout as an MPI job: it re-executes
+under the venv's `mpirun -n 1+C` (gyre.sched.launch.job; its rank 0 builds or reuses the warm start while the
+cells start up). Each rank runs inside `sh -c` with
 SIGUSR1 ignored and mpiexec's auto-cleanup off, so that a killed cell rank leaves the others running
 (MPICH otherwise tears the whole job down); the controller then carries on without it.
 """
@@ -20,18 +22,17 @@ from omegaconf import OmegaConf
 
 import gyre
 from gyre.config.domain import fail
-from gyre.config.schema import RunConfig
+from gyre.config.schema import RunConfig, Scheduler
 from gyre.config.validate import cell_ranks, check_cells
 from gyre.errors import UserError
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted
-from gyre.sched.policy import SCHEDULERS
+from gyre.sched.runtime import POLICY_FILE
 
-POLICY_FILE = "policy.json"  # the warm start the cells load, written by rank 0
 CONTROLLER_PID_FILE = "controller.pid"  # rank 0's pid, for passing stop signals on
 DEAD_CELLS_EXIT_CODE = 3  # rank 0's exit when the run lost cells and sched.allow_dead_cells is not set
-RANK_SHELL = 'trap "" USR1; "$0" -m mpi4py -m gyre.sched.job "$1"; exit $?'
+RANK_SHELL = 'trap "" USR1; "$0" -m mpi4py -m gyre.sched.launch.job "$1"; exit $?'
 # a rank that stops on an expected failure (gyre.errors.UserError) writes "<exit code>\n<message>" here; the
-# first one wins, so the user reads the message once however many ranks fail alike (gyre.sched.job.fail_rank)
+# first one wins, so the user reads the message once however many ranks fail alike (gyre.sched.launch.job.fail_rank)
 RANK_ERROR_FILE = "rank_error.txt"
 LAUNCHER_REPORTS_ENV = "GYRE_LAUNCHER_REPORTS"  # set by run_cells: it prints that message, the ranks stay quiet
 
@@ -85,14 +86,37 @@ def run_forwarding_stops(argv: list[str], env: dict[str, str], controller_pid: P
             signal.signal(sig, handler)
 
 
+def check_supported(cfg: RunConfig) -> None:
+    """Fail before any work for settings no configuration can run yet, rather than silently ignoring them."""
+    supported = {"scheduler": tuple(Scheduler), "train.backend": ("megatron",), "rl.algorithm": ("gspo",)}
+    values = {"scheduler": cfg.scheduler, "train.backend": cfg.train.backend, "rl.algorithm": cfg.rl.algorithm}
+    for key, value in values.items():
+        if value not in supported[key]:
+            raise ValueError(f"{key}={value!r} is not available yet; supported: {', '.join(supported[key])}")
+
+
 def run_cells(cfg: RunConfig) -> Path:
-    if cfg.scheduler not in SCHEDULERS:
-        raise ValueError(f"scheduler={cfg.scheduler!r} is not a cell scheduler ({', '.join(SCHEDULERS)})")
+    """The run, in this process (one local cell of one rank) or as an MPI job of cells; returns its directory.
+    Raises Preempted once a stop signal's checkpoint is written."""
+    check_supported(cfg)
+    if cfg.scheduler == "colocate":  # the core cell alone switches (colocate_cells switches satellites with it)
+        cfg.cluster.satellites = []
     check_cells(cfg)
     out = Path(cfg.output_dir or f"outputs/{time.strftime('%Y-%m-%d_%H-%M-%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     cfg.output_dir = str(out)
     (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    from gyre.sched.launch.in_process import run_in_process, runs_in_process
+
+    if runs_in_process(cfg):
+        run_in_process(cfg, out)
+        return out
+    run_mpi_job(cfg, out)
+    return out
+
+
+def run_mpi_job(cfg: RunConfig, out: Path) -> None:
+    """The cells under `mpirun` on this machine; stop signals to this process reach the controller."""
     root = str(Path(gyre.__file__).resolve().parent.parent)
     env = {**os.environ, "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")}
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
@@ -120,4 +144,3 @@ def run_cells(cfg: RunConfig) -> Path:
                 f"(mpirun exit code {rc}). Set sched.allow_dead_cells=true to accept that"
             )
         print(f"gyre: cells {dead} died during the run; it finished without them (mpirun exit code {rc})")
-    return out

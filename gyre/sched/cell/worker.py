@@ -35,8 +35,8 @@ from gyre.config.schema import RunConfig
 from gyre.pipeline import tree_gspo_loss_fn
 from gyre.resume.checkpoint import Checkpointer, load_checkpoint
 from gyre.resume.state import RunState
-from gyre.sched.cell_engine import CellEngine
-from gyre.sched.cell_group import CellGroup, GroupCheckpoint, load_local_shard, local_shard, reduce_shard
+from gyre.sched.cell.engine import CellEngine
+from gyre.sched.cell.ranks import CellGroup, GroupCheckpoint, load_local_shard, local_shard, reduce_shard
 from gyre.sched.liveness import connect
 from gyre.sched.replica import MicroBatchSource, grad_numel
 from gyre.train.trainer import Trainer, make_trainer
@@ -53,11 +53,15 @@ def advertised_url(url: str, hostname: str) -> str:
     return parts._replace(netloc=f"{resolve_hostname(hostname)}:{parts.port}").geturl()
 
 
-def build_replica(cfg: RunConfig, policy: Policy, resume_from: Path | None = None) -> Trainer:
+def build_replica(
+    cfg: RunConfig, policy: Policy, resume_from: Path | None = None, threads: int | None = None
+) -> Trainer:
     """The cell's Megatron replica at the warm start, or at the run's checkpoint when resuming (every
-    cell loads it: the core for its optimizer state, the satellites for the same weights)."""
+    cell loads it: the core for its optimizer state, the satellites for the same weights). `threads`: torch's
+    (None: as it is, a cell alone in its process)."""
     trainer = make_trainer(policy.model_cfg, cfg.train)
-    torch.set_num_threads(cfg.sched.threads_per_cell)
+    if threads is not None:
+        torch.set_num_threads(threads)
     trainer.load_hf_state_dict(policy.load_state())
     if resume_from is not None:
         load_checkpoint(resume_from, trainer, restore_random=False)
@@ -81,15 +85,26 @@ class CellWorker:
         self.version = str(version)
         self.group = CellGroup(
             cp, cfg.comm.hostname
-        )  # the cell's other ranks, which follow this one (gyre.sched.cell_group)
+        )  # the cell's other ranks, which follow this one (gyre.sched.cell.ranks)
         if version:  # resumed: the engine started from the warm start serves the checkpoint's weights
             self.engine.load(self.gather(), self.version)
-        self.weights = WeightTransport(make_transport(cfg.comm, cfg.cluster.mooncake))
+        self._weights: WeightTransport | None = None  # made on first use: a cell alone publishes to nobody
         self.batches = MicroBatchSource(cfg)
         self.loss_fn = tree_gspo_loss_fn(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high, cfg.rl.mismatch)
         self.timeout = cfg.sched.cell_timeout_s
         self.checkpointer = Checkpointer(Path(cfg.output_dir), cfg.checkpoint_async)  # used by the core only
         self.liveness: socket.socket | None = None  # open until this process ends: the controller sees it close
+
+    @property
+    def weights(self) -> WeightTransport:
+        if self._weights is None:
+            self._weights = WeightTransport(make_transport(self.cfg.comm, self.cfg.cluster.mooncake))
+        return self._weights
+
+    @property
+    def alone(self) -> bool:
+        """The run's only cell: nobody pulls its weights (scheduler=colocate on one cell)."""
+        return len(self.cp.layout.cells) == 1 and self.group.size == 1
 
     def handlers(self) -> dict[type, Any]:
         return {
@@ -116,7 +131,8 @@ class CellWorker:
                 self.checkpointer.close()  # the checkpoint in flight is published before the job ends
             finally:
                 self.engine.stop()
-                self.weights.transport.close()
+                if self._weights is not None:
+                    self._weights.transport.close()
         return finalize[0]
 
     # ----- handlers -----
@@ -200,8 +216,10 @@ class CellWorker:
         self.batches = MicroBatchSource(self.cfg)  # the step's shards are done with
         if metrics is None:
             return {"sent_bytes": grad_numel(self.trainer.model)[0] * 4, "seconds": time.monotonic() - start}
-        if self.group.size > 1:  # each rank publishes its shard (its followers too): satellites pull shard to shard
-            handle: Any = self.group.shard_handles(self.weights.publish(local_shard(self.trainer), msg.version))
+        if self.alone:
+            handle: Any = None
+        elif self.group.size > 1:  # each rank publishes its shard (its followers too): satellites pull shard to shard
+            handle = self.group.shard_handles(self.weights.publish(local_shard(self.trainer), msg.version))
         else:
             handle = self.weights.publish(self.trainer.hf_state_dict(), msg.version)
         self.version = msg.version
