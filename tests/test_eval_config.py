@@ -38,4 +38,4 @@ def test_eval_values_out_of_domain_fail_at_load(override, key):
 
 def test_held_out_split_of_a_suite_that_trains_on_everything_is_refused():
     with pytest.raises(ConfigValueError, match="eval.held_out"):
-        compose(["tasks=harbor_examples", "tasks.split=all"])
+        compose(["tasks=harbor_examples", "tasks.split=all", "eval.every=2"])

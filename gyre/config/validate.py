@@ -59,7 +59,7 @@ def check_eval(cfg: RunConfig) -> None:
     builtin = (cfg.tasks if e.held_out else e.tasks).source == "builtin"
     if builtin and e.max_tasks == 0:
         _fail("eval.max_tasks", 0, "built-in tasks are drawn: say how many (0 means every task of a suite on disk)")
-    if e.held_out and cfg.tasks.source != "builtin" and cfg.tasks.split != "train":
+    if e.every and e.held_out and cfg.tasks.source != "builtin" and cfg.tasks.split != "train":
         _fail("eval.held_out", True, f"tasks.split={cfg.tasks.split} trains on the held-out split too; set "
               "tasks.split=train, or eval.held_out=false with eval.tasks")  # fmt: skip
 
