@@ -32,7 +32,7 @@ TINY = [
 
 def run_eval_job(tmp_path: Path, *extra: str) -> tuple[Path, subprocess.CompletedProcess]:
     out = tmp_path / "run"
-    args = [*TINY, "steps=2", "eval.every=1", "eval.max_tasks=2", "eval.samples=3", "eval.temperature=0.5",
+    args = [*TINY, "steps=2", "eval.every=1", "eval.max_tasks=2", "eval.samples=3", "eval.temperature=0",
             f"warm_start.cache_dir={tmp_path / 'cache'}", f"output_dir={out}", f"hydra.run.dir={tmp_path / 'h'}",
             *extra]  # fmt: skip
     proc = subprocess.run([sys.executable, "-m", "launch.run", *args], cwd=ROOT, capture_output=True, text=True,
@@ -41,8 +41,13 @@ def run_eval_job(tmp_path: Path, *extra: str) -> tuple[Path, subprocess.Complete
     return out, proc
 
 
-def test_run_with_eval_every_step_writes_eval_rows_and_shards_and_trains_none_of_them(tmp_path):
-    out, proc = run_eval_job(tmp_path)
+@pytest.fixture(scope="module")
+def eval_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    return run_eval_job(tmp_path_factory.mktemp("eval_run"))
+
+
+def test_run_with_eval_every_step_writes_eval_rows_and_shards_and_trains_none_of_them(eval_run):
+    out, proc = eval_run
     rows = read_metrics(out / "metrics.jsonl")
     evals = [r for r in rows if r.get("event") == "eval"]
     assert [r["version"] for r in evals] == [0, 1, 2]  # before the first step, after each
@@ -60,7 +65,7 @@ def test_run_with_eval_every_step_writes_eval_rows_and_shards_and_trains_none_of
     assert '"s0-g0-r0"' in ledger and not any(f'"{rid}"' in ledger for rid in eval_ids)
     calls = [json.loads(line) for line in (out / "calls.jsonl").read_text().splitlines()]
     eval_calls = [c for c in calls if c["rollout_id"].startswith("e")]
-    assert eval_calls and {c["temperature"] for c in eval_calls} == {0.5}
+    assert eval_calls and {c["temperature"] for c in eval_calls} == {0.0}  # greedy: launch.eval repeats it
     assert (out / "learning_curve.png").stat().st_size > 1000
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["held_out_pass@1"]) == {"0", "1", "2"}
@@ -87,3 +92,23 @@ def check_row_against_shards(out: Path, row: dict) -> None:
         assert row[f"pass@{k}"] == pytest.approx(expected)
     scores = [v for s in per_task.values() for v in s]
     assert row["mean_reward"] == pytest.approx(sum(scores) / len(scores))
+
+
+def test_launch_eval_on_a_checkpoint_repeats_the_in_run_eval_of_its_version(eval_run, tmp_path):
+    run, _ = eval_run
+    out = tmp_path / "eval"
+    args = [*TINY, "eval.max_tasks=2", "eval.samples=3", "eval.temperature=0", f"eval.checkpoint={run / 'checkpoint'}",
+            f"warm_start.cache_dir={run.parent / 'cache'}", f"output_dir={out}", f"hydra.run.dir={tmp_path / 'h'}"]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "launch.eval", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "gyre eval: weight version 2: pass@1" in proc.stdout
+    (row,) = [r for r in read_metrics(out / "metrics.jsonl") if r.get("event") == "eval"]
+    in_run = next(r for r in read_metrics(run / "metrics.jsonl") if r.get("event") == "eval" and r["version"] == 2)
+    assert row["version"] == 2 and row["weight_versions"] == ["2"]
+    for key in ("n_tasks", "n_samples", "excluded", "pass@1", "pass@2", "pass@3", "mean_reward"):
+        assert row[key] == in_run[key], key
+    check_row_against_shards(out, row)
+    table = json.loads((out / row["task_table"]).with_suffix(".json").read_text())
+    assert sum(t["samples"] for t in table) == 6 and (out / row["task_table"]).exists()
+    assert not list((out / "shards").glob("*.h5"))  # nothing trained

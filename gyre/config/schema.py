@@ -441,6 +441,8 @@ class EvalConfig:
     temperature: float = ranged(1.0, NON_NEGATIVE, why="0: greedy")  # sampling temperature of eval rollouts
     # tasks per eval (builtin: instances drawn; a suite: a seeded sample); 0: every task of the suite
     max_tasks: int = ranged(8, NON_NEGATIVE, why="0: every task of the suite")
+    # launch/eval.py: a checkpoint directory (a run's checkpoint/) to evaluate; empty: model.path or the warm start
+    checkpoint: str = ""
 
 
 @dataclass

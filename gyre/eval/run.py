@@ -8,6 +8,7 @@ and never reach a group's advantage or the trainer. Each finished eval is one me
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import shutil
@@ -95,6 +96,9 @@ class EvalRunner:
     def row(self) -> dict[str, Any]:
         samples = [sample_of(o) for o in self.done]
         k = self.cfg.eval.samples
+        table_dir = self.shard_dir.parent / "eval"
+        table_dir.mkdir(exist_ok=True)
+        csv_path, _ = write_task_table(samples, table_dir, f"v{self.version:05d}-tasks")
         return {
             "event": "eval",
             "version": self.version,  # weights after this many steps
@@ -103,15 +107,14 @@ class EvalRunner:
             **summarize(samples, k),
             "per_family": summarize_by_family(samples, k),
             "shards": sorted(self.shards),
+            "task_table": str(csv_path.relative_to(self.shard_dir.parent)),  # and .json beside it
         }
 
 
-def write_task_table(samples: list[Sample], out: Path) -> tuple[Path, Path]:
-    """The per-task table as CSV and JSON beside each other."""
-    import csv
-
+def write_task_table(samples: list[Sample], out: Path, stem: str) -> tuple[Path, Path]:
+    """The per-task table as CSV and JSON beside each other (out/stem.csv, out/stem.json)."""
     rows = task_table(samples)
-    csv_path, json_path = out / "eval_tasks.csv", out / "eval_tasks.json"
+    csv_path, json_path = out / f"{stem}.csv", out / f"{stem}.json"
     with csv_path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["task_id"])
         w.writeheader()
