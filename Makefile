@@ -12,7 +12,7 @@ run: $(STAMP)
 	$(PY) -m launch.run $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not gpu" --durations=40 $(PYTEST_ARGS)
 
 setup: $(STAMP)
 

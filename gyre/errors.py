@@ -13,7 +13,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-USER_ERROR_EXIT_CODE = 1  # what `sys.exit("gyre: ...")` gave before; README: a stopped run exits 1
+USER_ERROR_EXIT_CODE = 1  # what `sys.exit("gyre: ...")` gave before; docs/running.md: a stopped run exits 1
 VERBOSE_ENV = "GYRE_VERBOSE"  # set by --verbose; inherited by the ranks of a cell job
 
 

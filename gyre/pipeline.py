@@ -19,13 +19,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from gyre.config.schema import LogprobDistribution, RunConfig
+from gyre.config.schema import LogprobDistribution, MismatchConfig, MismatchProximal, RunConfig
 from gyre.harness.runner import RolloutOutcome
 from gyre.proxy.call_log import CallRecord
 from gyre.store.reader import ShardRollout
 from gyre.store.schema import RolloutMeta
 from gyre.store.writer import ShardWriter
 from gyre.train.gspo import group_advantages
+from gyre.train.mismatch import behaviour_ratio, corrected_gspo_loss, correction_weights, mismatch_metrics
 from gyre.train.tree_pack import TreeMicroBatch, pack_trees
 from gyre.traj.build import build_tree
 from gyre.traj.sampling import sample_tree
@@ -76,7 +77,8 @@ def write_group_shard(
     path = shard_dir / name
     result = GroupShard(path, step, group, len(rollouts), 0, 0, 0, 0)
     producer = {"harness": cfg.harness.kind, "sandbox": cfg.sandbox.backend,  # "none" is on record in every shard
-                "tasks": task_provenance(cfg, rollouts, skipped), "kind": kind}  # fmt: skip
+                "tasks": task_provenance(cfg, rollouts, skipped), "kind": kind,
+                "outcomes": [outcome_record(r.outcome) for r in rollouts]}  # fmt: skip
     with ShardWriter(path, run_id=cfg.output_dir or "gyre", step=step, producer=producer) as w:
         for r, adv in zip(rollouts, advantages, strict=True):
             rid, grade = r.outcome.rollout_id, r.outcome.grade
@@ -114,6 +116,16 @@ def write_group_shard(
             result.path_tokens += sum(c.n_input + c.n_output for c in sampled.tree.calls)
             result.policy_tokens += sampled.n_targets
     return result
+
+
+def outcome_record(outcome: RolloutOutcome) -> dict[str, Any]:
+    """How a rollout ended (its grade without the per-check detail), as the group's shard keeps it: a resumed run
+    restores a completed group from its shard (gyre.resume.kept_groups) without running it again."""
+    grade = {k: v for k, v in outcome.grade.__dict__.items() if k != "checks"}
+    return {
+        "rollout_id": outcome.rollout_id, "grade": grade, "wall_s": outcome.wall_s, "turns": outcome.turns,
+        "stop_reason": outcome.stop_reason, "timed_out": outcome.timed_out, "errors": outcome.errors[:3],
+    }  # fmt: skip
 
 
 def task_provenance(
@@ -156,6 +168,7 @@ class RLMicroBatch:
     batch: TreeMicroBatch
     advantages: torch.Tensor  # [n_trees] float32, by batch.tree_index
     rollout_scale: float  # 1 / rollouts the step normalises over
+    proximal: torch.Tensor | None = None  # [n_tokens] the trainer's logprobs before the update (proximal=trainer)
 
     @property
     def n_tokens(self) -> int:
@@ -201,23 +214,47 @@ def rollout_log_ratios(logp: torch.Tensor, mb: RLMicroBatch) -> torch.Tensor:
     return num / den.clamp(min=1e-12)
 
 
-def tree_gspo_loss_fn(eps_low: float, eps_high: float):  # noqa: ANN201 - the trainer's loss callable
-    """GSPO on tree micro-batches: clipped sequence-level ratio per rollout, rollouts weighted equally."""
+def tree_gspo_loss_fn(eps_low: float, eps_high: float, mismatch: MismatchConfig | None = None) -> TreeGSPOLoss:
+    """GSPO on tree micro-batches: clipped sequence-level ratio per rollout, rollouts weighted equally, with
+    rl.mismatch's proximal policy and behaviour correction (gyre/train/mismatch.py)."""
+    return TreeGSPOLoss(eps_low, eps_high, mismatch or MismatchConfig())
 
-    def loss_fn(logp: torch.Tensor, mb: RLMicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        log_ratio = rollout_log_ratios(logp, mb)
-        ratio = torch.exp(log_ratio)
-        adv = mb.advantages.to(logp.device)
-        clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
-        per_rollout = -torch.minimum(ratio * adv, clipped * adv)
+
+@dataclass(frozen=True)
+class TreeGSPOLoss:
+    """The trainer's loss callable. `needs_proximal`: the trainer sets each micro-batch's `proximal` (its own
+    logprobs under the weights before the update, no gradient) before the forward with gradient."""
+
+    eps_low: float
+    eps_high: float
+    mismatch: MismatchConfig
+
+    @property
+    def needs_proximal(self) -> bool:
+        return self.mismatch.proximal == MismatchProximal.trainer
+
+    def __call__(self, logp: torch.Tensor, mb: RLMicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        b, m, dev = mb.batch, self.mismatch, logp.device
+        weight, index, n = b.loss_weight.to(dev), b.tree_index.to(dev), len(b.rollout_ids)
+        behaviour = b.old_logprobs.to(dev)
+        if self.needs_proximal and mb.proximal is None:
+            raise ValueError("rl.mismatch.proximal=trainer: the micro-batch has no proximal logprobs; train it "
+                             "through the trainer's forward_backward, which computes them")  # fmt: skip
+        proximal = mb.proximal.to(dev) if self.needs_proximal else behaviour
+        ratio = behaviour_ratio(proximal, behaviour, weight, index, n, m.level)
+        corr = correction_weights(ratio, m.correction, m.cap, m.low, m.high)
+        adv = mb.advantages.to(dev)
+        per_rollout, seq_ratio = corrected_gspo_loss(logp, proximal, weight, index, adv, corr, self.eps_low,
+                                                     self.eps_high)  # fmt: skip
         loss = per_rollout.sum() * mb.rollout_scale
+        clipped = seq_ratio.clamp(1.0 - self.eps_low, 1.0 + self.eps_high)
+        trainer = proximal if self.needs_proximal else logp.detach()  # proximal=engine: this forward's own
         return loss, {
             "loss": float(loss.detach()),
-            "ratio_mean": float(ratio.detach().mean()),
-            "clip_frac": float(((ratio * adv) > (clipped * adv)).float().mean()),
+            "ratio_mean": float(seq_ratio.mean()),
+            "clip_frac": float(((seq_ratio * adv) > (clipped * adv)).float().mean()),
+            **mismatch_metrics(trainer, behaviour, weight, index, n, ratio, corr, m.correction, m.cap),
         }
-
-    return loss_fn
 
 
 def expanded_tokens(rollouts: Sequence[ShardRollout]) -> int:

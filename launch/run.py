@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from gyre.config.domain import OneOf, fail
 from gyre.config.load import check_overrides, normalize_overrides, register_configs, to_run_config
-from gyre.config.schema import RunConfig
+from gyre.config.schema import RunConfig, TaskSourceKind
 from gyre.config.validate import check_run
 from gyre.errors import reported, take_verbose_flag
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted
@@ -44,11 +44,15 @@ def main(dict_cfg: DictConfig) -> None:
 
 def check_before_start(cfg: RunConfig) -> None:
     """Everything a run can be refused for without starting anything: every config check (a model
-    directory's files included), the task families (the registry is their domain), then the task suite,
-    which must load (gyre/tasks/source.py): its usable and skipped tasks are printed."""
+    directory's files included), the task families (the registry is their domain), the sandbox (a site without
+    user namespaces is told so before a warm start), then the task suite, which must load
+    (gyre/tasks/source.py): its usable and skipped tasks are printed."""
     check_run(cfg)
     check_families(cfg)
+    from gyre.sandbox import make_sandbox
     from gyre.tasks.source import preflight_suite
+
+    make_sandbox(cfg.sandbox)
 
     report = preflight_suite(cfg.tasks)
     if report:
@@ -61,7 +65,7 @@ def check_families(cfg: RunConfig) -> None:
     families = OneOf(tuple(sorted(FAMILIES)), "task family")
     families.check("tasks.families", cfg.tasks.families)
     families.check("warm_start.families", cfg.warm_start.families)
-    if cfg.tasks.source == "builtin" and not cfg.tasks.families:
+    if cfg.tasks.source == TaskSourceKind.builtin and not cfg.tasks.families:
         fail(
             "tasks.families",
             [],

@@ -114,3 +114,31 @@ def assert_each_rollout_once(out: Path, steps: int = STEPS) -> dict:
     assert [r["step"] for r in step_rows(read_metrics(out / "metrics.jsonl"))] == list(range(steps))
     assert not (out / "checkpoint.tmp").exists() and not (out / "checkpoint.old").exists()
     return st
+
+
+def mid_step_with_a_group_done(out: Path, first: int = 2) -> tuple[int, dict[str, tuple[int, int]]] | None:
+    """Once the checkpoint holds the steps before k (k >= first), a group of step k has its shard and another group
+    of step k is calling the engine without one: (k, {shard name: (inode, mtime ns)} of step k's shards); else None."""
+    try:
+        k = state(out)["next_step"]
+    except (OSError, json.JSONDecodeError):  # no checkpoint yet, or read between the two renames
+        return None
+    if not first <= k < STEPS:
+        return None
+    done = {p.name: p.stat() for p in (out / "shards").glob(f"step{k:05d}-group*.h5")}
+    calls = (out / "calls.jsonl").read_text() if (out / "calls.jsonl").exists() else ""
+    running = [
+        g for g in range(GROUPS) if f"step{k:05d}-group{g:04d}.h5" not in done and f'"rollout_id": "s{k}-g{g}-' in calls
+    ]
+    return (k, {name: (s.st_ino, s.st_mtime_ns) for name, s in done.items()}) if done and running else None
+
+
+def calls_by_rollout(out: Path) -> Counter:
+    """How many calls calls.jsonl records of each rollout (a line being written, cut short, is not counted)."""
+    counts: Counter = Counter()
+    for line in (out / "calls.jsonl").read_text().splitlines():
+        try:
+            counts[json.loads(line)["rollout_id"]] += 1
+        except json.JSONDecodeError:
+            continue
+    return counts

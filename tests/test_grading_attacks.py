@@ -144,12 +144,16 @@ X = 0
 @pytest.mark.parametrize("backend", ["bwrap", "none"])
 def test_forging_the_verdict_takes_ptrace_rights_over_the_checker(backend, tmp_path):
     """Under bwrap the agent's code has none (uid 1000 without capabilities, the checker non-dumpable): the
-    checker's death is the agent's failure. Under none it has them when the run is root (CAP_SYS_PTRACE):
-    the forged verdict is read as the checker's, so none promises nothing against a root agent."""
+    checker's death is the agent's failure (run by an unprivileged user, the kernel refuses even listing the
+    checker's descriptors: a plain 0). Under none it has them when the run is root (CAP_SYS_PTRACE): the forged
+    verdict is read as the checker's, so none promises nothing against a root agent."""
     (tmp_path / "config.py").write_text(STEAL_REPORT)
     grade = grade_workspace(Task("t", "custom", "p", checks=[CHECK]), tmp_path, sandbox=sandbox_for(backend))
     if backend == "none" and os.geteuid() == 0:
         assert (grade.status, grade.score) == ("ok", 1.0), grade
+    elif backend == "bwrap" and os.geteuid() != 0:  # a user's sandbox: the checker's descriptors are not even listed
+        assert_agent_failed(grade, None)
+        assert "PermissionError" in grade.checks[0]["detail"] and "/fd" in grade.checks[0]["detail"], grade
     else:
         assert_agent_failed(grade, "checker_killed")
 

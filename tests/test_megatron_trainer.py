@@ -1,3 +1,4 @@
+import json
 from dataclasses import dataclass
 
 import pytest
@@ -6,6 +7,7 @@ import torch
 from gyre.config.schema import ModelConfig, TrainConfig
 from gyre.train.cpu_shim import apply_cpu_shim
 from gyre.train.megatron_trainer import MegatronTrainer
+from gyre.train.trainer import Trainer, make_trainer
 
 # megatron-core 0.16 deprecation notices on every forward (tp_group=None), not ours to fix.
 pytestmark = [pytest.mark.unit, pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.*")]
@@ -120,7 +122,8 @@ def test_a_checkpoint_of_the_earlier_one_file_format_still_loads(tmp_path):
     a = MegatronTrainer(CFG, TRAIN)
     a.train_step(fixed_batches(), cross_entropy(0.5))
     weights = {k: v for k, v in a.model.state_dict().items() if not k.endswith("._extra_state")}
-    payload = {"model": weights, "optimizer": a.optimizer.state_dict(), "step": a.step, "model_config": asdict(CFG)}
+    old_config = json.loads(json.dumps(asdict(CFG)))  # that format's config held plain strings, not the enums
+    payload = {"model": weights, "optimizer": a.optimizer.state_dict(), "step": a.step, "model_config": old_config}
     torch.save(payload | {"layout": [0, 1, 0, 1]}, tmp_path / "trainer.pt")
     b = MegatronTrainer(ModelConfig(**{**CFG.__dict__, "seed": 99}), TRAIN)
     b.load(tmp_path / "trainer.pt")
@@ -164,3 +167,19 @@ def test_hf_state_dict_round_trips_through_load():
     tokens = fixed_batches()[1].tokens
     with torch.no_grad():
         assert torch.equal(a.token_logprobs(tokens), b.token_logprobs(tokens))
+
+
+def test_make_trainer_builds_the_configured_backend_behind_the_trainer_protocol():
+    trainer = make_trainer(CFG, TRAIN)
+    assert isinstance(trainer, MegatronTrainer) and isinstance(trainer, Trainer)
+    before = {k: v.clone() for k, v in trainer.hf_state_dict().items()}
+    metrics = trainer.train_step(fixed_batches(), cross_entropy(0.5))
+    assert trainer.step == 1 and metrics["lr"] == pytest.approx(TRAIN.lr)
+    assert any(not torch.equal(before[k], v) for k, v in trainer.hf_state_dict().items())
+
+
+def test_make_trainer_refuses_a_backend_it_has_no_trainer_for():
+    odd = TrainConfig(num_threads=1)
+    object.__setattr__(odd, "backend", "deepspeed")  # past the schema's own check, as a new enum value would be
+    with pytest.raises(ValueError, match="train.backend='deepspeed'"):
+        make_trainer(CFG, odd)

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from gyre.config.domain import DOMAIN, OneOf
-from gyre.config.schema import HARNESS_KINDS, HarnessConfig, ModelConfig, ProxyConfig, SandboxConfig, TaskConfig
+from gyre.config.schema import HarnessConfig, HarnessKind, ModelConfig, ProxyConfig, SandboxConfig, TaskConfig
 from gyre.engine.launcher import start_engine
 from gyre.harness import runner
 from gyre.harness.runner import HarnessLaunch, run_rollouts
@@ -94,7 +94,7 @@ def test_attacks_fail_in_the_sandbox_and_work_without_it(stack, backend, tmp_pat
     tokenizer, engine = stack
     monkeypatch.setitem(runner.HARNESS_COMMANDS, "red_team", red_team_command)
     kind = HarnessConfig.__dataclass_fields__["kind"]  # the schema declares the harness kinds: add this one
-    monkeypatch.setattr(kind, "metadata", {DOMAIN: OneOf((*HARNESS_KINDS, "red_team"), "harness")})
+    monkeypatch.setattr(kind, "metadata", {DOMAIN: OneOf((*HarnessKind, "red_team"), "harness")})
     monkeypatch.setenv("GYRE_RED_TEAM_SECRET", "s3cr3t-token")
     run_dir = tmp_path / "run"  # the run's own files, as a run lays them out
     run_files = {Path(f).parts[0].split(".")[0]: run_dir / f for f in RUN_FILES}

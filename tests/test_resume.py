@@ -7,6 +7,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,16 +15,37 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from resume_job import ROOT, STEPS, adam_steps, assert_each_rollout_once, in_flight_after_trained_step, state, tiny_args
+from resume_job import (
+    GROUP_SIZE,
+    GROUPS,
+    ROOT,
+    STEPS,
+    adam_steps,
+    assert_each_rollout_once,
+    calls_by_rollout,
+    in_flight_after_trained_step,
+    mid_step_with_a_group_done,
+    shard_ids_by_step,
+    state,
+    tiny_args,
+)
 from resume_job import wait_until as wait_for
 
 from gyre.config.load import compose
-from gyre.config.schema import ModelConfig, TrainConfig
-from gyre.resume.checkpoint import load_checkpoint, save_checkpoint
+from gyre.config.schema import ModelConfig, RunConfig, TrainConfig
+from gyre.harness.runner import RolloutOutcome
+from gyre.metrics import read_metrics
+from gyre.pipeline import FinishedRollout, write_group_shard
+from gyre.resume import checkpoint as checkpoint_module
+from gyre.resume.checkpoint import Checkpointer, load_checkpoint, save_checkpoint
+from gyre.resume.kept_groups import restore_groups
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionGuard
 from gyre.resume.recovery import ResumeError, prepare_resume
 from gyre.resume.state import RunState, find_checkpoint, write_state
+from gyre.tasks.grading import Grade
+from gyre.tasks.task import Task
 from gyre.train.megatron_trainer import MegatronTrainer
+from gyre.traj.synthetic import make_record
 from launch.slurm.sbatch import render_main_job_sbatch
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -68,6 +90,40 @@ def test_checkpoint_round_trip_restores_weights_optimizer_state_and_rng(tmp_path
     for (name, a), b in zip(reference.model.state_dict().items(), restored.model.state_dict().values(), strict=True):
         if torch.is_tensor(a):
             assert torch.equal(a, b), name
+
+
+@pytest.mark.unit
+def test_an_async_checkpoint_holds_its_snapshot_not_later_updates(tmp_path, monkeypatch):
+    """The write runs after the trainer and the run state moved on: it still holds the instant of save(), and
+    state.json appears only once the checkpoint is complete."""
+    torch.manual_seed(0)
+    trainer = _trainer()
+    _train_once(trainer)
+    expected = {k: v.clone() for k, v in trainer.model.state_dict().items() if torch.is_tensor(v)}
+    gate, real_publish = threading.Event(), checkpoint_module.publish_checkpoint
+
+    def held_publish(*args):
+        assert gate.wait(60)
+        return real_publish(*args)
+
+    monkeypatch.setattr(checkpoint_module, "publish_checkpoint", held_publish)
+    run = RunState()
+    run.record_step(0, ["s0-g0-r0"], ["s0-g0-r0"], ["step00000-group0000.h5"])
+    checkpointer = Checkpointer(tmp_path)
+    checkpointer.save(run, trainer)
+    run.record_step(1, ["s1-g0-r0"], [], [])
+    _train_once(trainer)  # the next step's update, before the write began
+    assert find_checkpoint(tmp_path) is None  # nothing published yet: no state.json points anywhere
+    gate.set()
+    assert checkpointer.wait() == tmp_path / "checkpoint"
+    checkpointer.close()
+    restored = _trainer()
+    loaded = load_checkpoint(find_checkpoint(tmp_path), restored)
+    assert loaded.next_step == 1 and [r.step for r in loaded.ledger] == [0]
+    assert restored.step == 1 and adam_steps(tmp_path) == 1
+    for name, value in restored.model.state_dict().items():
+        if torch.is_tensor(value):
+            assert torch.equal(value, expected[name]), name
 
 
 @pytest.mark.unit
@@ -138,6 +194,56 @@ def test_outputs_of_unfinished_steps_are_moved_aside_not_deleted(tmp_path):
     assert len((aside / "calls.jsonl").read_text().splitlines()) == 3 and (aside / "metrics.jsonl").exists()
     manifest = json.loads((aside / "manifest.json").read_text())
     assert manifest["first_step"] == 2 and manifest["moved"]["call-log lines"] == 3
+
+
+def _finished_group(step: int, group: int, version: str, scores: list[float]) -> list[FinishedRollout]:
+    task = Task(task_id=f"t{group}", family="write_value", prompt="p")
+    members = []
+    for i, score in enumerate(scores):
+        rid = f"s{step}-g{group}-r{i}"
+        calls = [make_record(1, [5, 6, 7], [8, 9, 10 + i], rollout_id=rid), make_record(2, [5, 6, 7, 8], [11])]
+        calls[1].rollout_id = rid
+        for c in calls:
+            c.weight_version = version
+        grade = Grade("ok", score, int(score * 4), 4)
+        members.append(FinishedRollout(group, RolloutOutcome(rid, task, grade, 1.5, 2, "finish", False), calls))
+    return members
+
+
+@pytest.mark.unit
+def test_a_resume_keeps_the_completed_groups_of_the_interrupted_step(tmp_path):
+    """Stopped in step 2 (checkpoint: steps 0-1, weight version 2): step 2's complete shards served by version 2 stay
+    with their call-log lines and come back as finished groups; a shard served by a newer version, a half-written
+    one and a later step's are moved aside."""
+    (tmp_path / "checkpoint").mkdir()
+    write_state(tmp_path / "checkpoint", RunState(next_step=2, weight_version=2))
+    cfg, shards = RunConfig(), tmp_path / "shards"
+    shards.mkdir()
+    groups = {
+        (1, 0): _finished_group(1, 0, "1", [1.0, 0.0]),
+        (2, 0): _finished_group(2, 0, "2", [1.0, 0.25]),
+        (2, 1): _finished_group(2, 1, "3", [0.5, 0.0]),
+        (3, 0): _finished_group(3, 0, "2", [0.0, 1.0]),
+    }
+    written = {key: write_group_shard(cfg, shards, key[0], key[1], members) for key, members in groups.items()}
+    (shards / ".step00002-group0002.h5.9.cafe.tmp").write_bytes(b"half")
+    calls = [c.to_json() for members in groups.values() for m in members for c in m.calls]
+    _jsonl(tmp_path / "calls.jsonl", calls)
+
+    point = prepare_resume(tmp_path, "auto", log=lambda _: None)
+    assert sorted(point.kept) == [0] and point.kept[0].shard == written[(2, 0)].path
+    assert sorted(p.name for p in shards.iterdir()) == ["step00001-group0000.h5", "step00002-group0000.h5"]
+    kept_ids = {json.loads(line)["rollout_id"] for line in (tmp_path / "calls.jsonl").read_text().splitlines()}
+    assert kept_ids == {"s1-g0-r0", "s1-g0-r1", "s2-g0-r0", "s2-g0-r1"}
+    assert json.loads((point.set_aside / "manifest.json").read_text())["kept"] == {"0": "step00002-group0000.h5"}
+
+    tasks = [Task(task_id="t0", family="write_value", prompt="p")]
+    restored = restore_groups(point.kept, tasks, tmp_path)[0]
+    assert [m.outcome.rollout_id for m in restored.members] == ["s2-g0-r0", "s2-g0-r1"]
+    assert [m.outcome.grade.score for m in restored.members] == [1.0, 0.25]
+    assert [[c.call_id for c in m.calls] for m in restored.members] == [[1, 2], [1, 2]]
+    assert restored.shard == written[(2, 0)]
+    assert prepare_resume(tmp_path, "never", log=lambda _: None).kept == {}
 
 
 @pytest.mark.unit
@@ -239,3 +345,72 @@ def test_main_job_stopped_by_sigterm_resumes_where_it_stopped(tmp_path, tmp_path
     (aside,) = (out / "preempted").iterdir()
     abandoned = {json.loads(line)["rollout_id"] for line in (aside / "calls.jsonl").read_text().splitlines()}
     assert abandoned and all(rid.startswith(f"s{stopped_in}-") for rid in abandoned)
+
+
+def _kill_job(proc: subprocess.Popen, out: Path, scheduler: str) -> None:
+    """SIGKILL the run's main process (the loop; under cells the controller, rank 0, which holds the step book), then
+    whatever of the job is left (mpirun and the cell ranks hold on without their controller): a crash, no clean-up."""
+    if scheduler != "colocate":
+        os.kill(int((out / "controller.pid").read_text()), signal.SIGKILL)
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("scheduler", ["colocate", "colocate_cells"])
+def test_a_run_killed_mid_step_keeps_the_steps_completed_groups(tmp_path, tmp_path_factory, scheduler):
+    """SIGKILL in the middle of step k >= 2, one group's shard written and another group's rollouts running: the
+    same command resumes at step k from the every-step checkpoint, keeps the written group (its shard untouched,
+    none of its rollouts run again), runs only the others, and every step is trained once."""
+    out = tmp_path / "run"
+    cache = tmp_path_factory.getbasetemp() / "resume-warm-start"
+    one_group_at_a_time = (  # 8 rollouts at once: a group's shard is written while the next group runs
+        ["harness.concurrency=8"]
+        if scheduler == "colocate"
+        else ["scheduler=colocate_cells", "cluster.satellites=[{}]", "sched.capacity_per_cell=4"]
+    )
+    args = tiny_args(cache, out, tmp_path / "hydra", *one_group_at_a_time)
+    cmd = [sys.executable, "-m", "launch.run", *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    log1 = tmp_path / "first.log"
+    with log1.open("w") as f:
+        first = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=f, env=env, start_new_session=True)
+    try:
+        found = wait_for("a group of step >= 2 written while another runs", lambda: mid_step_with_a_group_done(out),
+                         600, lambda: first.poll() is None)  # fmt: skip
+        before = calls_by_rollout(out)
+        _kill_job(first, out, scheduler)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    k, kept_shards = found
+    kept = sorted(int(name[-7:-3]) for name in kept_shards)
+    kept_ids = {f"s{k}-g{g}-r{i}" for g in kept for i in range(GROUP_SIZE)}
+
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"resuming {out} from {out / 'checkpoint'} at step {k} of {STEPS}" in again.stdout, again.stdout[-3000:]
+    assert f"keeping the completed groups {kept} of step {k}" in again.stdout
+    for name, (inode, mtime) in kept_shards.items():  # the same file, never rewritten
+        stat = (out / "shards" / name).stat()
+        assert (stat.st_ino, stat.st_mtime_ns) == (inode, mtime), name
+    after = calls_by_rollout(out)
+    assert {rid: after[rid] for rid in kept_ids} == {rid: before[rid] for rid in kept_ids}  # none of them ran again
+    assert all(after[f"s{k}-g{g}-r{i}"] for g in range(GROUPS) if g not in kept for i in range(GROUP_SIZE))
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if r.get("event", "step") == "step"]
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert [r["kept_groups"] for r in rows] == [kept if s == k else [] for s in range(STEPS)]
+    assert rows[k]["n_rollouts"] == GROUPS * GROUP_SIZE
+    final = state(out)
+    assert [s["from_step"] for s in final["starts"]] == [0, k]
+    assert kept_ids <= set(final["ledger"][k]["rollouts"]) and final["ledger"][k]["start"] == 1
+    if scheduler == "colocate":
+        assert_each_rollout_once(out)
+    else:  # the controller's ledger: every step once, each stored rollout once, the optimizer carried over
+        assert [r["step"] for r in final["ledger"]] == list(range(STEPS))
+        shards = shard_ids_by_step(out)
+        assert all(set(shards[r["step"]]) <= set(r["rollouts"]) for r in final["ledger"])
+
+        assert all(len(set(ids)) == len(ids) for ids in shards.values())
+        assert adam_steps(out) == sum(1 for r in final["ledger"] if r["trained"])

@@ -272,7 +272,7 @@ async def main():
     report = {"fds_at_check": n_fds, "flood": flood, "honest": honest_out[0].decode(),
               "errors": honest_out[1].decode()[-800:], "refused_by_trainer": endpoints["flood"].refused_connections,
               "cap": cap, "trainer_can_open": can_open}
-    print(json.dumps(report))
+    print(json.dumps(report), flush=True)  # os._exit does not flush a piped stdout
     os._exit(0)
 
 asyncio.run(main())

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gyre.config.schema import ModelConfig, TrainConfig
+from gyre.config.schema import MismatchConfig, ModelConfig, TrainConfig
 from gyre.pipeline import RLMicroBatch, tree_gspo_loss_fn
 from gyre.proxy.call_log import read_call_log
 from gyre.train import chunked_logprobs
@@ -175,6 +175,22 @@ def test_pack_trees_splits_a_tree_over_the_budget_and_packs_the_rest_whole():
     whole = pack_forest([big])
     for name in ("tokens", "parent", "positions", "loss_weight", "source_index"):
         assert torch.equal(getattr(split, name), getattr(whole, name)), name
+
+
+def test_a_split_tree_with_the_trainer_as_proximal_and_a_token_mask_equals_the_whole_tree(trainer):
+    """rl.mismatch: the proximal logprobs of a split tree (its no-gradient pass) and the gradient of a token mask
+    (not proportional to the loss weights: the second, exact pass) equal the whole tree's."""
+    rng = np.random.default_rng(5)
+    tree, weight = with_behaviour(trainer, random_tree(rng, 30, max_segment=14), 5)
+    tree.logprob = np.where(tree.policy, tree.logprob + rng.normal(0, 0.6, tree.n_tokens), 0).astype(np.float32)
+    mismatch = MismatchConfig(proximal="trainer", correction="mask", low=0.6, high=1.6)
+    loss_fn = tree_gspo_loss_fn(0.02, 0.02, mismatch)
+    whole_g, _, whole_m = grads_and_logp(trainer, pack_forest([tree], [weight]), loss_fn)
+    assert 0.1 < whole_m["mismatch/masked_frac"] < 0.9 and whole_m["ratio_mean"] == 1.0
+    split_g, _, split_m = grads_and_logp(trainer, split_tree(tree, max(1, tree.n_tokens // 10), weight), loss_fn)
+    assert float((split_g - whole_g).norm() / whole_g.norm()) < 1e-5
+    assert split_m["mismatch/masked_frac"] == whole_m["mismatch/masked_frac"]
+    assert split_m["mismatch/kl_k3"] == pytest.approx(whole_m["mismatch/kl_k3"], rel=1e-4)
 
 
 def test_a_loss_not_proportional_to_the_weights_and_earlier_gradients_are_exact(trainer):

@@ -27,8 +27,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gyre.config.schema import CELL_SCHEDULERS
+
 ROOT = Path(__file__).resolve().parents[1]
-SCHEDULERS = ("colocate_cells", "async", "elastic")
+SCHEDULERS = tuple(s.value for s in CELL_SCHEDULERS)
 WORKLOAD = [
     "rl.groups_per_step=4",
     "rl.group_size=8",

@@ -16,7 +16,7 @@ high-water mark minus the RSS just before the first timed pass.
         [--progress]      # each segment of the backward sweep: a JSON line on stderr (CPU s, peak RSS so far)
         [--vocab 1024 --hidden 64 --layers 2 --heads 2]  # the model (one key/value head, ffn 2 x hidden)
 
-The 1M-token run of the README (hidden 32, 1 layer, 1 head: 18-27 ns per attention pair on this CPU):
+The 1M-token run of docs/architecture.md (hidden 32, 1 layer, 1 head: 18-27 ns per attention pair on this CPU):
 
     python -m tools.bench_split_trees --scales 100 10 1 --repeats 1 --fixed-malloc --hidden 32 --layers 1 \
         --heads 1 --progress

@@ -60,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-timeout", type=float, default=60.0, help="grading limit of tasks that set none")
     p.add_argument("--jobs", type=int, default=4, help="tasks checked at once (each in its own sandboxes)")
     p.add_argument("--json", type=Path, help="write the per-task verdicts here as a JSON list")
-    p.add_argument("--build-images", action="store_true", help="harbor: build each environment/Dockerfile (buildah)")
+    p.add_argument(
+        "--build-images", action="store_true", help="build environments: Harbor Dockerfiles, SWE-bench specs"
+    )
     p.add_argument("--images", default="", help="with --build-images: directory of base image OCI archives")
     p.add_argument("--commit-id", action="store_true", help="print PATH's commit id as a snapshot; check nothing")
     p.add_argument("--verbose", action="store_true", help="show the traceback of an expected failure too")

@@ -6,7 +6,7 @@
 #   tools/fetch_public_suite.sh [DEST]                      # clones from github.com (needs the network)
 #   MIRRORS=/work/.mirror tools/fetch_public_suite.sh DEST  # or from local bare copies <owner>+<name>/repo
 #
-# Then (README, "Environment images"; bases the machine cannot make are stand-ins, named as such):
+# Then (docs/tasks.md, "Environment images"; bases the machine cannot make are stand-ins, named as such):
 #   python -m tools.make_base_images --store BASES --stand-in ubuntu:24.04=debian:bookworm \
 #       --stand-in python:3.12-slim=python:3.11-slim --stand-in python:3.12-slim-bookworm=python:3.11-slim
 #   python -m tools.check_tasks DEST --build-images --images BASES --jobs 2 --json verdicts.json

@@ -27,6 +27,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from gyre.config.schema import CELL_SCHEDULERS as SCHEDULERS
 from gyre.sched.policy import KEEP_TRAINING
 from gyre.sim.bound import alone_seconds, lower_bound
 from gyre.sim.calibrate import Calibration, RunRecord, calibrate, read_run
@@ -35,7 +36,6 @@ from gyre.sim.workload import CellModel, RunShape, Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tools" / "sim_data" / "bench17_runs.json.gz"
-SCHEDULERS = ("colocate_cells", "async", "elastic")
 WORKLOADS = {"sigma0.5": "tool-time tail sigma=0.5", "sigma1.0": "sigma=1.0", "trainheavy": "training ~ rollouts"}
 HOUR = 3600.0
 

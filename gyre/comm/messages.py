@@ -90,6 +90,7 @@ class SaveCheckpoint:
     controller's RunState as JSON) under the run's output directory (gyre.resume.checkpoint)."""
 
     state: dict[str, Any] = field(default_factory=dict)
+    final: bool = False  # acknowledged once on disk (a stop); else once snapshotted, written in the background
 
 
 @dataclass(frozen=True)

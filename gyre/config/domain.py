@@ -1,7 +1,7 @@
 """The domain of each config field, declared once beside the field in gyre/config/schema.py:
 
     group_size: int = ranged(8, Range(low=2), why="...")     # a number in an interval
-    backend: str = choice("embedded", ENGINE_BACKENDS)         # one of a few strings (or a list of them)
+    backend: str = choice(EngineBackend.embedded, EngineBackend)  # one of an enum's values (or a list of them)
 
 `check_fields` refuses a value outside its field's domain naming the key, the value and the domain; it runs
 when a section is built (its __post_init__) and over the whole tree when a RunConfig is built, which is
@@ -11,6 +11,7 @@ where every config is loaded (gyre.config.load.to_run_config). Imports nothing o
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,9 +102,10 @@ def ranged(default: Any, domain: Range, why: str = "") -> Any:
     return dataclasses.field(default=default, metadata={DOMAIN: domain})
 
 
-def choice(default: Any, choices: tuple[str, ...], what: str = "") -> Any:
-    """A string field that takes one of `choices` (a list-valued one: `default` is a factory)."""
-    domain = OneOf(tuple(choices), what)
+def choice(default: Any, choices: tuple[str, ...] | type[enum.StrEnum], what: str = "") -> Any:
+    """A string field that takes one of `choices`, a tuple or the values of a StrEnum (a list-valued field:
+    `default` is a factory)."""
+    domain = OneOf(tuple(str(c) for c in choices), what)
     if callable(default):
         return dataclasses.field(default_factory=default, metadata={DOMAIN: domain})
     return dataclasses.field(default=default, metadata={DOMAIN: domain})

@@ -21,51 +21,181 @@ from gyre.config.domain import (
     ranged,
 )
 
-# The choices of string fields (each field's domain is declared beside it: `ranged`, `choice`).
-MODEL_INITS = ("torch", "megatron")
-CHAT_TEMPLATES = ("directory", "gyre")
-ENGINE_BACKENDS = ("embedded", "sglang")
-ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-# SGLang's --load-format choices that read an HF-format directory or none (server_args.py has more).
-SGLANG_LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy", "fastsafetensors", "layered")
-WEIGHT_SYNCS = ("auto", "disk", "tensor", "distributed")
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-TASK_SOURCES = ("builtin", "harbor", "swebench")  # gyre/tasks/source.py
-TASK_SPLITS = ("train", "eval", "all")
-HARNESS_KINDS = ("builtin", "claude_code", "mini_swe_agent")
-SANDBOX_BACKENDS = ("bwrap", "apptainer", "none")
-RL_ALGORITHMS = ("gspo",)
-LOSS_NORMS = ("all_rollouts", "with_signal")
-TRAIN_BACKENDS = ("megatron",)
-TRANSFORMER_ENGINE = ("auto", "on", "off")
-MOONCAKE_PROTOCOLS = ("tcp", "rdma")
-CLUSTER_BACKENDS = ("local", "slurm")
-TRANSFER_BACKENDS = ("mooncake", "gloo")
-WANDB_MODES = ("offline", "online", "disabled")
-CELL_SCHEDULERS = ("colocate_cells", "async", "elastic")  # cells as an MPI job (gyre/sched)
-SCHEDULERS = ("colocate", *CELL_SCHEDULERS)  # colocate: the core cell alternates (gyre/sched/local.py)
-RESUME_MODES = ("auto", "never", "must")  # gyre/resume/recovery.py
-LOGGERS = ("jsonl", "tensorboard", "wandb")
+# The choices of string fields, each declared once as an enum; a field's domain is declared beside it from its
+# enum (`choice(Scheduler.colocate, Scheduler)`), and code compares against the members, never a string literal.
+# The fields stay `str` for Hydra (a StrEnum member equals its value), so an unknown value is refused by
+# gyre.config.domain with the allowed ones named, like every other out-of-domain value.
+
+
+class ModelInit(StrEnum):
+    torch = "torch"
+    megatron = "megatron"
+
+
+class ChatTemplate(StrEnum):
+    directory = "directory"
+    gyre = "gyre"
+
+
+class EngineBackend(StrEnum):
+    embedded = "embedded"
+    sglang = "sglang"
+
+
+class EngineDtype(StrEnum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class SGLangLoadFormat(StrEnum):
+    """SGLang's --load-format choices that read an HF-format directory or none (server_args.py has more)."""
+
+    auto = "auto"
+    safetensors = "safetensors"
+    pt = "pt"
+    dummy = "dummy"
+    fastsafetensors = "fastsafetensors"
+    layered = "layered"
+
+
+class WeightSync(StrEnum):
+    auto = "auto"
+    disk = "disk"
+    tensor = "tensor"
+    distributed = "distributed"
+
+
+class LogLevel(StrEnum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+    critical = "critical"
+
+
+class TaskSourceKind(StrEnum):
+    """Where tasks come from (gyre/tasks/source.py)."""
+
+    builtin = "builtin"
+    harbor = "harbor"
+    swebench = "swebench"
+
+
+class TaskSplit(StrEnum):
+    train = "train"
+    eval = "eval"
+    all = "all"
+
+
+class HarnessKind(StrEnum):
+    """The agent program a rollout runs; each kind's command, environment, trace, demos and preflight are one
+    object in gyre/harness/kinds.py."""
+
+    builtin = "builtin"
+    claude_code = "claude_code"
+    mini_swe_agent = "mini_swe_agent"
+
+
+class SandboxBackend(StrEnum):
+    bwrap = "bwrap"
+    apptainer = "apptainer"
+    none = "none"
+
+
+class RLAlgorithm(StrEnum):
+    gspo = "gspo"
+
+
+class LossNorm(StrEnum):
+    all_rollouts = "all_rollouts"
+    with_signal = "with_signal"
+
+
+class TrainBackend(StrEnum):
+    """The trainer gyre.train.trainer.make_trainer builds."""
+
+    megatron = "megatron"
+
+
+class TransformerEngine(StrEnum):
+    auto = "auto"
+    on = "on"
+    off = "off"
+
+
+class MooncakeProtocol(StrEnum):
+    tcp = "tcp"
+    rdma = "rdma"
+
+
+class ClusterBackend(StrEnum):
+    local = "local"
+    slurm = "slurm"
+
+
+class TransferBackend(StrEnum):
+    mooncake = "mooncake"
+    gloo = "gloo"
+
+
+class WandbMode(StrEnum):
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
+
+
+class Scheduler(StrEnum):
+    """colocate: the core cell alternates, in the controller's process (gyre/sched/local.py); the others run
+    cells as an MPI job (gyre/sched); one controller runs them all (gyre/sched/controller.py)."""
+
+    colocate = "colocate"
+    colocate_cells = "colocate_cells"
+    async_ = "async"
+    elastic = "elastic"
+
+    @property
+    def runs_cells(self) -> bool:
+        return self is not Scheduler.colocate
+
+
+CELL_SCHEDULERS = tuple(s for s in Scheduler if s.runs_cells)
+
+
+class ResumeMode(StrEnum):
+    """gyre/resume/recovery.py"""
+
+    auto = "auto"
+    never = "never"
+    must = "must"
+
+
+class Logger(StrEnum):
+    jsonl = "jsonl"
+    tensorboard = "tensorboard"
+    wandb = "wandb"
 
 
 @dataclass
 class ModelConfig:
     """A Llama/Qwen-style decoder: RoPE, RMSNorm, SwiGLU, grouped-query attention."""
 
-    vocab_size: int = ranged(1024, AT_LEAST_1)
-    hidden_size: int = ranged(128, AT_LEAST_1)
-    num_layers: int = ranged(4, AT_LEAST_1)
-    num_attention_heads: int = ranged(4, AT_LEAST_1)
-    num_query_groups: int = ranged(2, AT_LEAST_1)
-    ffn_hidden_size: int = ranged(352, AT_LEAST_1)
+    vocab_size: int = ranged(1024, AT_LEAST_1)  # vocabulary of the built model (the tokenizer's size or more)
+    hidden_size: int = ranged(128, AT_LEAST_1)  # width of the decoder
+    num_layers: int = ranged(4, AT_LEAST_1)  # decoder layers
+    num_attention_heads: int = ranged(4, AT_LEAST_1)  # query heads
+    num_query_groups: int = ranged(2, AT_LEAST_1)  # key/value heads (grouped-query attention)
+    ffn_hidden_size: int = ranged(352, AT_LEAST_1)  # SwiGLU inner width
+    # longest sequence (RoPE positions); a tree longer is trained in segments
     max_position_embeddings: int = ranged(4096, AT_LEAST_1)
-    rope_theta: float = ranged(10000.0, POSITIVE)
-    norm_eps: float = ranged(1e-6, POSITIVE)
+    rope_theta: float = ranged(10000.0, POSITIVE)  # RoPE base
+    norm_eps: float = ranged(1e-6, POSITIVE)  # RMSNorm epsilon
     # torch: PyTorch module defaults (learns copying far sooner); megatron: N(0, init_std)
-    init: str = choice("torch", MODEL_INITS)
-    init_std: float = ranged(0.02, POSITIVE)
-    tie_embeddings: bool = False
-    seed: int = ranged(1234, SEED)
+    init: str = choice(ModelInit.torch, ModelInit)
+    init_std: float = ranged(0.02, POSITIVE)  # std of init=megatron
+    tie_embeddings: bool = False  # share input embeddings and output layer
+    seed: int = ranged(1234, SEED)  # seed of the initial weights
     # 0: hidden_size // heads; Qwen3 decouples it (0.6B: hidden 1024, 16 heads of 128)
     head_dim: int = ranged(0, NON_NEGATIVE, why="0: hidden_size // num_attention_heads")
     qk_layernorm: bool = False  # Qwen3: RMSNorm over each query and key head before RoPE (HF q_norm/k_norm)
@@ -74,45 +204,51 @@ class ModelConfig:
     path: str = ""
     # with model.path: "directory" checks that the directory's chat template renders as gyre's proxy does (the
     # proxy renders gyre/model/chat_template.py's, token in / token out); "gyre" accepts that it differs
-    chat_template: str = choice("directory", CHAT_TEMPLATES)
+    chat_template: str = choice(ChatTemplate.directory, ChatTemplate)
 
 
 @dataclass
 class TokenizerConfig:
-    vocab_size: int = ranged(1024, AT_LEAST_1)
-    corpus_tasks: int = ranged(2000, AT_LEAST_1)
+    vocab_size: int = ranged(1024, AT_LEAST_1)  # BPE tokens trained for the built-in model (model.path brings its own)
+    corpus_tasks: int = ranged(2000, AT_LEAST_1)  # demonstrations the BPE is trained on
 
 
 @dataclass
 class EngineConfig:
-    backend: str = choice("embedded", ENGINE_BACKENDS, "engine backend")
-    host: str = "127.0.0.1"
-    port: int = ranged(0, PORT)
-    max_running_requests: int = ranged(64, AT_LEAST_1)
+    # embedded: Gyre's CPU engine; sglang: SGLang servers (GPU)
+    backend: str = choice(EngineBackend.embedded, EngineBackend, "engine backend")
+    host: str = "127.0.0.1"  # address the engine listens on
+    port: int = ranged(0, PORT)  # its port; 0: a free one
+    max_running_requests: int = ranged(64, AT_LEAST_1)  # requests decoded together (continuous batching)
+    # prompt + output tokens one request may hold
     max_context_tokens: int = ranged(4096, Range(low=2), why="a prompt token and an output token")
-    num_threads: int = ranged(1, AT_LEAST_1)
-    startup_timeout_s: float = ranged(120.0, POSITIVE)
+    num_threads: int = ranged(1, AT_LEAST_1)  # torch threads of the embedded engine
+    startup_timeout_s: float = ranged(120.0, POSITIVE)  # how long the engine may take to answer /health
     tp_size: int = ranged(1, AT_LEAST_1)  # sglang: tensor-parallel GPUs per server
     # sglang: GPU memory share for weights + KV cache
     mem_fraction_static: float = ranged(0.85, Range(0, 1, low_open=True, high_open=True), why="e.g. 0.8")
     device: str = "cpu"  # embedded: torch device of the model and KV cache ("cuda" on a GPU machine)
-    dtype: str = choice("auto", ENGINE_DTYPES)  # auto: fp32 for the embedded engine, SGLang's choice (bf16) for sglang
+    dtype: str = choice(
+        EngineDtype.auto, EngineDtype
+    )  # auto: fp32 for the embedded engine, SGLang's choice (bf16) for sglang
     # how new weights reach the engine: disk (a checkpoint), tensor (same node, SGLang), distributed (a
     # broadcast group with the trainer, SGLang); auto: disk for embedded, distributed for sglang
-    weight_sync: str = choice("auto", WEIGHT_SYNCS)
+    weight_sync: str = choice(WeightSync.auto, WeightSync)
     # backend=sglang only; each maps to the sglang.launch_server flag of the same name (server_args.py)
     python: str = "python"  # interpreter with sglang installed on the engine's node
-    load_format: str = choice("auto", SGLANG_LOAD_FORMATS)  # "dummy": random weights, nothing read from the checkpoint
+    load_format: str = choice(
+        SGLangLoadFormat.auto, SGLangLoadFormat
+    )  # "dummy": random weights, nothing read from the checkpoint
     enable_memory_saver: bool = True  # needed for /release_memory_occupation on role switches
     enable_weights_cpu_backup: bool = False  # release keeps a CPU copy of the weights (resume without a sync)
     # 0: SGLang's default
     chunked_prefill_size: int = ranged(0, Range(low=-1), why="0: SGLang's default; -1: no chunking")
-    disable_radix_cache: bool = False
+    disable_radix_cache: bool = False  # sglang: --disable-radix-cache
     enable_hierarchical_cache: bool = False  # host-memory KV tier (HiCache)
     hicache_storage_backend: str = ""  # e.g. "mooncake": KV prefixes in a store other engines read
-    base_gpu_id: int = ranged(0, NON_NEGATIVE)
-    random_seed: int = ranged(0, SEED)
-    log_level: str = choice("info", LOG_LEVELS)
+    base_gpu_id: int = ranged(0, NON_NEGATIVE)  # sglang: first GPU of the server
+    random_seed: int = ranged(0, SEED)  # sglang: --random-seed
+    log_level: str = choice(LogLevel.info, LogLevel)  # sglang: --log-level
     extra_args: list[str] = field(default_factory=list)  # more launch_server flags, passed verbatim
 
     def __post_init__(self) -> None:
@@ -123,13 +259,14 @@ class EngineConfig:
 
 @dataclass
 class ProxyConfig:
-    host: str = "127.0.0.1"
-    port: int = ranged(0, PORT)
+    host: str = "127.0.0.1"  # address the proxy listens on
+    port: int = ranged(0, PORT)  # its port; 0: a free one
+    # context limit (OpenAI context_length_exceeded, Anthropic 'prompt is too long')
     max_context_tokens: int = ranged(4096, AT_LEAST_1)
-    default_max_tokens: int = ranged(96, AT_LEAST_1)
+    default_max_tokens: int = ranged(96, AT_LEAST_1)  # output tokens of a call that asks for none
     # caps every call's max_tokens (harnesses ask for 32000+)
     max_output_tokens: int | None = ranged(None, AT_LEAST_1, why="or null: no cap")
-    request_timeout_s: float = ranged(300.0, POSITIVE)
+    request_timeout_s: float = ranged(300.0, POSITIVE)  # longest a call may wait for its engine
     # a session's next call goes to the engine of its last call (its prefix is cached there) unless that engine
     # has this many more requests in flight than the least-loaded one; -1: least-loaded only
     affinity_slack: int = ranged(2, Range(low=-1), why="-1: least-loaded only")
@@ -137,19 +274,19 @@ class ProxyConfig:
     # is ~5 MB of JSON); a body must arrive within body_timeout_s; a connection without a request (or with only
     # part of its headers) for idle_timeout_s is closed; connections over max_connections are answered 503
     max_body_mb: int = ranged(32, POSITIVE)
-    body_timeout_s: float = ranged(60.0, POSITIVE)
-    idle_timeout_s: float = ranged(75.0, POSITIVE)
-    max_connections: int = ranged(1024, POSITIVE)
+    body_timeout_s: float = ranged(60.0, POSITIVE)  # see proxy.max_body_mb
+    idle_timeout_s: float = ranged(75.0, POSITIVE)  # see proxy.max_body_mb
+    max_connections: int = ranged(1024, POSITIVE)  # see proxy.max_body_mb
     # per rollout (its key, or its path/header id without keys): calls in flight beyond max_rollout_requests get
     # 429, connections beyond max_rollout_connections close that rollout's idle ones first, then get 429; when
     # max_connections is reached, an idle connection (one that never sent a request first) is closed for the new one
     max_rollout_requests: int = ranged(32, POSITIVE)
-    max_rollout_connections: int = ranged(64, POSITIVE)
+    max_rollout_connections: int = ranged(64, POSITIVE)  # see proxy.max_rollout_requests
     # every request's work before the engine (validation, rendering, tokenizing) runs on this many threads, off
     # the event loop, one rollout holding half of them at most; the token cache of prompt segments holds at most
     # token_cache_mb
     prepare_threads: int = ranged(4, POSITIVE)
-    token_cache_mb: int = ranged(256, POSITIVE)
+    token_cache_mb: int = ranged(256, POSITIVE)  # see proxy.prepare_threads
     # a body of 512 KB or more is measured in a helper process before it is parsed: over this many JSON values
     # (parsing holds the event loop ~0.3 us per value) it gets 413
     max_body_values: int = ranged(250_000, POSITIVE)
@@ -165,27 +302,28 @@ class TaskConfig:
     """Where tasks come from (gyre/tasks/source.py): builtin families, or a suite on disk at `path`."""
 
     # builtin | harbor (a directory of task dirs) | swebench (a JSONL file)
-    source: str = choice("builtin", TASK_SOURCES, "task source")
+    source: str = choice(TaskSourceKind.builtin, TaskSourceKind, "task source")
     path: str = ""  # harbor: directory of tasks (or one task); swebench: instances JSONL; relative: to the cwd
     repos: str = ""  # swebench: directory of repository snapshots (owner__name); empty: <path's dir>/repos
     # train | eval (held out) | all: which instances of a suite on disk the run uses
-    split: str = choice("train", TASK_SPLITS)
+    split: str = choice(TaskSplit.train, TaskSplit)
     # share of a suite's instances held out for eval (by a hash of the instance id)
     eval_fraction: float = ranged(0.25, Range(0, 1, high_open=True))
     # a suite on disk: a task that cannot be loaded is skipped and listed (summary, shard provenance);
     # strict refuses the suite instead; fewer usable tasks than min_tasks refuses to start, naming the causes
     strict: bool = False
-    min_tasks: int = ranged(1, Range(low=1), why="a run needs a task")
+    min_tasks: int = ranged(1, Range(low=1), why="a run needs a task")  # see tasks.strict
+    # built-in task families (tasks.source=builtin): write_value, echo_files, fix_value, ...
     families: list[str] = field(default_factory=lambda: ["write_value"])
     # the RL training set: this many instances (families in equal shares, or a seeded sample of the split),
     # revisited in shuffled epochs; 0 = fresh instances every step (builtin) or the whole split (suites on disk)
     pool_size: int = ranged(8, NON_NEGATIVE, why="0: fresh instances every step, or the whole split")
-    check_timeout_s: float = ranged(10.0, POSITIVE)
-    tool_delay_s: float = ranged(0.0, NON_NEGATIVE)
+    check_timeout_s: float = ranged(10.0, POSITIVE)  # seconds a task's hidden checks may take
+    tool_delay_s: float = ranged(0.0, NON_NEGATIVE)  # extra seconds per run_checks call of the built-in harness
     # every tool call of the built-in harness takes this long on average (builds, tests): a long-tailed
     # workload. Each rollout draws a factor ~ lognormal(mean 1, sigma tool_time_sigma) from its rollout id
     tool_time_s: float = ranged(0.0, NON_NEGATIVE, why="0: no simulated tool time")
-    tool_time_sigma: float = ranged(1.0, NON_NEGATIVE)
+    tool_time_sigma: float = ranged(1.0, NON_NEGATIVE)  # see tasks.tool_time_s
     # harbor: build each task's environment/Dockerfile with buildah (gyre/tasks/images.py; once per definition,
     # cached in $GYRE_CACHE) and run its rollouts and grading in the image; false: the host's /usr
     build_images: bool = False
@@ -201,15 +339,15 @@ class TaskConfig:
 class HarnessConfig:
     """The agent program each rollout runs (gyre/harness); presets: `harness=builtin|claude_code|mini_swe_agent`."""
 
-    kind: str = choice("builtin", HARNESS_KINDS, "harness")  # builtin | claude_code | mini_swe_agent
-    max_turns: int = ranged(10, AT_LEAST_1)
-    timeout_s: float = ranged(90.0, POSITIVE)
+    kind: str = choice(HarnessKind.builtin, HarnessKind, "harness")  # builtin | claude_code | mini_swe_agent
+    max_turns: int = ranged(10, AT_LEAST_1)  # model calls of the main agent per rollout
+    timeout_s: float = ranged(90.0, POSITIVE)  # wall-clock limit of a rollout (the workspace is graded as it stands)
     # builtin and mini_swe_agent; Claude Code sends its own
     temperature: float = ranged(1.0, NON_NEGATIVE, why="0: greedy")
     # builtin and mini_swe_agent; Claude Code asks for 64000 (cap it: proxy.max_output_tokens)
     max_tokens: int = ranged(64, AT_LEAST_1)
-    concurrency: int = ranged(16, AT_LEAST_1)
-    keep_workspaces: bool = False
+    concurrency: int = ranged(16, AT_LEAST_1)  # rollouts a cell runs at once
+    keep_workspaces: bool = False  # keep each rollout's workspace under the output directory
     # the short prompt: claude_code `claude --bare` (a one-line system prompt, tools Bash/Edit/Read: ~300 tokens);
     # mini_swe_agent compact system/instance templates (gyre/harness/mini_swe_agent.py: a first request of ~80 tokens, not ~850)
     bare: bool = False
@@ -234,7 +372,7 @@ class SandboxConfig:
     `apptainer_image`; none: the trainer's own user, files, network and environment (asked for only,
     recorded in every shard's provenance)."""
 
-    backend: str = choice("bwrap", SANDBOX_BACKENDS, "sandbox backend")  # bwrap | apptainer | none
+    backend: str = choice(SandboxBackend.bwrap, SandboxBackend, "sandbox backend")  # bwrap | apptainer | none
     apptainer_image: str = ""  # backend=apptainer: the image (.sif) harnesses and checkers run in
     # backend=apptainer: a task's environment image (Harbor's docker_image, a SWE-bench instance's image) -> .sif;
     # once given, a task whose image is not here fails; tasks naming no image use apptainer_image
@@ -261,25 +399,69 @@ class SandboxConfig:
         check_sandbox(self)
 
 
+class MismatchProximal(StrEnum):
+    """Whose logprobs are GSPO's old policy (rl.mismatch.proximal)."""
+
+    engine = "engine"  # the rollout engine's, recorded with each call (no extra forward)
+    trainer = "trainer"  # the trainer's, recomputed before the update (a no-grad forward per micro-batch)
+
+
+class MismatchCorrection(StrEnum):
+    """How the trainer/engine ratio pi_proximal / pi_engine of each sampled token reweights its loss."""
+
+    none = "none"
+    tis = "tis"  # truncated importance sampling: weight min(ratio, cap)
+    mask = "mask"  # IcePop / MIS: weight ratio inside [low, high], no loss outside
+
+
+class CorrectionLevel(StrEnum):
+    token = "token"  # each token's own ratio
+    sequence = "sequence"  # its rollout's: the geometric mean over the rollout's trained targets, as GSPO's ratio
+
+
+@dataclass
+class MismatchConfig:
+    """Train/inference mismatch correction (gyre/train/mismatch.py; README "Train/inference mismatch")."""
+
+    # GSPO's old policy: engine (recorded logprobs) or trainer (recomputed before the update)
+    proximal: MismatchProximal = MismatchProximal.engine
+    # none, tis (truncate the ratio at cap) or mask (no loss outside [low, high])
+    correction: MismatchCorrection = MismatchCorrection.none
+    level: CorrectionLevel = CorrectionLevel.token  # token or sequence ratios for the correction
+    cap: float = ranged(2.0, Range(low=1), why="tis: below 1 it would cut on-policy tokens")  # tis: largest weight
+    # mask: lowest ratio kept
+    low: float = ranged(0.5, Range(0, 1, low_open=True), why="mask: the band must hold ratio 1 (no mismatch)")
+    # mask: highest ratio kept
+    high: float = ranged(2.0, Range(low=1), why="mask: the band must hold ratio 1 (no mismatch)")
+
+    def __post_init__(self) -> None:
+        from gyre.config.validate import check_mismatch
+
+        check_mismatch(self)
+
+
 @dataclass
 class RLConfig:
-    algorithm: str = choice("gspo", RL_ALGORITHMS)
+    algorithm: str = choice(RLAlgorithm.gspo, RLAlgorithm)  # the policy-gradient objective
     # 4 leaves a hard task's group all-fail too often: no advantage, nothing learned
     group_size: int = ranged(8, Range(low=2), why="advantages compare a group's rollouts: one alone trains nothing")
     groups_per_step: int = ranged(8, AT_LEAST_1)  # with tasks.pool_size 8: each step visits the training set once
     # the sequence ratio is clipped to [1 - clip_eps_low, 1 + clip_eps_high]
     clip_eps_low: float = ranged(3e-4, Range(0, 1, high_open=True))
-    clip_eps_high: float = ranged(4e-4, NON_NEGATIVE)
+    clip_eps_high: float = ranged(4e-4, NON_NEGATIVE)  # see rl.clip_eps_low
+    # K: root-to-leaf paths of a rollout's tree trained per step
     max_trajectories_per_rollout: int = ranged(5, AT_LEAST_1)
+    # tempered: softmax(logits / T); truncated: renormalised over the top-k/top-p/min-p kept set
     logprob_distribution: LogprobDistribution = LogprobDistribution.tempered
     # the step's loss is averaged over: all_rollouts (every rollout that entered the objective, zero advantage
     # included: the GSPO paper's and TRL's choice) or with_signal (only rollouts with a non-zero advantage)
-    loss_norm: str = choice("all_rollouts", LOSS_NORMS)
+    loss_norm: str = choice(LossNorm.all_rollouts, LossNorm)
     # a step with every rollout excluded (an infrastructure failure: nothing scored, nothing trained), or more
     # than this fraction of them, counts as failed; max_excluded_steps failed steps in a row stop the run with
     # the exclusion reasons counted (0: never stop)
     max_excluded_fraction: float = ranged(0.5, UNIT_INTERVAL)
-    max_excluded_steps: int = ranged(1, NON_NEGATIVE, why="0: never stop")
+    max_excluded_steps: int = ranged(1, NON_NEGATIVE, why="0: never stop")  # see rl.max_excluded_fraction
+    mismatch: MismatchConfig = field(default_factory=MismatchConfig)
 
     def __post_init__(self) -> None:
         from gyre.config.validate import check_rl
@@ -289,34 +471,37 @@ class RLConfig:
 
 @dataclass
 class TrainConfig:
-    backend: str = choice("megatron", TRAIN_BACKENDS)
-    lr: float = ranged(1e-3, POSITIVE)
-    weight_decay: float = ranged(0.0, NON_NEGATIVE)
-    adam_beta2: float = ranged(0.95, Range(0, 1, high_open=True))
-    grad_clip: float = ranged(1.0, NON_NEGATIVE, why="0: no clipping")
+    backend: str = choice(TrainBackend.megatron, TrainBackend)  # the trainer (gyre/train: megatron-core)
+    lr: float = ranged(1e-3, POSITIVE)  # RL learning rate (AdamW)
+    weight_decay: float = ranged(0.0, NON_NEGATIVE)  # AdamW weight decay
+    adam_beta2: float = ranged(0.95, Range(0, 1, high_open=True))  # AdamW beta2
+    grad_clip: float = ranged(1.0, NON_NEGATIVE, why="0: no clipping")  # gradient norm clip
+    # tokens of a tree micro-batch; a bigger tree is trained exactly in segments
     micro_batch_tokens: int = ranged(4096, AT_LEAST_1)
     num_threads: int = ranged(1, AT_LEAST_1)  # on 2 shared cores one thread beats two (measured 5x)
+    # Megatron tensor parallel over a cell's ranks (gloo on CPU, NCCL on GPU)
     tensor_parallel: int = ranged(1, AT_LEAST_1)
-    pipeline_parallel: int = ranged(1, AT_LEAST_1)
+    pipeline_parallel: int = ranged(1, AT_LEAST_1)  # Megatron pipeline stages over a cell's ranks
     # CUDA only, like tensor/pipeline parallel > 1 (torchrun or srun world)
     context_parallel: int = ranged(1, AT_LEAST_1)
     # on: megatron's Transformer Engine layer spec (CUDA; padded micro-batches only, tree plans need the local
     # spec); auto: on when CUDA and transformer_engine are importable; off: local spec everywhere
-    transformer_engine: str = choice("off", TRANSFORMER_ENGINE)
+    transformer_engine: str = choice(TransformerEngine.off, TransformerEngine)
     distributed_optimizer: bool = True  # CUDA: megatron's DDP + distributed optimizer; CPU: torch AdamW
 
 
 @dataclass
 class WarmStartConfig:
-    enabled: bool = True
+    enabled: bool = True  # SFT on demonstrations before RL (not with model.path)
     # short on purpose: the policy starts able but unreliable (about half of its rollouts succeed), which
     # leaves RL something to show on the embedded default
     steps: int = ranged(200, NON_NEGATIVE, why="0: no warm start")
-    lr: float = ranged(2e-3, POSITIVE)
-    batch_size: int = ranged(16, AT_LEAST_1)
-    pack_tokens: int = ranged(384, AT_LEAST_1)
-    demos: int = ranged(2000, AT_LEAST_1)
+    lr: float = ranged(2e-3, POSITIVE)  # warm-start learning rate
+    batch_size: int = ranged(16, AT_LEAST_1)  # packed rows per warm-start step
+    pack_tokens: int = ranged(384, AT_LEAST_1)  # tokens of a packed row
+    demos: int = ranged(2000, AT_LEAST_1)  # demonstrations generated for the warm start
     families: list[str] = field(default_factory=list)  # demonstrations' families; empty: tasks.families
+    # where tokenizer, warm start, images and tools are cached
     cache_dir: str = "${oc.env:GYRE_CACHE,${oc.env:HOME}/.cache/gyre}"
 
 
@@ -324,34 +509,36 @@ class WarmStartConfig:
 class CellResources:
     """One cell's share of a Slurm allocation: one component of the heterogeneous job."""
 
-    nodes: int = ranged(1, AT_LEAST_1)
+    nodes: int = ranged(1, AT_LEAST_1)  # nodes of the cell
     # ranks of the cell on each node; the cell's trainer world is nodes x tasks_per_node ranks, one Megatron
     # layout of train.tensor_parallel x pipeline_parallel (rank 0 of the cell leads: engine, control plane)
     tasks_per_node: int = ranged(1, AT_LEAST_1)
-    cpus_per_node: int = ranged(1, AT_LEAST_1)
-    gpus_per_node: int = ranged(0, NON_NEGATIVE)
+    cpus_per_node: int = ranged(1, AT_LEAST_1)  # sbatch --cpus-per-task for the cell's ranks
+    gpus_per_node: int = ranged(0, NON_NEGATIVE)  # sbatch --gpus-per-node
     mem: str = ""  # per node, Slurm syntax ("64G"); empty: the partition's default
-    partition: str = "debug"
-    time: str = "01:00:00"
+    partition: str = "debug"  # sbatch --partition
+    time: str = "01:00:00"  # sbatch --time
 
 
 @dataclass
 class MooncakeConfig:
     """The cluster fabric as Mooncake Transfer Engine sees it (weights and KV between cells)."""
 
-    protocol: str = choice("tcp", MOONCAKE_PROTOCOLS)  # tcp | rdma
+    protocol: str = choice(MooncakeProtocol.tcp, MooncakeProtocol)  # tcp | rdma
     device_name: str = ""  # RDMA NICs, e.g. "mlx5_0,mlx5_1"; empty: let Mooncake choose
-    metadata_server: str = "P2PHANDSHAKE"
+    metadata_server: str = "P2PHANDSHAKE"  # Mooncake's metadata service; P2PHANDSHAKE: none, peers exchange it directly
 
 
 @dataclass
 class ClusterConfig:
     """Where cells run. slurm: one heterogeneous job, component 0 the core cell, 1..N the satellites."""
 
-    backend: str = choice("local", CLUSTER_BACKENDS)  # local: processes on this machine; slurm: launch/submit.py
-    job_name: str = "gyre"
-    account: str = ""
-    qos: str = ""
+    backend: str = choice(
+        ClusterBackend.local, ClusterBackend
+    )  # local: processes on this machine; slurm: launch/submit.py
+    job_name: str = "gyre"  # sbatch --job-name
+    account: str = ""  # sbatch --account
+    qos: str = ""  # sbatch --qos
     mpi: str = ""  # srun --mpi for the cell job's step (pmix, pmi2); empty: the cluster's MpiDefault
     # interpreter on the compute nodes; empty: the submitting interpreter by absolute path (a filesystem shared by
     # the nodes). A bare name ("python") needs a setup line that puts the run's environment first on the PATH
@@ -369,8 +556,9 @@ class ClusterConfig:
     # the cell job's start: rank 0 marks the MPI world up once every rank is past MPI_Init; a start that
     # fails or hangs before that (PMI-2 start-ups do, now and then, on a loaded machine) is ended and run again
     mpi_start_timeout_s: int = ranged(120, AT_LEAST_1)
-    mpi_start_attempts: int = ranged(3, AT_LEAST_1)
-    core: CellResources = field(default_factory=CellResources)
+    mpi_start_attempts: int = ranged(3, AT_LEAST_1)  # see cluster.mpi_start_timeout_s
+    core: CellResources = field(default_factory=CellResources)  # the core cell (authoritative weights and optimizer)
+    # the other cells, one heterogeneous-job component each
     satellites: list[CellResources] = field(default_factory=lambda: [CellResources(), CellResources()])
     mooncake: MooncakeConfig = field(default_factory=MooncakeConfig)
 
@@ -380,7 +568,9 @@ class CommConfig:
     """The control plane and weight/KV transfer between cells (gyre/comm); Mooncake's fabric is
     `cluster.mooncake`."""
 
-    transfer_backend: str = choice("mooncake", TRANSFER_BACKENDS)  # mooncake | gloo (torch.distributed fallback)
+    transfer_backend: str = choice(
+        TransferBackend.mooncake, TransferBackend
+    )  # mooncake | gloo (torch.distributed fallback)
     # the address peers reach this rank at (its engine, Mooncake, gloo), resolved once on the rank's node:
     # "auto": this node's host name resolved there (a loopback answer is refused once the job spans hosts)
     hostname: str = "127.0.0.1"
@@ -417,9 +607,9 @@ class TrackingConfig:
     """Where `logger=tensorboard|wandb` sends the run (metrics.jsonl is always written: the source of truth)."""
 
     run_name: str = ""  # empty: the Hydra job's overrides (one run per multirun job), else the output dir's name
-    wandb_project: str = "gyre"
+    wandb_project: str = "gyre"  # the W&B project of logger=wandb
     # offline: compute nodes often have no internet; `wandb sync <run dir>` later
-    wandb_mode: str = choice("offline", WANDB_MODES)
+    wandb_mode: str = choice(WandbMode.offline, WandbMode)
 
     def __post_init__(self) -> None:
         check_fields(self, "tracking.")
@@ -447,16 +637,21 @@ class EvalConfig:
 
 @dataclass
 class RunConfig:
+    # RL steps (optimizer updates) of the run
     steps: int = ranged(24, AT_LEAST_1, why="a run of no steps trains nothing")
-    seed: int = ranged(0, SEED)
-    scheduler: str = choice("colocate", SCHEDULERS, "scheduler")
+    seed: int = ranged(0, SEED)  # seed of the training set, task sampling and harness sampling
+    # colocate: one cell alternates rollout and training; elastic, async, colocate_cells: see docs/architecture.md
+    scheduler: str = choice(Scheduler.colocate, Scheduler, "scheduler")
     output_dir: str = ""  # empty: Hydra's run directory (outputs/<date>_<time>)
-    checkpoint_every: int = ranged(4, NON_NEGATIVE, why="0: at the end only")
+    # checkpoint period in steps (written in the background, off the step's critical path)
+    checkpoint_every: int = ranged(1, NON_NEGATIVE, why="0: at the end only")
+    # write each checkpoint on a background thread from a snapshot, off the step's critical path (gyre/resume)
+    checkpoint_async: bool = True
     # auto: continue from output_dir/checkpoint/ when it is complete, else start at step 0; must: continue or
     # fail; never: start at step 0, moving an earlier run's outputs aside (gyre/resume/recovery.py)
-    resume: str = choice("auto", RESUME_MODES)
+    resume: str = choice(ResumeMode.auto, ResumeMode)
     # experiment trackers beside metrics.jsonl: jsonl, tensorboard, wandb; several at once: logger=[tensorboard,wandb]
-    logger: list[str] = choice(lambda: ["jsonl"], LOGGERS)
+    logger: list[str] = choice(lambda: [Logger.jsonl.value], Logger)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)

@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING
 from gyre.config.domain import ConfigValueError as ConfigValueError  # where callers have always found it
 from gyre.config.domain import check_fields
 from gyre.config.domain import fail as _fail
-from gyre.config.schema import LOGGERS
+from gyre.config.schema import Logger, SandboxBackend, Scheduler, TaskSourceKind
 
 if TYPE_CHECKING:
     from gyre.config.schema import (
         EngineConfig,
         HarnessConfig,
+        MismatchConfig,
         ModelConfig,
         ProxyConfig,
         RLConfig,
@@ -33,21 +34,21 @@ if TYPE_CHECKING:
 
 def check_sandbox(s: SandboxConfig) -> None:
     check_fields(s, "sandbox.")
-    if s.backend == "apptainer" and not s.apptainer_image and not s.apptainer_images:
+    if s.backend == SandboxBackend.apptainer and not s.apptainer_image and not s.apptainer_images:
         _fail("sandbox.apptainer_image", s.apptainer_image,
               "backend=apptainer needs an image (a .sif file), or sandbox.apptainer_images per task image")  # fmt: skip
 
 
 def check_tasks(t: TaskConfig) -> None:
     check_fields(t, "tasks.")
-    if t.source != "builtin" and not t.path:
+    if t.source != TaskSourceKind.builtin and not t.path:
         _fail("tasks.path", t.path, f"tasks.source={t.source} needs a path (a directory of tasks or a JSONL file)")
-    if t.repos and t.source != "swebench":
+    if t.repos and t.source != TaskSourceKind.swebench:
         _fail("tasks.repos", t.repos, "repository snapshots are for tasks.source=swebench only")
 
 
 def check_task_sandbox(cfg: RunConfig) -> None:
-    if cfg.tasks.source == "harbor" and cfg.sandbox.backend == "none":
+    if cfg.tasks.source == TaskSourceKind.harbor and cfg.sandbox.backend == SandboxBackend.none:
         _fail("sandbox.backend", "none", "tasks.source=harbor: Harbor tests use /tests and /logs, which need an "
               "isolated sandbox (bwrap or apptainer)")  # fmt: skip
 
@@ -85,6 +86,15 @@ def check_engine(e: EngineConfig) -> None:
 
 def check_rl(r: RLConfig) -> None:
     check_fields(r, "rl.")
+
+
+def check_mismatch(m: MismatchConfig) -> None:
+    """A correction compares the proximal policy with the engine's: with proximal=engine they are the same
+    logprobs, the ratio is 1 everywhere and the correction would silently do nothing."""
+    check_fields(m, "rl.mismatch.")
+    if m.correction != "none" and m.proximal != "trainer":
+        _fail("rl.mismatch.correction", str(m.correction),
+              "corrects between the trainer's and the engine's logprobs: set rl.mismatch.proximal=trainer")  # fmt: skip
 
 
 def check_engine_for_model(e: EngineConfig, m: ModelConfig) -> None:
@@ -136,8 +146,8 @@ def check_train(t: TrainConfig, m: ModelConfig) -> None:
 
 
 def check_loggers(loggers: list[str]) -> None:
-    if bad := sorted(set(loggers) - set(LOGGERS)):
-        _fail("logger", list(loggers), f"unknown {bad}; choose from {', '.join(LOGGERS)} (several: logger=[a,b])")
+    if bad := sorted(set(loggers) - set(Logger)):
+        _fail("logger", list(loggers), f"unknown {bad}; choose from {', '.join(Logger)} (several: logger=[a,b])")
 
 
 def cell_ranks(cfg: RunConfig) -> list[int]:
@@ -207,5 +217,5 @@ def check_run(cfg: RunConfig) -> None:
         check_model(cfg.model)
         check_engine_for_model(cfg.engine, cfg.model)
         check_train(cfg.train, cfg.model)
-    if cfg.scheduler != "colocate":
+    if Scheduler(cfg.scheduler).runs_cells:
         check_cells(cfg)

@@ -44,7 +44,7 @@ def sglang_env(env: dict[str, str] | None = None) -> dict[str, str]:
     if out.get(ORIGINAL_LOGPROB_ENV, "false").lower() in ("true", "1"):
         raise ValueError(
             f"{ORIGINAL_LOGPROB_ENV}={out[ORIGINAL_LOGPROB_ENV]} makes SGLang return logprobs before temperature, "
-            "which the trainer does not score; unset it (gyre trains the tempered distribution, see README GSPO)"
+            "which the trainer does not score; unset it (gyre trains the tempered distribution, see docs/architecture.md, GSPO)"
         )
     return out
 

@@ -405,18 +405,23 @@ async def run_rollouts(
     *,
     sandbox: Sandbox | None = None,
     keys: RolloutKeys | None = None,
+    on_done: Callable[[int, RolloutOutcome], None] | None = None,
 ) -> list[RolloutOutcome]:
-    """Run (task, rollout_id) jobs, at most `harness_cfg.concurrency` at once, each in root/rollout_id."""
+    """Run (task, rollout_id) jobs, at most `harness_cfg.concurrency` at once, each in root/rollout_id;
+    `on_done(index, outcome)` as each one ends (the caller writes a group's shard once it is complete)."""
     limit = asyncio.Semaphore(max(1, harness_cfg.concurrency))
     sandbox = sandbox or make_sandbox(SandboxConfig())
     wanted = getattr(getattr(sandbox, "cfg", None), "relay_connections", DEFAULT_MAX_CONNECTIONS)
     connections = connections_per_rollout(wanted, min(len(jobs), max(1, harness_cfg.concurrency)))
 
-    async def one(task: Task, rollout_id: str) -> RolloutOutcome:
+    async def one(index: int, task: Task, rollout_id: str) -> RolloutOutcome:
         async with limit:
-            return await run_rollout(
+            outcome = await run_rollout(
                 task, rollout_id, base_url, Path(root) / rollout_id, harness_cfg, task_cfg, sandbox=sandbox, keys=keys,
                 max_connections=connections,
             )  # fmt: skip
+        if on_done is not None:
+            on_done(index, outcome)
+        return outcome
 
-    return list(await asyncio.gather(*(one(task, rid) for task, rid in jobs)))
+    return list(await asyncio.gather(*(one(i, task, rid) for i, (task, rid) in enumerate(jobs))))

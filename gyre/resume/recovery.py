@@ -10,7 +10,9 @@
 Outputs of steps at or after the starting step (shards and shard temp files, metrics rows,
 call-log lines, rollout workspaces) belong to no checkpoint: they were written by a start that
 was stopped before checkpointing them. They are moved into `output_dir/preempted/<name>/` with a
-manifest.json, never deleted, and the steps are run again with the same rollout ids.
+manifest.json, never deleted, and the steps are run again with the same rollout ids. Except the
+completed groups of the starting step itself whose shards were served by the checkpoint's weights
+(gyre.resume.kept_groups): their shards and call-log lines stay, and the step runs only the others.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gyre.config.schema import RESUME_MODES, RunConfig
+from gyre.config.schema import ResumeMode, RunConfig
 from gyre.errors import UserError
 from gyre.resume.state import RunState, checkpoint_paths, find_checkpoint, read_state
 
@@ -33,6 +35,9 @@ SET_ASIDE_DIR = "preempted"
 SHARD_STEP = re.compile(r"^\.?step(\d+)-")  # step00003-group0001.h5 and the writer's hidden temp files
 WORKSPACE_STEP = re.compile(r"^step(\d+)$")  # rollouts/step0003/
 ROLLOUT_STEP = re.compile(r"^s(\d+)-")  # rollout ids s<step>-g<group>-r<index> (gyre/sched/steps.py)
+
+if TYPE_CHECKING:
+    from gyre.resume.kept_groups import KeptGroup
 
 
 class ResumeError(UserError, RuntimeError):
@@ -46,14 +51,15 @@ class ResumePoint:
     set_aside: Path | None = None  # where outputs of unfinished steps went, if anything was moved
     moved: dict[str, Any] = field(default_factory=dict)
     metrics_rows: list[dict[str, Any]] = field(default_factory=list)  # rows of the completed steps
+    kept: dict[int, KeptGroup] = field(default_factory=dict)  # completed groups of step next_step, by group
 
 
 def prepare_resume(output_dir: Path, mode: str, log: Callable[[str], None] = print) -> ResumePoint:
     """Pick the starting point for `output_dir` and move aside everything after it."""
-    if mode not in RESUME_MODES:
-        raise ResumeError(f"resume={mode!r} is not a mode; use one of {', '.join(RESUME_MODES)}")
+    if mode not in tuple(ResumeMode):
+        raise ResumeError(f"resume={mode!r} is not a mode; use one of {', '.join(ResumeMode)}")
     checkpoint = find_checkpoint(output_dir)
-    if mode == "must" and checkpoint is None:
+    if mode == ResumeMode.must and checkpoint is None:
         raise ResumeError(
             f"resume=must but {output_dir / 'checkpoint'} holds no complete checkpoint (state.json missing); "
             "run with resume=auto to start at step 0, or point output_dir at the run to continue"
@@ -62,13 +68,21 @@ def prepare_resume(output_dir: Path, mode: str, log: Callable[[str], None] = pri
         checkpoint = None
     state = read_state(checkpoint) if checkpoint is not None else None
     point = ResumePoint(state or RunState(), checkpoint)
+    if mode != "never":
+        from gyre.resume.kept_groups import find_kept_groups  # h5py: only when resuming
+
+        point.kept = find_kept_groups(output_dir, point.state.next_step, point.state.weight_version)
     aside = output_dir / SET_ASIDE_DIR / f"step{point.state.next_step:05d}-{time.strftime('%Y%m%d-%H%M%S')}"
-    point.moved, point.metrics_rows = set_aside_from(output_dir, point.state.next_step, aside, mode == "never")
+    kept = {p for k in point.kept.values() for p in (k.shard.name, *k.rollout_ids)}
+    point.moved, point.metrics_rows = set_aside_from(output_dir, point.state.next_step, aside, mode == "never", kept)
     point.set_aside = aside if point.moved else None
     if point.moved:
         (aside / "manifest.json").write_text(json.dumps(_manifest(point, mode), indent=1))
         counts = ", ".join(f"{len(v) if isinstance(v, list) else v} {k}" for k, v in point.moved.items())
         log(f"gyre: moved outputs of unfinished steps >= {point.state.next_step} aside to {aside} ({counts})")
+    if point.kept:
+        log(f"gyre: keeping the completed groups {sorted(point.kept)} of step {point.state.next_step} (their shards, "
+            f"served by weight version {point.state.weight_version}); running only the others")  # fmt: skip
     return point
 
 
@@ -96,6 +110,13 @@ def describe_start(point: ResumePoint, cfg: RunConfig, output_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def checkpoint_due(cfg: RunConfig, step: int) -> bool:
+    """Whether the run checkpoints once `step` is completed: every checkpoint_every steps (default 1: each
+    step, written in the background) and after the last."""
+    every = cfg.checkpoint_every
+    return bool(every and (step + 1) % every == 0) or step + 1 == cfg.steps
+
+
 def task_pool_position(cfg: RunConfig, next_step: int) -> dict[str, Any]:
     """Where the run is in its task pool. TaskPool.for_step is a pure function of (seed, step), so
     this is derived from next_step; it is saved to notice a resume with another pool."""
@@ -112,11 +133,20 @@ def task_pool_position(cfg: RunConfig, next_step: int) -> dict[str, Any]:
 
 
 def set_aside_from(
-    output_dir: Path, first_step: int, aside: Path, with_checkpoint: bool = False
+    output_dir: Path,
+    first_step: int,
+    aside: Path,
+    with_checkpoint: bool = False,
+    keep: set[str] | frozenset = frozenset(),
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Move outputs of steps >= first_step under `aside`; returns (what moved, metrics rows kept)."""
+    """Move outputs of steps >= first_step under `aside`, but the shards and rollout ids' call-log lines named in
+    `keep`; returns (what moved, metrics rows kept)."""
     moved: dict[str, Any] = {}
-    shards = [p for p in _files(output_dir / "shards", SHARD_STEP) if _step(p.name, SHARD_STEP) >= first_step]
+    shards = [
+        p
+        for p in _files(output_dir / "shards", SHARD_STEP)
+        if _step(p.name, SHARD_STEP) >= first_step and p.name not in keep
+    ]
     workspaces = [
         p for p in _files(output_dir / "rollouts", WORKSPACE_STEP) if _step(p.name, WORKSPACE_STEP) >= first_step
     ]
@@ -131,7 +161,9 @@ def set_aside_from(
     n_rows = _split_jsonl(output_dir / "metrics.jsonl", aside, lambda row: row.get("step", -1) < first_step, kept_rows)
     if n_rows:
         moved["metrics rows"] = n_rows
-    n_calls = _split_jsonl(output_dir / "calls.jsonl", aside, lambda call: _call_step(call) < first_step)
+    n_calls = _split_jsonl(
+        output_dir / "calls.jsonl", aside, lambda call: _call_step(call) < first_step or call.get("rollout_id") in keep
+    )
     if n_calls:
         moved["call-log lines"] = n_calls
     current, old, tmp = checkpoint_paths(output_dir)
@@ -210,4 +242,5 @@ def _manifest(point: ResumePoint, mode: str) -> dict[str, Any]:
         "checkpoint": str(point.checkpoint) if point.checkpoint else None,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "moved": point.moved,
+        "kept": {str(g): k.shard.name for g, k in sorted(point.kept.items())},
     }

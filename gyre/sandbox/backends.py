@@ -36,6 +36,7 @@ from gyre.sandbox.base import (
 )
 from gyre.sandbox.limits import pids_prefix
 from gyre.sandbox.rootfs import ImageRoot
+from gyre.sandbox.userns import userns_refusal
 
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 # /etc entries programs need to start (users, libraries, certificates, time zone); never all of /etc
@@ -281,6 +282,9 @@ def make_sandbox(cfg: SandboxConfig) -> Sandbox:
             "sandbox.backend=bwrap but `bwrap` is not on PATH: install bubblewrap (apt-get install bubblewrap, "
             "or run tools/setup_env.sh), or set sandbox.backend=none to run harnesses unsandboxed"
         )
+    refusal = userns_refusal()
+    if refusal:
+        raise SandboxUnavailable(refusal)
     why = _bwrap_works(bwrap)
     if why:
         raise SandboxUnavailable(

@@ -33,13 +33,13 @@ from gyre.comm.mooncake_transport import resolve_hostname
 from gyre.comm.transfer import BufferHandle, ShardHandles, WeightTransport, make_transport
 from gyre.config.schema import RunConfig
 from gyre.pipeline import tree_gspo_loss_fn
-from gyre.resume.checkpoint import load_checkpoint, save_checkpoint
+from gyre.resume.checkpoint import Checkpointer, load_checkpoint
 from gyre.resume.state import RunState
 from gyre.sched.cell_engine import CellEngine
 from gyre.sched.cell_group import CellGroup, GroupCheckpoint, load_local_shard, local_shard, reduce_shard
 from gyre.sched.liveness import connect
 from gyre.sched.replica import MicroBatchSource, grad_numel
-from gyre.train.megatron_trainer import MegatronTrainer
+from gyre.train.trainer import Trainer, make_trainer
 from gyre.train.warm_start import Policy
 
 
@@ -55,11 +55,11 @@ def advertised_url(url: str, hostname: str) -> str:
 
 def build_replica(
     cfg: RunConfig, policy: Policy, resume_from: Path | None = None, threads: int | None = None
-) -> MegatronTrainer:
+) -> Trainer:
     """The cell's Megatron replica at the warm start, or at the run's checkpoint when resuming (every
     cell loads it: the core for its optimizer state, the satellites for the same weights). `threads`: torch's
     (None: as it is, a cell alone in its process)."""
-    trainer = MegatronTrainer(policy.model_cfg, cfg.train)
+    trainer = make_trainer(policy.model_cfg, cfg.train)
     if threads is not None:
         torch.set_num_threads(threads)
     trainer.load_hf_state_dict(policy.load_state())
@@ -75,7 +75,7 @@ class CellWorker:
         cp: ControlPlane,
         policy: Policy,
         engine: CellEngine,
-        trainer: MegatronTrainer,
+        trainer: Trainer,
         version: int = 0,
     ) -> None:
         self.cfg, self.cp, self.policy, self.engine, self.trainer = cfg, cp, policy, engine, trainer
@@ -90,8 +90,9 @@ class CellWorker:
             self.engine.load(self.gather(), self.version)
         self._weights: WeightTransport | None = None  # made on first use: a cell alone publishes to nobody
         self.batches = MicroBatchSource(cfg)
-        self.loss_fn = tree_gspo_loss_fn(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high)
+        self.loss_fn = tree_gspo_loss_fn(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high, cfg.rl.mismatch)
         self.timeout = cfg.sched.cell_timeout_s
+        self.checkpointer = Checkpointer(Path(cfg.output_dir), cfg.checkpoint_async)  # used by the core only
         self.liveness: socket.socket | None = None  # open until this process ends: the controller sees it close
 
     @property
@@ -126,9 +127,12 @@ class CellWorker:
         try:
             self.cp.serve({**self.handlers(), Shutdown: on_shutdown})
         finally:
-            self.engine.stop()
-            if self._weights is not None:
-                self._weights.transport.close()
+            try:
+                self.checkpointer.close()  # the checkpoint in flight is published before the job ends
+            finally:
+                self.engine.stop()
+                if self._weights is not None:
+                    self._weights.transport.close()
         return finalize[0]
 
     # ----- handlers -----
@@ -191,10 +195,13 @@ class CellWorker:
     def save_checkpoint(self, msg: SaveCheckpoint) -> dict[str, Any]:
         if not self.is_core:
             raise RuntimeError(f"cell {self.cell} was asked to checkpoint; only the core holds the optimizer state")
-        start = time.monotonic()
         trainer = GroupCheckpoint(self.group, self.trainer)  # every rank of the cell writes its shard
-        path = save_checkpoint(Path(self.cfg.output_dir), RunState.from_json(msg.state), trainer)
-        return {"path": str(path), "seconds": time.monotonic() - start}
+        state = RunState.from_json(msg.state)
+        if msg.final:
+            self.checkpointer.save_final(state, trainer)
+        else:
+            self.checkpointer.save(state, trainer)  # a snapshot; written in the background
+        return {"path": str(self.checkpointer.output_dir / "checkpoint"), "seconds": self.checkpointer.blocking_s}
 
     def train(self, msg: MicroBatchAssignment) -> dict[str, Any]:
         start = time.monotonic()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,8 +31,10 @@ from gyre.comm.control import CONTROL_TAG, ControlPlane
 from gyre.comm.messages import GradientReduce, Shutdown
 from gyre.comm.transfer import BufferHandle, ShardHandles, WeightTransport, make_transport
 from gyre.config.schema import RunConfig
+from gyre.resume.checkpoint import TRAINER_FILE, BackgroundWriter, Snapshot
+from gyre.resume.state import checkpoint_paths
 from gyre.sched.replica import MicroBatchSource, core_step, flat_grads, grad_numel
-from gyre.train.megatron_trainer import MegatronTrainer
+from gyre.train.trainer import Trainer
 
 FOLLOW_TAG = 4545
 _GONE = object()
@@ -69,12 +72,12 @@ def shard_ranks(cp: ControlPlane, leaders: tuple[int, ...] | list[int], index: i
     return [cp.layout.ranks(cp.layout.cell_of(r))[index] for r in leaders]
 
 
-def local_shard(trainer: MegatronTrainer) -> dict[str, torch.Tensor]:
+def local_shard(trainer: Trainer) -> dict[str, torch.Tensor]:
     """The tensors this rank holds of the model (its megatron state_dict: its TP block of its PP stage)."""
     return {k: v.detach() for k, v in trainer.model.state_dict().items() if not k.endswith("._extra_state")}
 
 
-def load_local_shard(trainer: MegatronTrainer, state: dict[str, torch.Tensor]) -> None:
+def load_local_shard(trainer: Trainer, state: dict[str, torch.Tensor]) -> None:
     """Load a shard that the same rank of another cell of this layout published (see local_shard)."""
     result = trainer.model.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
@@ -84,9 +87,7 @@ def load_local_shard(trainer: MegatronTrainer, state: dict[str, torch.Tensor]) -
         )
 
 
-def reduce_shard(
-    cp: ControlPlane, trainer: MegatronTrainer, msg: GradientReduce, timeout: float
-) -> dict[str, Any] | None:
+def reduce_shard(cp: ControlPlane, trainer: Trainer, msg: GradientReduce, timeout: float) -> dict[str, Any] | None:
     """This rank's part of the step's gradient reduction: send its shard's gradients to the same shard of the
     core, or (on the core) sum the contributors' and step. Returns the step's metrics on the core, None elsewhere."""
     index = cp.cell_comm.Get_rank()
@@ -115,13 +116,14 @@ def reduce_shard(
 class CellFollower:
     """A follower rank: runs what its leader tells it on its shard of the cell's trainer, until shutdown."""
 
-    def __init__(self, cfg: RunConfig, cp: ControlPlane, trainer: MegatronTrainer) -> None:
+    def __init__(self, cfg: RunConfig, cp: ControlPlane, trainer: Trainer) -> None:
         self.cfg, self.cp, self.trainer = cfg, cp, trainer
         self.batches = MicroBatchSource(cfg)
         self.leader_pid, leader_host = cp.cell_comm.bcast(None, root=0)
         self.leader_here = leader_host == socket.gethostname()
         cp.cell_comm.gather(rank_info(cp, cfg.comm.hostname), root=0)
         self._weights: WeightTransport | None = None  # made on first use: its Mooncake engine, at this rank's address
+        self.writer = BackgroundWriter()  # this rank's part of the core's checkpoints (snapshot)
 
     @property
     def weights(self) -> WeightTransport:
@@ -139,6 +141,7 @@ class CellFollower:
                 return False
             op, args = msg.recv()
             if op == "shutdown":
+                self.writer.close()
                 if self._weights is not None:
                     self._weights.transport.close()
                 return bool(args[0])
@@ -184,22 +187,35 @@ class CellFollower:
     def save(self, path: str) -> None:
         self.trainer.save(path)
 
+    def snapshot(self) -> None:
+        """The leader's snapshot (GroupCheckpoint.snapshot): copy this rank's shard now, write it in the background
+        into the checkpoint the leader is writing (DCP's collectives order the two)."""
+        snapshot = self.trainer.snapshot()
+        assert snapshot is not None, "a cell's snapshot needs the sharded (CPU) checkpoint format"
+        self.writer.submit(snapshot.write, checkpoint_paths(Path(self.cfg.output_dir))[2] / TRAINER_FILE)
+
 
 def _loss_fn(cfg: RunConfig) -> Any:
     from gyre.pipeline import tree_gspo_loss_fn
 
-    return tree_gspo_loss_fn(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high)
+    return tree_gspo_loss_fn(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high, cfg.rl.mismatch)
 
 
 class GroupCheckpoint:
-    """The leader's trainer as save_checkpoint sees it: every rank of the cell writes its shard."""
+    """The leader's trainer as the Checkpointer sees it: every rank of the cell writes its shard."""
 
-    def __init__(self, group: CellGroup, trainer: MegatronTrainer) -> None:
+    def __init__(self, group: CellGroup, trainer: Trainer) -> None:
         self.group, self.trainer = group, trainer
 
     def save(self, path: Any) -> None:
         self.group.tell("save", str(path))
         self.trainer.save(path)
+
+    def snapshot(self) -> Snapshot | None:
+        if not self.trainer.snapshots:
+            return None
+        self.group.tell("snapshot")  # its collectives (the snapshot's, then the write's) take every rank
+        return self.trainer.snapshot()
 
     def load(self, path: Any) -> None:
         self.trainer.load(path)

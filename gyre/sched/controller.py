@@ -33,7 +33,7 @@ from gyre.proxy.call_log import CallLog, CallRecord
 from gyre.proxy.keys import RolloutKeys
 from gyre.proxy.server import ProxyServer
 from gyre.resume.preemption import Preempted
-from gyre.resume.recovery import ResumePoint, describe_start, task_pool_position
+from gyre.resume.recovery import ResumePoint, checkpoint_due, describe_start, task_pool_position
 from gyre.resume.state import RunState
 from gyre.sandbox import make_sandbox
 from gyre.sched.cells import Cell, CellDied, CellTable, Outbox, kill_pid, pid_alive
@@ -113,13 +113,13 @@ class Controller:
         self.driver = RolloutDriver(self.proxy.start(), out / "rollouts", cfg.harness, cfg.tasks, sandbox, keys)
         self.table = self.hello()
         self.faults = FaultInjector(cfg.sched.faults, self.pcfg.n_cells, self.timeline.now)
-        self.book = StepBook(cfg, out)
+        point = point or ResumePoint(RunState(), None)
+        self.book = StepBook(cfg, out, point.kept)
         self.evals = EvalRunner(cfg, out, self.book.pool) if cfg.eval.every else None
         self.train = TrainPlane(cfg, self.table, self.outbox, self.book, self.faults, out, self.cells_died, self.log)
         self.switcher = Switcher(
             cfg, self.pcfg, self.table, self.outbox, self.proxy, self.driver, self.timeline, self.metrics
         )
-        point = point or ResumePoint(RunState(), None)
         self.state = point.state  # completed steps (their rollouts, trained ids, shards), starts of the job
         self.state.begin()
         self.metrics.rows = list(point.metrics_rows)
@@ -127,7 +127,6 @@ class Controller:
         self.eval_rows = [r for r in point.metrics_rows if r.get("event") == "eval"]
         print(describe_start(point, cfg, out), flush=True)
         self.train.version = self.state.next_step
-        self.checkpointed = self.state.next_step if point.checkpoint is not None else -1
         self.submitted = self.state.next_step  # steps whose sessions have been handed to the driver
         self.finalize = True  # False once a cell died (see gyre.sched.job)
         self.step_rows: list[dict[str, Any]] = []
@@ -208,7 +207,10 @@ class Controller:
         if self.pcfg.colocated and self.eval_in_flight:
             return  # colocate: the eval runs between the update and the next step's rollouts
         while self.submitted < self.cfg.steps and may_start(self.pcfg, self.submitted, self.train.version):
-            self.driver.submit(self.book.open(self.submitted))
+            jobs, kept = self.book.open(self.submitted)
+            for refs in kept:  # groups completed before a restart: trained, not run again
+                self.train.ledger.add(self.submitted, refs)
+            self.driver.submit(jobs)
             self.submitted += 1
 
     @property
@@ -349,28 +351,27 @@ class Controller:
         stored = [m.outcome.rollout_id for members in rec.groups.values() for m in members]
         stored = [rid for rid in stored if rid not in rejected]
         self.state.record_step(step, stored, rec.trained_ids, [s.path.name for s in rec.shards], rejected)
-        every = self.cfg.checkpoint_every
-        if every and (step + 1) % every == 0 or step + 1 == self.cfg.steps:
+        if checkpoint_due(self.cfg, step):
             self.checkpoint()
         self.start_eval()
 
-    def checkpoint(self) -> None:
-        """The core writes weights, optimizer and the run state of the completed steps (gyre/resume)."""
+    def checkpoint(self, final: bool = False) -> None:
+        """The core writes weights, optimizer and the run state of the completed steps (gyre/resume), in the
+        background (its ack: once snapshotted); `final`: on disk before the ack."""
         self.state.data = task_pool_position(self.cfg, self.state.next_step)
         core = self.table.cells[0]
         try:
-            self.outbox.call({core.rank: SaveCheckpoint(self.state.to_json())}, self.train.on_ack, self.dead)
+            message = SaveCheckpoint(self.state.to_json(), final)
+            self.outbox.call({core.rank: message}, self.train.on_ack, self.dead)
         except CellDied as e:
             self.cells_died(e.ranks)  # the core: fatal
-        self.checkpointed = self.state.next_step
 
     def stop(self, wall_s: float) -> None:
         """Abandon the sessions in flight (their steps are re-run on resume), checkpoint at the last
         completed step if not done yet, shut the cells down, raise Preempted."""
         print(f"gyre: {self.stop_signal}: stopping at step {self.state.next_step}", flush=True)
         self.driver.close()
-        if self.checkpointed != self.state.next_step:
-            self.checkpoint()
+        self.checkpoint(final=True)
         self.finish(wall_s, stopped=self.stop_signal)
         print(f"gyre: stopped by {self.stop_signal} before step {self.state.next_step}; checkpoint in "
               f"{self.out / 'checkpoint'}; run the same command again to continue", flush=True)  # fmt: skip

@@ -83,7 +83,7 @@ def run_preflight(world: Any, cfg: RunConfig, out: Path, start_id: str, place: t
         if miss:
             problems.append(
                 f"output_dir {out} is not shared: {names[r]} does not see the files of {[names[m] for m in miss]}; "
-                "put output_dir on a filesystem every node mounts at the same path (README: What the nodes share)"
+                "put output_dir on a filesystem every node mounts at the same path (docs/slurm.md: What the nodes share)"
             )
     world.Barrier()
     if rank == 0:

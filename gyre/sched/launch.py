@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 import gyre
 from gyre.config.domain import fail
-from gyre.config.schema import SCHEDULERS, RunConfig
+from gyre.config.schema import RunConfig, Scheduler
 from gyre.config.validate import cell_ranks, check_cells
 from gyre.errors import UserError
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted
@@ -88,7 +88,7 @@ def run_forwarding_stops(argv: list[str], env: dict[str, str], controller_pid: P
 
 def check_supported(cfg: RunConfig) -> None:
     """Fail before any work for settings no configuration can run yet, rather than silently ignoring them."""
-    supported = {"scheduler": SCHEDULERS, "train.backend": ("megatron",), "rl.algorithm": ("gspo",)}
+    supported = {"scheduler": tuple(Scheduler), "train.backend": ("megatron",), "rl.algorithm": ("gspo",)}
     values = {"scheduler": cfg.scheduler, "train.backend": cfg.train.backend, "rl.algorithm": cfg.rl.algorithm}
     for key, value in values.items():
         if value not in supported[key]:

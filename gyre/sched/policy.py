@@ -26,7 +26,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gyre.comm.messages import Role
-from gyre.config.schema import SCHEDULERS  # declared with the config field
+from gyre.config.schema import Scheduler  # declared with the config field
+
+SCHEDULERS = tuple(Scheduler)
 
 # elastic: cells that keep training while sessions queue and training work waits. One cell alone would take
 # twice as long over the step whose update gates the next admission; beyond two, a cell that serves the
@@ -54,7 +56,7 @@ class PolicyConfig:
             raise ValueError(f"keep_training must be at least 1 (the core trains the update), got {self.keep_training}")
         if self.staleness < 0:
             raise ValueError(f"sched.staleness must be >= 0, got {self.staleness}")
-        if self.kind == "async" and not 0 < self.fixed_rollout_cells < self.n_cells:
+        if self.kind == Scheduler.async_ and not 0 < self.fixed_rollout_cells < self.n_cells:
             raise ValueError(
                 f"sched.async_rollout_cells={self.rollout_cells} must leave at least one rollout and one "
                 f"training cell of {self.n_cells}"
@@ -63,11 +65,11 @@ class PolicyConfig:
     @property
     def colocated(self) -> bool:
         """Every cell switches together (colocate on one cell or more, colocate_cells on two or more)."""
-        return self.kind in ("colocate", "colocate_cells")
+        return self.kind in (Scheduler.colocate, Scheduler.colocate_cells)
 
     @property
     def min_cells(self) -> int:
-        return 1 if self.kind == "colocate" else 2
+        return 1 if self.kind == Scheduler.colocate else 2
 
     @property
     def max_lag(self) -> int:
@@ -107,7 +109,7 @@ class Switch:
 
 def initial_roles(p: PolicyConfig) -> tuple[Role, ...]:
     """async: satellites 1..rollout_cells serve, the core and the remaining satellites train; else all serve."""
-    if p.kind != "async":
+    if p.kind != Scheduler.async_:
         return ("rollout",) * p.n_cells
     serving = set(range(1, p.fixed_rollout_cells + 1))
     return tuple("rollout" if c in serving else "train" for c in range(p.n_cells))
@@ -129,7 +131,7 @@ def cells_needed(p: PolicyConfig, load: Load) -> int:
 def decide(p: PolicyConfig, cells: Sequence[CellState], load: Load) -> list[Switch]:
     """The switches to make now (possibly none)."""
     alive = [c for c in cells if c.alive]
-    if p.kind == "async":
+    if p.kind == Scheduler.async_:
         return []
     if p.colocated:
         want: Role = "rollout" if load.level > 0 else "train"

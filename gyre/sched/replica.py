@@ -21,7 +21,7 @@ from gyre.pipeline import RLMicroBatch, loss_rollouts, rl_micro_batches, with_si
 from gyre.store.reader import ShardRollout, read_shard
 
 if TYPE_CHECKING:  # the controller plans micro-batches without importing megatron
-    from gyre.train.megatron_trainer import MegatronTrainer
+    from gyre.train.trainer import Trainer
 
 
 def group_micro_batches(shard: Path | str, cfg: RunConfig) -> list[RLMicroBatch]:
@@ -89,7 +89,7 @@ def set_flat_grads(model: torch.nn.Module, flat: torch.Tensor, has: torch.Tensor
         raise ValueError(f"flat gradient has {flat.numel()} values, the model {offset}")
 
 
-def core_step(trainer: MegatronTrainer, summed: torch.Tensor, has: torch.Tensor, scale: float) -> dict[str, float]:
+def core_step(trainer: Trainer, summed: torch.Tensor, has: torch.Tensor, scale: float) -> dict[str, float]:
     """Install the summed gradients times `scale` on the core and take the optimizer step (clip included)."""
     if getattr(trainer, "_mcore", None) is not None:
         raise NotImplementedError(

@@ -2,7 +2,9 @@
 
 A group's shard is written the moment its last session is graded (gyre.pipeline.write_group_shard),
 and its micro-batches are planned from the shard at once, so training can start on it while the
-step's other groups still run.
+step's other groups still run. A resumed run's first step starts with the groups it kept from the
+interrupted start (gyre.resume.kept_groups): their shards are planned when the step opens, and only
+the other groups' sessions run.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from gyre.health import count_reasons
 from gyre.metrics import mean
 from gyre.pipeline import FinishedRollout, GroupShard, write_group_shard
 from gyre.proxy.call_log import CallRecord
+from gyre.resume.kept_groups import KeptGroup, restore_groups
 from gyre.sandbox.backends import check_task_images
 from gyre.sched.replica import plan_group
 from gyre.sched.rollout_driver import SessionDone, SessionJob
@@ -41,6 +44,7 @@ class StepRecord:
     micro_batches: int = 0
     train_metrics: list[dict[str, float]] = field(default_factory=list)
     rollouts_done_at: float = 0.0
+    kept_groups: list[int] = field(default_factory=list)  # completed before a restart: restored, not run again
 
     @property
     def group_size(self) -> int:
@@ -52,20 +56,31 @@ class StepRecord:
 
 
 class StepBook:
-    def __init__(self, cfg: RunConfig, out: Path) -> None:
+    def __init__(self, cfg: RunConfig, out: Path, kept: dict[int, KeptGroup] | None = None) -> None:
         self.cfg = cfg
+        self.out = out
+        self.kept = kept or {}  # groups of the first step this start runs, kept from the interrupted one
         self.shard_dir = out / "shards"
         self.shard_dir.mkdir(parents=True, exist_ok=True)
         self.pool = TaskPool.from_config(cfg.tasks, seed=cfg.seed)
         check_task_images(cfg.sandbox, [t.image for t in self.pool.tasks])
         self.steps: dict[int, StepRecord] = {}
 
-    def open(self, step: int) -> list[SessionJob]:
+    def open(self, step: int) -> tuple[list[SessionJob], list[list[MicroBatchRef]]]:
+        """The step's sessions to run, and the micro-batches of the groups kept from an interrupted start."""
         rl = self.cfg.rl
         tasks = self.pool.for_step(step, rl.groups_per_step)
         jobs = [SessionJob(step, g, t, f"s{step}-g{g}-r{i}") for g, t in enumerate(tasks) for i in range(rl.group_size)]
-        self.steps[step] = StepRecord(step, jobs)
-        return jobs
+        rec = self.steps[step] = StepRecord(step, jobs)
+        kept = {g: k for g, k in self.kept.items() if k.step == step}
+        batches = []
+        for g, restored in restore_groups(kept, tasks, self.out).items():
+            rec.groups[g].extend(restored.members)
+            rec.kept_groups.append(g)
+            batches.append(self._add_shard(rec, restored.shard)[1])
+        if sum(len(m) for m in rec.groups.values()) == len(jobs):
+            rec.rollouts_done_at = time.monotonic()
+        return [j for j in jobs if j.group not in kept], batches
 
     def finished(
         self, done: SessionDone, calls: list[CallRecord], workdirs: Path
@@ -84,15 +99,19 @@ class StepBook:
         members.sort(key=lambda r: r.outcome.rollout_id)
         shard = write_group_shard(self.cfg, self.shard_dir, rec.step, done.job.group, members,
                                   self.pool.skipped_causes())  # fmt: skip
+        if not self.cfg.harness.keep_workspaces:  # `workdirs`: where the step's sessions ran
+            for m in members:
+                shutil.rmtree(workdirs / m.outcome.rollout_id, ignore_errors=True)
+        return self._add_shard(rec, shard)
+
+    def _add_shard(self, rec: StepRecord, shard: GroupShard) -> tuple[int, list[MicroBatchRef]]:
+        """Plan a completed group's micro-batches; returns (trainable rollouts, micro-batches)."""
         rec.shards.append(shard)
         refs, trained, n_loss = plan_group(shard.path, self.cfg)
         rec.trainable += len(trained)
         rec.loss_rollouts += n_loss
         rec.trained_ids += trained
         rec.micro_batches += len(refs)
-        if not self.cfg.harness.keep_workspaces:  # `workdirs`: where the step's sessions ran
-            for m in members:
-                shutil.rmtree(workdirs / m.outcome.rollout_id, ignore_errors=True)
         return len(trained), refs
 
     def summary(self, step: int) -> dict[str, Any]:
@@ -115,6 +134,7 @@ class StepBook:
             "behaviour_lag_max": max(lags, default=0),
             "behaviour_lag_mean": statistics.fmean(lags) if lags else 0.0,
             "rollout_s": round(rec.rollouts_done_at - rec.submitted, 3) if rec.rollouts_done_at else None,
+            "kept_groups": sorted(rec.kept_groups),
         }
 
 

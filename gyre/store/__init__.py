@@ -1,6 +1,6 @@
 """HDF5 trajectory shards: schema, atomic writer, validating reader, streaming micro-batches.
 
-See README.md, "HDF5 schema", for the file layout.
+See docs/hdf5.md for the file layout.
 """
 
 from gyre.store.packing import MicroBatch, TokenBudgetPacker, pack_by_token_budget

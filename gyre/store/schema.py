@@ -1,5 +1,5 @@
 """The HDF5 trajectory shard schema (`gyre.trajectory_shard`), version 2: one definition that the
-writer, the reader, the checksums and the README's "HDF5 schema" section all follow.
+writer, the reader, the checksums and docs/hdf5.md all follow.
 
 Layout: three tables of concatenated 1-D datasets instead of one group per rollout.
   /rollouts/<column>  one row per rollout; token_offset/n_tokens and call_offset/n_calls locate
@@ -83,7 +83,7 @@ TOKEN_COLUMNS: tuple[Column, ...] = (
         "logprob",
         "<f4",
         "behaviour log-probability of a policy token under the engine, of the distribution its call's sampling "
-        "parameters define (/calls temperature ...; README GSPO); 0 on context",
+        "parameters define (/calls temperature ...; docs/architecture.md, GSPO); 0 on context",
         "nats",
     ),
     Column("call_id", "<i8", "call that generated the token (joins /calls/call_id); -1 on context tokens"),

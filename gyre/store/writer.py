@@ -254,7 +254,7 @@ class ShardWriter:
         attrs: dict[str, Any] = {
             "schema": SCHEMA_NAME,
             "schema_version": np.int64(SCHEMA_VERSION),
-            "description": "Gyre trajectory shard: prefix-shared token trees of agent rollouts; see the HDF5 schema section of the Gyre README",
+            "description": "Gyre trajectory shard: prefix-shared token trees of agent rollouts; see docs/hdf5.md in the Gyre repository",
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "gyre_version": gyre_version(),
             "run_id": self.run_id,

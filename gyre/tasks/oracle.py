@@ -238,7 +238,7 @@ def test_output(task: Task, workspace: Path, sandbox: Sandbox, timeout: float) -
             )
         elif task.checker == "swebench":
             reset_and_patch(copy, task.grading["reset_files"], task.grading["test_patch"])
-            argv, cwd = list(task.grading["test_cmd"]), place(sandbox, mounts[len(code_mounts())])
+            argv = list(task.grading["test_cmd"])  # in the working directory grading runs them in
         else:
             return ""
         code, out = _run_in_sandbox(sandbox, SandboxJob(argv=argv, cwd=cwd, env=env, mounts=mounts, image=task.image),

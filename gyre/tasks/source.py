@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gyre.config.schema import TASK_SOURCES, TaskConfig
+from gyre.config.schema import TaskConfig, TaskSourceKind
 from gyre.config.validate import ConfigValueError
 from gyre.tasks.harbor import load_harbor_suite
 from gyre.tasks.swebench import load_swebench_suite
@@ -83,15 +83,16 @@ def read_suite(cfg: TaskConfig) -> Suite:
     if not cfg.path:
         raise SuiteError(f"tasks.source={cfg.source} needs tasks.path (a directory of tasks or a JSONL file)")
     try:
-        if cfg.source == "harbor":
+        if cfg.source == TaskSourceKind.harbor:
             tasks, skipped = load_harbor_suite(resolve(cfg.path), cfg.build_images)
-            if cfg.build_images:
-                tasks, unbuilt = build_environments(tasks, cfg.images)
-                skipped += unbuilt
-        elif cfg.source == "swebench":
-            tasks, skipped = load_swebench_suite(resolve(cfg.path), resolve(cfg.repos) if cfg.repos else None)
+        elif cfg.source == TaskSourceKind.swebench:
+            repos = resolve(cfg.repos) if cfg.repos else None
+            tasks, skipped = load_swebench_suite(resolve(cfg.path), repos, cfg.build_images)
         else:
-            raise SuiteError(f"tasks.source={cfg.source!r}: choose one of {', '.join(TASK_SOURCES)}")
+            raise SuiteError(f"tasks.source={cfg.source!r}: choose one of {', '.join(TaskSourceKind)}")
+        if cfg.build_images:
+            tasks, unbuilt = build_environments(tasks, cfg.images)
+            skipped += unbuilt
     except TaskFormatError as e:
         raise SuiteError(str(e)) from None
     return Suite(tasks, skipped)
@@ -108,7 +109,7 @@ def load_suite(cfg: TaskConfig) -> Suite | None:
     """The usable instances of the configured split, in a stable order, with the skipped ones; None for the
     endless built-in source. Refuses (SuiteError) under tasks.strict with any skipped task, or with fewer
     usable instances than tasks.min_tasks."""
-    if cfg.source == "builtin":
+    if cfg.source == TaskSourceKind.builtin:
         return None
     suite = read_suite(cfg)
     if suite.skipped and cfg.strict:

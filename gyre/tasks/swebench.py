@@ -8,6 +8,12 @@ and Gyre's own agent_timeout_s (the instance's limit for the agent), test_cmd (a
 default: the test files of test_patch under `python3 -m unittest -v`, or `python3 -m pytest -rA` with
 log_parser pytest) and log_parser (unittest | pytest).
 
+With tasks.build_images (tools/check_tasks --build-images), each instance is built into the environment
+its install spec defines (`<jsonl dir>/specs.json`, chosen by repo and `version`; environment_setup_commit,
+else base_commit, for its requirement files; gyre/tasks/swebench_images.py), and its tests are the spec's
+test_cmd on the test files of test_patch, run in that image; without, they run on the sandbox's /usr with
+the instance's test_cmd.
+
 The snapshot of `owner/name` is `<repos>/owner__name`: a git repository holding base_commit, or a plain
 directory that is the tree at base_commit (Gyre commits it with a fixed identity and date, and the
 commit id must equal base_commit: `python -m tools.check_tasks --commit-id DIR` prints it).
@@ -27,6 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from gyre.tasks.swebench_images import SPECS_FILE, Specs, instance_environment, load_specs
 from gyre.tasks.task import (
     LOAD_ERRORS,
     SkippedTask,
@@ -119,22 +126,29 @@ def default_test_cmd(test_files: list[str], log_parser: str) -> list[str]:
 
 
 def instance_task(
-    row: dict[str, Any], repos: Path, cache: dict[tuple[str, str], tuple[dict[str, bytes], list[str]]]
+    row: dict[str, Any],
+    repos: Path,
+    cache: dict[tuple[str, str], tuple[dict[str, bytes], list[str]]],
+    specs: Specs | None = None,
 ) -> Task:
+    """The instance as a Task; with `specs`, to be built in the environment its install spec defines
+    (gyre/tasks/swebench_images.py: dockerfile and build_context set, the spec's test command)."""
     missing = [k for k in REQUIRED if k not in row]
     if missing:
         raise TaskFormatError(f"instance {row.get('instance_id', '?')}: missing fields {missing}")
+    snapshot = repos / row["repo"].replace("/", "__")
     key = (row["repo"], row["base_commit"])
     if key not in cache:
-        cache[key] = snapshot_files(repos / row["repo"].replace("/", "__"), row["base_commit"])
+        cache[key] = snapshot_files(snapshot, row["base_commit"])
     tree, executables = cache[key]
+    environment = instance_environment(row, specs, snapshot, tree, executables) if specs is not None else {}
     files = as_text(tree)  # a logo or a binary fixture stays bytes
     check_workspace_size(files, f"{row['repo']}@{row['base_commit']}")
     log_parser = row.get("log_parser", "unittest")
     if log_parser not in LOG_PARSERS:
         raise TaskFormatError(f"instance {row['instance_id']}: log_parser {log_parser!r}; choose one of {LOG_PARSERS}")
     touched = patch_paths(row["test_patch"])
-    test_cmd = row.get("test_cmd") or default_test_cmd(touched, log_parser)
+    test_cmd = environment.get("test_cmd") or row.get("test_cmd") or default_test_cmd(touched, log_parser)
     grading = {
         "test_patch": row["test_patch"],
         "reset_files": {p: base64.b64encode(tree[p]).decode() if p in tree else None for p in touched},
@@ -157,6 +171,8 @@ def instance_task(
         executables=executables,
         source="swebench",
         source_path=row["_source_path"],
+        dockerfile=environment.get("dockerfile", ""),
+        build_context=environment.get("build_context", ""),
     )
 
 
@@ -167,21 +183,25 @@ def _json_line(line: str) -> Any:
         raise TaskFormatError(f"not JSON: {e}") from None
 
 
-def load_swebench_tasks(jsonl: Path, repos: Path | None = None) -> list[Task]:
+def load_swebench_tasks(jsonl: Path, repos: Path | None = None, build_images: bool = False) -> list[Task]:
     """Every instance of `jsonl` (one JSON object a line), snapshots under `repos` (default: <jsonl dir>/repos);
     the first that cannot be read raises (load_swebench_suite skips it instead)."""
-    tasks, skipped = load_swebench_suite(jsonl, repos)
+    tasks, skipped = load_swebench_suite(jsonl, repos, build_images)
     if skipped:
         raise TaskFormatError(f"{skipped[0].path}: {skipped[0].cause}")
     return tasks
 
 
-def load_swebench_suite(jsonl: Path, repos: Path | None = None) -> tuple[list[Task], list[SkippedTask]]:
+def load_swebench_suite(
+    jsonl: Path, repos: Path | None = None, build_images: bool = False
+) -> tuple[list[Task], list[SkippedTask]]:
     """The instances of `jsonl` that load, and each one that does not with its cause (a repeated instance id
-    keeps its first line)."""
+    keeps its first line). With `build_images`, each is to be built in the environment of its install spec
+    (<jsonl dir>/specs.json; gyre/tasks/swebench_images.py); without, its tests run on the sandbox's /usr."""
     if not jsonl.is_file():
         raise TaskFormatError(f"tasks.path={str(jsonl)!r} is not a JSONL file of SWE-bench instances")
     repos = repos or jsonl.parent / "repos"
+    specs = load_specs(jsonl.parent / SPECS_FILE) if build_images else None
     cache: dict[tuple[str, str], tuple[dict[str, bytes], list[str]]] = {}
     tasks: list[Task] = []
     skipped: list[SkippedTask] = []
@@ -198,7 +218,7 @@ def load_swebench_suite(jsonl: Path, repos: Path | None = None) -> tuple[list[Ta
             if name in first_line:
                 raise TaskFormatError(f"instance id {name} repeats line {first_line[name]}")
             first_line[name] = n
-            tasks.append(instance_task({**row, "_source_path": where}, repos, cache))
+            tasks.append(instance_task({**row, "_source_path": where}, repos, cache, specs))
         except LOAD_ERRORS as e:
             skipped.append(SkippedTask(name, where, load_error(e)))
     return tasks, skipped

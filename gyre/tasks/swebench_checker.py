@@ -226,7 +226,10 @@ def with_hooks(test_cmd: list[str]) -> list[str]:
 
 
 def run_and_read(spec: dict[str, Any], workspace: Path) -> tuple[dict[str, str], str | None]:
-    """(status per test, the agent failure or None) of the test command over `workspace`."""
+    """(status per test, the agent failure or None) of the test command over `workspace`, run where the
+    environment has the repository (`workdir`: an image's /testbed, where its editable install points; the
+    same directory as `workspace`), so that paths the code under test computes agree with the tests'."""
+    workspace = Path(spec.get("workdir") or workspace)
     with tempfile.TemporaryDirectory(prefix="gyre-test-report-") as report_dir, open(os.devnull, "wb") as out:
         run = run_tests(with_hooks(spec["test_cmd"]), cwd=str(workspace), env=tests_env(workspace, Path(report_dir)),
                         timeout_s=spec["tests_timeout_s"], out=out, pid_namespace=spec["pid_namespace"])  # fmt: skip

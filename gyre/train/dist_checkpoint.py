@@ -102,12 +102,16 @@ def _state_items(
     *,
     empty: bool,
     with_optimizer: bool,
+    copy: bool = False,
 ) -> dict[str, Any]:
-    """What this rank stores (empty=True: buffers of the same shapes to load into). A parameter AdamW has no
-    state for (it never had a gradient) is stored with AdamW's initial state: zero moments, step 0."""
+    """What this rank stores (empty=True: buffers of the same shapes to load into; copy=True: clones on the CPU). A
+    parameter AdamW has no state for (it never had a gradient) is stored with AdamW's initial state: zero moments,
+    step 0."""
 
     def like(t: torch.Tensor) -> torch.Tensor:
-        return torch.empty_like(t) if empty else t.detach()
+        if empty:
+            return torch.empty_like(t)
+        return t.detach().to("cpu", copy=True) if copy else t.detach()
 
     items: dict[str, Any] = {}
     for name, p in params.items():
@@ -116,10 +120,10 @@ def _state_items(
             continue
         state = {} if empty else optimizer.state.get(p, {})
         for key in _ADAM:
-            moment = like(p) if empty else state.get(key, torch.zeros_like(p)).detach()
+            moment = like(p) if empty else like(state.get(key, torch.zeros_like(p)))
             items |= _pieces(name, moment, mesh, prefix=f"optimizer.{key}.")
         step = state.get("step", torch.tensor(0.0))
-        items[f"optimizer.step.{name}"] = torch.zeros((), dtype=torch.float32) if empty else step
+        items[f"optimizer.step.{name}"] = torch.zeros((), dtype=torch.float32) if empty else like(step)
     return items
 
 
@@ -131,16 +135,41 @@ def save_sharded(
     path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: ModelConfig, step: int
 ) -> None:
     """Every rank of the trainer world calls it: this rank's shards of the weights and AdamW's state."""
+    dcp.save(sharded_items(model, optimizer, cfg, step), checkpoint_id=str(path))
+
+
+def sharded_items(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: ModelConfig, step: int, copy: bool = False
+) -> dict[str, Any]:
+    """What save_sharded stores of this rank. copy=True: a snapshot (tensors cloned) that later updates of the
+    model and optimizer leave alone, for a write in the background (SnapshotWriter). Collective over the
+    trainer world (whether AdamW has state anywhere)."""
     params = _named_parameters(model, cfg)
     flags = torch.tensor([int(any(optimizer.state.get(p) for p in params.values()))])
     if dist.get_world_size() > 1:  # AdamW has state on some rank: every rank stores its part of it
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     with_optimizer = bool(flags.item())
-    items = _state_items(params, optimizer, _tp_mesh(), empty=False, with_optimizer=with_optimizer)
+    items = _state_items(params, optimizer, _tp_mesh(), empty=False, with_optimizer=with_optimizer, copy=copy)
     meta = {"step": step, "model_config": asdict(cfg), "optimizer_state": with_optimizer}
     meta["param_groups"] = _hyperparameters(optimizer)
     items[META] = json.dumps(meta)  # a string: DCP would flatten a dict into keys of its own
-    dcp.save(items, checkpoint_id=str(path))
+    return items
+
+
+class SnapshotWriter:
+    """This rank's snapshot (sharded_items(copy=True)), written by `write` on another thread. Over several ranks the
+    write's collectives run on a process group of their own (as torchtitan's async checkpoint does), so they never
+    interleave with the training's on the default group; every rank makes it at its first snapshot, in order."""
+
+    _group: Any = None
+
+    def __init__(self, items: dict[str, Any]) -> None:
+        self.items = items
+        if dist.get_world_size() > 1 and SnapshotWriter._group is None:
+            SnapshotWriter._group = dist.new_group(backend="gloo")
+
+    def write(self, path: str | Path) -> None:
+        dcp.save(self.items, checkpoint_id=str(path), process_group=SnapshotWriter._group)
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:

@@ -21,7 +21,15 @@ from gyre.config.schema import ModelConfig, TrainConfig
 from gyre.config.validate import check_train
 from gyre.model.weights import hf_to_megatron, megatron_to_hf
 from gyre.train.chunked_logprobs import TargetLogprobs, hidden_states
-from gyre.train.dist_checkpoint import METADATA, architecture, is_dcp_checkpoint, load_sharded, save_sharded
+from gyre.train.dist_checkpoint import (
+    METADATA,
+    SnapshotWriter,
+    architecture,
+    is_dcp_checkpoint,
+    load_sharded,
+    save_sharded,
+    sharded_items,
+)
 from gyre.train.logprobs import target_logprobs
 from gyre.train.megatron_cuda import MegatronOptimizerStep, transformer_engine_enabled
 from gyre.train.megatron_gpt import build_gpt_model, parallel_state
@@ -206,6 +214,8 @@ class MegatronTrainer:
         if not micro_batches:
             raise ValueError("forward_backward needs at least one micro-batch")
         self.model.train()
+        if getattr(loss_fn, "needs_proximal", False):
+            self.attach_proximal(micro_batches)
         sums: dict[str, float] = defaultdict(float)
         if self.pipelined:
             for metrics in self._pipelined_forward_backward(micro_batches, loss_fn):
@@ -224,6 +234,13 @@ class MegatronTrainer:
             for name, value in metrics.items():
                 sums[name] += float(value)
         return {name: total / len(micro_batches) for name, total in sums.items()}
+
+    def attach_proximal(self, micro_batches: Sequence[Any]) -> None:
+        """rl.mismatch.proximal=trainer: each micro-batch's `proximal`, the logprobs of its tokens under the weights
+        before this step's update (no gradient, the same forward as training's), GSPO's old policy."""
+        with torch.no_grad():
+            for mb in micro_batches:
+                mb.proximal = self.micro_batch_logprobs(mb).detach()
 
     def _pipelined_forward_backward(self, micro_batches: Sequence[Any], loss_fn: LossFn) -> list[dict[str, float]]:
         if any(isinstance(getattr(mb, "batch", mb), SplitTreeBatch) for mb in micro_batches):
@@ -316,6 +333,18 @@ class MegatronTrainer:
         os.replace(tmp, target)
         if self.parallel:  # every shard is in place before the caller moves the checkpoint into place
             torch.distributed.barrier()
+
+    @property
+    def snapshots(self) -> bool:
+        """Whether snapshot() copies the checkpoint (the sharded format of torch's AdamW) rather than give None."""
+        return self._mcore is None
+
+    def snapshot(self) -> SnapshotWriter | None:
+        """What save() would write, copied now, to write later on another thread (gyre.resume.checkpoint's
+        background writer); None with megatron's CUDA optimizer, whose per-rank files are saved in place."""
+        if not self.snapshots:
+            return None
+        return SnapshotWriter(sharded_items(self.model, self.optimizer, self.model_cfg, self.step, copy=True))
 
     def load(self, path: str | os.PathLike) -> None:
         """Restore what save() wrote; the checkpoint must come from the same model architecture. A sharded

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from gyre.config.schema import ModelConfig, RunConfig
+from gyre.config.schema import ModelConfig, ModelInit, RunConfig
 from gyre.harness.formats import demonstration
 from gyre.model.chat_template import AssistantTurn, assistant_body, render_segments, render_text
 from gyre.model.hf_io import load_hf_state, save_hf_checkpoint
@@ -29,7 +29,7 @@ from gyre.model.tokenizer import Tokenizer
 from gyre.tasks.demos import Demonstration, tokenizer_corpus
 from gyre.tasks.suite import sample_tasks
 from gyre.tasks.task import Task
-from gyre.train.megatron_trainer import MegatronTrainer
+from gyre.train.trainer import Trainer, make_trainer
 
 WARM_START_VERSION = 3
 SFT_SEED_OFFSET = 1_000_003  # demonstrations come from other task instances than RL's
@@ -124,10 +124,8 @@ def prepare_policy(
     model_cfg = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
     # one process (rank 0 of the cell job, before the cells' trainer worlds exist); the cells shard what it writes
     one_process = {"tensor_parallel": 1, "pipeline_parallel": 1, "context_parallel": 1}
-    trainer = MegatronTrainer(model_cfg, dataclasses.replace(cfg.train, lr=cfg.warm_start.lr, **one_process))
-    if cfg.model.init not in ("torch", "megatron"):
-        raise ValueError(f"model.init must be 'torch' or 'megatron', got {cfg.model.init!r}")
-    if cfg.model.init == "torch":
+    trainer = make_trainer(model_cfg, dataclasses.replace(cfg.train, lr=cfg.warm_start.lr, **one_process))
+    if cfg.model.init == ModelInit.torch:
         trainer.load_hf_state_dict(torch_default_init(model_cfg))
     losses: list[float] = []
     if cfg.warm_start.enabled and cfg.warm_start.steps > 0:
@@ -227,7 +225,7 @@ def sft_loss(logp: torch.Tensor, batch: SFTBatch) -> tuple[torch.Tensor, dict[st
 
 
 def run_sft(
-    trainer: MegatronTrainer,
+    trainer: Trainer,
     examples: list[tuple[list[int], list[int]]],
     cfg: RunConfig,
     pad_id: int,
