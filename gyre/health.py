@@ -1,7 +1,7 @@
 """Runs that fail, fail loudly: a step whose rollouts were mostly excluded (infrastructure failures, not the
 policy's) trains on nothing, so a run of such steps stops with the exclusion reasons counted.
 
-Pure bookkeeping on step rows (gyre.sched.steps.StepBook.summary); imports nothing heavy.
+Pure bookkeeping on step rows (gyre.sched.controller.steps.StepBook.summary); imports nothing heavy.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`python -m launch.run [--verbose] [key=value ...]`: the main job (embedded default: local colocate run).
 
-Every scheduler runs the one controller (gyre.sched.controller): `scheduler=colocate` on one cell in this
+Every scheduler runs the one controller (gyre.sched.controller.orchestrator): `scheduler=colocate` on one cell in this
 process, `scheduler=elastic|async|colocate_cells` (or colocate over several cells) as an MPI job of cells.
 The same output_dir again continues the run from its checkpoint (`resume=auto`, gyre/resume); a run
 stopped by SIGTERM/SIGUSR1 checkpoints and exits with code 75. An expected failure (a refused config
@@ -74,7 +74,7 @@ def check_families(cfg: RunConfig) -> None:
 
 
 def start(cfg: RunConfig) -> None:
-    from gyre.sched.launch import run_cells  # heavy imports (torch, megatron) only once the config is valid
+    from gyre.sched.launch.local import run_cells  # heavy imports (torch, megatron) only once the config is valid
 
     run_cells(cfg)
 

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from gyre.config.load import check_overrides, compose
 from gyre.config.schema import CELL_SCHEDULERS, RunConfig
 from gyre.errors import reported, take_verbose_flag
-from gyre.sched.launch import POLICY_FILE, RANK_ERROR_FILE
+from gyre.sched.launch.local import POLICY_FILE, RANK_ERROR_FILE
 from launch.slurm.plan import cells, cluster_python, job_command, plan_step
 from launch.slurm.preflight import SlurmPreflightError, check_addresses, check_request, read_inventory
 from launch.slurm.sbatch import ScriptLayout, render_sbatch
@@ -36,7 +36,7 @@ def plain_script(cfg: RunConfig, config_path: str, log_dir: str) -> str:
 
 def run_cell_job(run_dir: str) -> dict[str, Any]:
     """What each task runs under submitit (imported there: importing MPI here would initialise it)."""
-    from gyre.sched.job import submitit_main
+    from gyre.sched.launch.job import submitit_main
 
     return submitit_main(run_dir)
 

@@ -2,9 +2,9 @@
 controller (rank 0) and two cells of two ranks (1-2 the core, 3-4 a satellite), each cell one Megatron
 world (gloo over its communicator) with train.tensor_parallel=TP, pipeline_parallel=PP. Cell c trains
 micro-batches c, c + 2 of tests/model_parallel_job.py's step; the gradients reduce to the core shard to
-shard (gyre.sched.cell_group.reduce_shard), which steps. Then the satellite takes the new weights as the
+shard (gyre.sched.cell.ranks.reduce_shard), which steps. Then the satellite takes the new weights as the
 cell runtime does: each core rank publishes its shard through Mooncake and satellite rank i pulls core rank
-i's (gyre.sched.cell_group.local_shard / load_local_shard). The core's leader writes what
+i's (gyre.sched.cell.ranks.local_shard / load_local_shard). The core's leader writes what
 model_parallel_job writes, the satellite's whole weights after the pull, the bytes each satellite rank
 pulled and the size of the whole model (what every satellite rank received before shard pulls)."""
 
@@ -25,7 +25,7 @@ def main(out: Path, tp: int, pp: int) -> None:
     from gyre.comm.messages import GradientReduce
     from gyre.comm.transfer import ShardHandles, WeightTransport, make_transport
     from gyre.config.schema import CommConfig
-    from gyre.sched.cell_group import load_local_shard, local_shard, reduce_shard
+    from gyre.sched.cell.ranks import load_local_shard, local_shard, reduce_shard
     from gyre.train.megatron_trainer import MegatronTrainer
 
     cp = world_control_plane([tp * pp, tp * pp])

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gyre.metrics import read_metrics
-from gyre.sched.report import step_rows
+from gyre.sched.controller.report import step_rows
 from gyre.store.reader import read_shard
 from gyre.train.dist_checkpoint import read_whole
 

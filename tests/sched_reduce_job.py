@@ -1,5 +1,5 @@
 """`mpirun -n 4 python -m mpi4py tests/sched_reduce_job.py OUT`: ranks 1-3 send flat gradients to rank 0
-(gyre.sched.grad_reduce), rank 3 a second late; rank 0 checks the sum and how much CPU its wait took."""
+(gyre.sched.cell.grad_reduce), rank 3 a second late; rank 0 checks the sum and how much CPU its wait took."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from gyre.comm.control import world_control_plane
-from gyre.sched.grad_reduce import receive_gradients, send_gradients
+from gyre.sched.cell.grad_reduce import receive_gradients, send_gradients
 
 NUMEL, N_PARAMS = 100_003, 4
 

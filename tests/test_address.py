@@ -1,4 +1,4 @@
-"""The address story of a cell job (gyre/comm/address.py, gyre/sched/job_preflight.py): what a rank
+"""The address story of a cell job (gyre/comm/address.py, gyre/sched/launch/job_preflight.py): what a rank
 advertises is resolved on its own node, and addresses the other hosts cannot reach are refused before
 anything starts, naming the key to set. Several hosts are simulated by their host identities; the
 multi-host Slurm cluster runs the real thing (tests/test_slurm_cell_job.py, tests/test_slurm_multihost.py)."""
@@ -12,8 +12,8 @@ import pytest
 
 from gyre.comm.address import AddressError, RankAddress, advertise_address, check_reachable, interface_of
 from gyre.config.schema import RunConfig
-from gyre.sched import job_preflight
-from gyre.sched.job_preflight import PreflightError, run_preflight
+from gyre.sched.launch import job_preflight
+from gyre.sched.launch.job_preflight import PreflightError, run_preflight
 
 pytestmark = pytest.mark.unit
 

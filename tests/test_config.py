@@ -62,7 +62,7 @@ def test_schema_and_cli_config_import_without_heavy_backends():
 
 
 def test_unsupported_choices_fail_before_any_work():
-    from gyre.sched.launch import check_supported
+    from gyre.sched.launch.local import check_supported
 
     for scheduler in ("colocate", "colocate_cells", "async", "elastic"):  # configurations of the one controller
         check_supported(compose([f"scheduler={scheduler}"]))

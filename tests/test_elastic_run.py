@@ -16,7 +16,7 @@ import pytest
 from conftest import CELL_WORKLOAD, EVERY_STEP_TRAINS
 from tracking_readers import tensorboard_scalars, tensorboard_tags
 
-from gyre.sched.launch import DEAD_CELLS_EXIT_CODE
+from gyre.sched.launch.local import DEAD_CELLS_EXIT_CODE
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[1]

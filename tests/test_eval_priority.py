@@ -5,8 +5,8 @@ import asyncio
 import pytest
 
 from gyre.config.schema import HarnessConfig, TaskConfig
-from gyre.sched import rollout_driver
-from gyre.sched.rollout_driver import RolloutDriver, SessionJob
+from gyre.sched.controller import sessions as rollout_driver
+from gyre.sched.controller.sessions import RolloutDriver, SessionJob
 from gyre.tasks.families import write_value_task
 
 pytestmark = pytest.mark.unit

@@ -12,7 +12,7 @@ import pytest
 from gyre.eval.metrics import pass_at_k
 from gyre.metrics import read_metrics
 from gyre.pipeline import EVAL_EXCLUSION
-from gyre.sched.report import step_rows
+from gyre.sched.controller.report import step_rows
 from gyre.store.reader import read_shard
 
 pytestmark = pytest.mark.integration

@@ -18,7 +18,7 @@ from gyre.harness.preflight import check_harness_fits
 from gyre.metrics import read_metrics
 from gyre.model.chat_template import GENERATION_PROMPT, render_text
 from gyre.model.tokenizer import Tokenizer
-from gyre.sched.report import step_rows
+from gyre.sched.controller.report import step_rows
 from gyre.tasks.suite import TaskPool, sample_tasks
 from gyre.train.warm_start import encode_conversation, harness_corpus
 

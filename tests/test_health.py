@@ -9,7 +9,7 @@ import pytest
 
 from gyre.config.validate import ConfigValueError
 from gyre.health import ExcludedRunError, ExclusionWatch, count_reasons, step_failed
-from gyre.sched.report import progress, summary
+from gyre.sched.controller.report import progress, summary
 
 pytestmark = pytest.mark.unit
 

@@ -10,7 +10,7 @@ import pytest
 from tracking_readers import tensorboard_scalars, tensorboard_tags, wandb_run
 
 from gyre.metrics import read_metrics
-from gyre.sched.report import step_rows
+from gyre.sched.controller.report import step_rows
 from gyre.store.reader import read_shard
 
 pytestmark = pytest.mark.integration

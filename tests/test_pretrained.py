@@ -19,7 +19,7 @@ from gyre.config.validate import ConfigValueError
 from gyre.metrics import read_metrics
 from gyre.model.pretrained import check_pretrained
 from gyre.model.random_model import default_tokenizer
-from gyre.sched.report import step_rows
+from gyre.sched.controller.report import step_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 512
@@ -203,8 +203,8 @@ def test_the_megatron_trainer_starts_from_the_directory(qwen3_dir: Path, tmp_pat
 
 @pytest.mark.unit
 def test_the_cell_job_starts_its_cells_from_the_directory(qwen3_dir: Path, tmp_path: Path) -> None:
-    """scheduler=elastic: rank 0 writes where every cell's trainer and engine start from (gyre.sched.job)."""
-    from gyre.sched.job import write_policy
+    """scheduler=elastic: rank 0 writes where every cell's trainer and engine start from (gyre.sched.launch.job)."""
+    from gyre.sched.launch.job import write_policy
 
     cfg = compose([f"model.path={qwen3_dir}", "scheduler=elastic"])
     assert write_policy(cfg, tmp_path, "start-1", None, 0) == qwen3_dir.resolve()

@@ -108,7 +108,7 @@ def test_engines_started_for_the_run_refuse_admin_calls_without_its_key(engine):
 def test_the_run_admin_key_stays_out_of_harness_environments(monkeypatch):
     key = take_run_admin_key()
     monkeypatch.setenv(ADMIN_KEY_ENV, "from-the-launcher")
-    set_run_admin_key(key)  # what every rank does at start (gyre.sched.job)
+    set_run_admin_key(key)  # what every rank does at start (gyre.sched.launch.job)
     assert ADMIN_KEY_ENV not in os.environ and take_run_admin_key() == key
     # not even a sandbox told to pass the variable through, nor a harness kind's own additions, can get it
     assert ADMIN_KEY_ENV not in allowlisted_env(SandboxConfig(env=[ADMIN_KEY_ENV]))

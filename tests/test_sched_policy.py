@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from gyre.comm.messages import MicroBatchRef
-from gyre.sched.ledger import LedgerError, MicroBatchLedger, hand_out
 from gyre.sched.policy import (
     CellState,
     Load,
@@ -16,6 +15,7 @@ from gyre.sched.policy import (
     may_start,
     session_capacity,
 )
+from gyre.sched.policy.ledger import LedgerError, MicroBatchLedger, hand_out
 
 pytestmark = pytest.mark.unit
 
@@ -139,7 +139,7 @@ def test_ledger_requeues_everything_a_dead_cell_trained_in_open_steps() -> None:
 
 
 def test_cpu_plan_shares_cpus_among_cells_the_same_way_for_every_scheduler() -> None:
-    from gyre.sched.affinity import cpu_plan, parse_cpu_list
+    from gyre.sched.launch.affinity import cpu_plan, parse_cpu_list
 
     assert parse_cpu_list("0-2,5") == {0, 1, 2, 5}
     assert cpu_plan(4, [0, 1]) == [{0, 1}, {0}, {1}, {0}]  # 2 CPUs, 3 cells: cells 1 and 3 share CPU 0
@@ -153,7 +153,7 @@ def test_cpu_plan_shares_cpus_among_cells_the_same_way_for_every_scheduler() -> 
 
 
 def test_fault_specs_are_checked() -> None:
-    from gyre.sched.faults import FaultInjector, parse_faults
+    from gyre.sched.controller.faults import FaultInjector, parse_faults
 
     (f,) = parse_faults(["kill_cell:2:after_micro_batches:3"])
     assert (f.kind, f.cell, f.n) == ("kill_cell", 2, 3)

@@ -21,7 +21,7 @@ from gyre.model.llama import LlamaForCausalLM
 from gyre.model.tokenizer import Tokenizer
 from gyre.proxy.call_log import CallLog
 from gyre.proxy.server import ProxyServer
-from gyre.sched.reroute import take_out_of_service
+from gyre.sched.controller.reroute import take_out_of_service
 
 pytestmark = pytest.mark.integration
 MAX_TOKENS = 300

@@ -17,7 +17,7 @@ import torch
 from gyre.config.schema import ModelConfig, RunConfig, TrainConfig
 from gyre.harness.runner import RolloutOutcome
 from gyre.pipeline import FinishedRollout, tree_gspo_loss_fn, write_group_shard
-from gyre.sched.ledger import MicroBatchLedger
+from gyre.sched.policy.ledger import MicroBatchLedger
 from gyre.sched.replica import MicroBatchSource, core_step, flat_grads, plan_group
 from gyre.tasks.grading import Grade
 from gyre.tasks.task import Task

@@ -163,7 +163,7 @@ def test_role_switch_and_distributed_weights_through_the_engine_interface(fake_s
 
 @pytest.mark.integration
 def test_without_sglangs_runtime_a_cell_fails_saying_what_to_install(tmp_path):
-    from gyre.sched.cell_engine import CellEngine
+    from gyre.sched.cell.engine import CellEngine
 
     cfg = EngineConfig(backend="sglang", python=sys.executable)
     with pytest.raises(SGLangUnavailable, match=r"missing sgl_kernel[\s\S]*pip install \"sglang\[all\]\""):
@@ -173,11 +173,11 @@ def test_without_sglangs_runtime_a_cell_fails_saying_what_to_install(tmp_path):
 
 @pytest.mark.integration
 def test_without_sglangs_runtime_the_colocate_run_fails_saying_what_to_install(tmp_path):
-    """scheduler=colocate's one cell (gyre.sched.local) starts its engine as every cell does."""
+    """scheduler=colocate's one cell (gyre.sched.launch.in_process) starts its engine as every cell does."""
     from gyre.config.load import compose
     from gyre.engine.engine import EngineSetup, make_engine
     from gyre.model.random_model import create_random_model
-    from gyre.sched.cell_engine import CellEngine
+    from gyre.sched.cell.engine import CellEngine
 
     cfg = compose(["engine=sglang", f"engine.python={sys.executable}", f"output_dir={tmp_path}"])
     model = create_random_model(tmp_path / "policy", SHAPES["qwen3-tiny"], seed=0, dtype=torch.float32)

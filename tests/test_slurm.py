@@ -22,7 +22,7 @@ from launch.submit import main as submit_main
 
 pytestmark = pytest.mark.slurm
 ROOT = Path(__file__).resolve().parents[1]
-PROBE = [sys.executable, "-m", "gyre.sched.slurm_env"]
+PROBE = [sys.executable, "-m", "gyre.sched.launch.slurm_env"]
 LINE = re.compile(r"rank=(\d+) cell=(\d+) role=(\w+) local_rank=(\d+) .* node=(\w+)")
 
 
@@ -60,7 +60,7 @@ def test_het_job_across_three_nodes_gives_each_rank_its_cell(tmp_path):
 
 
 def _where() -> tuple[int, int, str]:
-    from gyre.sched.slurm_env import cell_rank_from_env
+    from gyre.sched.launch.slurm_env import cell_rank_from_env
 
     rank = cell_rank_from_env(os.environ)
     return rank.rank, rank.cell, rank.role

@@ -23,7 +23,7 @@ from conftest import CELL_WORKLOAD, EVERY_STEP_TRAINS, slurm_host_modes
 from resume_job import adam_steps, shard_ids_by_step, wait_until
 from slurm_jobs import job_active, job_record, wait_for_end
 
-from gyre.sched.launch import DEAD_CELLS_EXIT_CODE
+from gyre.sched.launch.local import DEAD_CELLS_EXIT_CODE
 from launch.slurm.het_executor import ACTIVE, HetSlurmJob, het_job_state
 from launch.submit import main as submit_main
 
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # satellites none). With one group per step, the run's last group is complete only once no session is left,
 # and each pass of the controller's loop switches roles before it hands out work: every satellite is released
 # as surplus before that group's micro-batches go out, and idle cells take work satellites first
-# (gyre.sched.ledger.hand_out), so each satellite trains as long as that step has two or more (512-token
+# (gyre.sched.policy.ledger.hand_out), so each satellite trains as long as that step has two or more (512-token
 # micro-batches: a group of 16 gave 5 in every run here). Same 32 rollouts over 2 steps.
 EVERY_CELL_TRAINS = ["rl.groups_per_step=1", "rl.group_size=16", "train.micro_batch_tokens=512"]
 

@@ -4,7 +4,7 @@ import sys
 import pytest
 
 from gyre.comm.control import CellLayout
-from gyre.sched.slurm_env import (
+from gyre.sched.launch.slurm_env import (
     NotInSlurmStep,
     cell_of_task,
     cell_rank_from_env,
@@ -63,7 +63,11 @@ def test_outside_slurm_says_so():
     with pytest.raises(NotInSlurmStep, match="srun"):
         cell_rank_from_env({})
     proc = subprocess.run(
-        [sys.executable, "-m", "gyre.sched.slurm_env"], env={"PATH": ""}, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "gyre.sched.launch.slurm_env"],
+        env={"PATH": ""},
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode != 0 and "run this inside a Slurm step" in proc.stderr
 

@@ -54,7 +54,7 @@ def test_generated_sbatch_matches_golden(preset):
 
 def test_the_cell_job_is_one_mpi_world_over_every_component(gpu_cfg):
     step = plan_step(gpu_cfg, job_command(gpu_cfg, "/runs/r1"))
-    assert step.argv == ("python", "-m", "mpi4py", "-m", "gyre.sched.job", "/runs/r1") and step.mpi == "pmix"
+    assert step.argv == ("python", "-m", "mpi4py", "-m", "gyre.sched.launch.job", "/runs/r1") and step.mpi == "pmix"
     assert step.het_groups == (0, 1, 2) and [c.tasks for c in step.components] == [2, 1, 1]  # controller + core
     assert "--gres=gpu:8" in step.components[1].srun_args and "--cpus-per-task=48" in step.components[0].srun_args
     script = plain_script(gpu_cfg, "/runs/r1/config.yaml", "/runs/r1/slurm")
@@ -202,7 +202,7 @@ def test_dry_run_writes_script_and_resolved_config(tmp_path, capsys):
     submit_main(["--dry-run", "--out", str(tmp_path), "cluster=slurm_gpu", "seed=7"])
     assert "wrote" in capsys.readouterr().out
     script = (tmp_path / "gyre.sbatch").read_text()
-    assert script.count("#SBATCH hetjob") == 2 and f"gyre.sched.job {tmp_path} " in script
+    assert script.count("#SBATCH hetjob") == 2 and f"gyre.sched.launch.job {tmp_path} " in script
     saved = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(tmp_path / "config.yaml"))
     resolved = OmegaConf.to_object(saved)
     assert resolved.seed == 7 and resolved.cluster.mooncake.protocol == "rdma" and resolved.output_dir == str(tmp_path)
@@ -226,7 +226,7 @@ def test_submit_without_slurm_on_path_fails_with_a_hint(tmp_path):
 
 
 def test_engines_bound_to_every_interface_are_advertised_at_the_node_address(gpu_cfg):
-    from gyre.sched.cell import advertised_url
+    from gyre.sched.cell.worker import advertised_url
 
     assert gpu_cfg.engine.host == "0.0.0.0" and gpu_cfg.comm.hostname == "auto"
     assert advertised_url("http://0.0.0.0:30000", "10.1.2.3") == "http://10.1.2.3:30000"

@@ -23,7 +23,7 @@ from gyre.config.validate import ConfigValueError
 from gyre.harness.runner import RolloutOutcome
 from gyre.pipeline import FinishedRollout, task_provenance
 from gyre.sandbox import make_sandbox
-from gyre.sched.report import summary
+from gyre.sched.controller.report import summary
 from gyre.tasks.grading import Grade
 from gyre.tasks.harbor import load_harbor_task
 from gyre.tasks.oracle import _causes, check_task, name_cause

@@ -26,7 +26,7 @@ from gyre.pipeline import FinishedRollout, task_provenance
 from gyre.sandbox import ApptainerSandbox, Mount, SandboxJob, SandboxUnavailable, make_sandbox
 from gyre.sandbox.backends import check_task_images
 from gyre.sandbox.base import ENV_ALLOWLIST
-from gyre.sched.report import step_rows
+from gyre.sched.controller.report import step_rows
 from gyre.store.reader import read_shard
 from gyre.tasks.grading import Grade, grade_workspace
 from gyre.tasks.harbor import TaskFormatError, load_harbor_task, workspace_from_dockerfile

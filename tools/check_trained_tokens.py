@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from gyre.metrics import read_metrics
-from gyre.sched.report import step_rows
+from gyre.sched.controller.report import step_rows
 from gyre.store.reader import read_shard
 
 

@@ -55,7 +55,7 @@ class CellLayout:
     @classmethod
     def from_places(cls, places: Sequence[tuple[int, int]]) -> CellLayout:
         """World rank i at `places[i]` = (cell, rank in the cell), cell -1 the controller (as each rank found
-        its place from Slurm's variables: gyre.sched.slurm_env.place_in_job)."""
+        its place from Slurm's variables: gyre.sched.launch.slurm_env.place_in_job)."""
         controllers = [r for r, (cell, _) in enumerate(places) if cell < 0]
         cells = sorted({cell for cell, _ in places if cell >= 0})
         if len(controllers) != 1 or cells != list(range(len(cells))):
@@ -82,7 +82,7 @@ class CellLayout:
 
     @property
     def leaders(self) -> tuple[int, ...]:
-        """Each cell's first rank: the one the cell runtime's controller talks to (gyre.sched.cell_group)."""
+        """Each cell's first rank: the one the cell runtime's controller talks to (gyre.sched.cell.ranks)."""
         return tuple(ranks[0] for ranks in self.cells)
 
     @property

@@ -147,8 +147,8 @@ class WandbMode(StrEnum):
 
 
 class Scheduler(StrEnum):
-    """colocate: the core cell alternates, in the controller's process (gyre/sched/local.py); the others run
-    cells as an MPI job (gyre/sched); one controller runs them all (gyre/sched/controller.py)."""
+    """colocate: the core cell alternates, in the controller's process (gyre/sched/launch/in_process.py); the others run
+    cells as an MPI job (gyre/sched); one controller runs them all (gyre/sched/controller/orchestrator.py)."""
 
     colocate = "colocate"
     colocate_cells = "colocate_cells"

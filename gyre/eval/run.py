@@ -1,7 +1,7 @@
 """Evaluation during a run: every eval.every steps (and before the first), each eval task sampled
 eval.samples times with the weights of one version, through the run's harness, proxy, sandbox and grader.
 
-Eval sessions are rollout work of the lowest priority (gyre.sched.rollout_driver starts one only when no
+Eval sessions are rollout work of the lowest priority (gyre.sched.controller.sessions starts one only when no
 training session waits); their shards go to shards_eval/ (kind=eval, every rollout excluded from training)
 and never reach a group's advantage or the trainer. Each finished eval is one metrics row (`event: eval`).
 """
@@ -22,7 +22,7 @@ from gyre.eval.tasks import eval_task_set
 from gyre.harness.runner import RolloutOutcome
 from gyre.pipeline import FinishedRollout, write_group_shard
 from gyre.proxy.call_log import CallRecord
-from gyre.sched.rollout_driver import SessionDone, SessionJob
+from gyre.sched.controller.sessions import SessionDone, SessionJob
 from gyre.tasks.suite import TaskPool
 from gyre.tasks.task import Task
 

@@ -1,6 +1,6 @@
 """A checkpoint, a model.path HF directory or the warm start evaluated on its own (launch/eval.py).
 
-The same controller and cell as a run (gyre.sched.local: scheduler=colocate, one cell in this process),
+The same controller and cell as a run (gyre.sched.launch.in_process: scheduler=colocate, one cell in this process),
 started at the checkpoint's weight version with no step left to train: it runs one eval (gyre.eval.run)
 and finishes. The numbers, the shards and the per-task table are those an in-run eval of the same weight
 version and seed writes.
@@ -32,7 +32,7 @@ def starting_point(cfg: RunConfig) -> ResumePoint:
 
 def evaluate(cfg: RunConfig, out: Path) -> dict[str, Any]:
     """Run one eval of the starting point's weights; returns its metrics row."""
-    from gyre.sched.local import run_in_process, runs_in_process
+    from gyre.sched.launch.in_process import run_in_process, runs_in_process
 
     cfg.scheduler, cfg.cluster.satellites = "colocate", []  # one local cell serves an eval; nothing trains
     if not runs_in_process(cfg):

@@ -39,7 +39,7 @@ class EngineDispatcher:
         self._home: OrderedDict[str, str] = OrderedDict()  # session (label) -> engine of its last call
         # routing around engines that fail (counted in the run's metrics): failures by engine, calls that moved
         # on after one, and each engine's failures since its last success (the controller declares an
-        # engine that keeps failing, its cell dead: gyre.sched.controller)
+        # engine that keeps failing, its cell dead: gyre.sched.controller.orchestrator)
         self.engine_failures: Counter[str] = Counter()
         self.routed_around = 0
         self.failing_since_success: Counter[str] = Counter()

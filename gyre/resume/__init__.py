@@ -14,6 +14,6 @@
   preempted and resumed run hold each rollout id of each completed step exactly once, and the
   ledger lists every completed step exactly once.
 
-The controller (gyre/sched/controller.py) uses all three, for every scheduler. Only
+The controller (gyre/sched/controller/orchestrator.py) uses all three, for every scheduler. Only
 `checkpoint` imports torch, so the CLI can import `preemption` and `recovery` cheaply.
 """

@@ -7,7 +7,7 @@ or, only between the two renames, in `checkpoint.old/`; `state.find_checkpoint` 
 
 `Checkpointer` takes the write off the step's critical path (as torchtitan's async checkpoint does): the
 caller's thread only copies a consistent snapshot (the trainer's tensors, RNG states, run state), a
-background thread writes and publishes it as above. The core cell uses it (gyre.sched.cell), for every scheduler.
+background thread writes and publishes it as above. The core cell uses it (gyre.sched.cell.worker), for every scheduler.
 """
 
 from __future__ import annotations

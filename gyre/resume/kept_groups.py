@@ -10,7 +10,7 @@ version (a newer one, whose weights the checkpoint lost) is moved aside as befor
 
 `find_kept_groups` decides (prepare_resume calls it); `restore_groups` turns the kept groups back into what the
 loops hold for a finished group (its rollouts, their calls from calls.jsonl, its GroupShard), for the controller's
-step book (gyre.sched.steps), for every scheduler.
+step book (gyre.sched.controller.steps), for every scheduler.
 """
 
 from __future__ import annotations

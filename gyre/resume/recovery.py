@@ -34,7 +34,7 @@ from gyre.resume.state import RunState, checkpoint_paths, find_checkpoint, read_
 SET_ASIDE_DIR = "preempted"
 SHARD_STEP = re.compile(r"^\.?step(\d+)-")  # step00003-group0001.h5 and the writer's hidden temp files
 WORKSPACE_STEP = re.compile(r"^step(\d+)$")  # rollouts/step0003/
-ROLLOUT_STEP = re.compile(r"^s(\d+)-")  # rollout ids s<step>-g<group>-r<index> (gyre/sched/steps.py)
+ROLLOUT_STEP = re.compile(r"^s(\d+)-")  # rollout ids s<step>-g<group>-r<index> (gyre/sched/controller/steps.py)
 
 if TYPE_CHECKING:
     from gyre.resume.kept_groups import KeptGroup

@@ -1,9 +1,9 @@
 """What the controller and a cell run, over any control plane (MPI ranks, or threads of one process).
 
 The controller (`run_controller`) picks the starting point, builds or reuses the warm start and writes where
-the cells start from (RUN_DIR/policy.json), then drives the run (gyre.sched.controller). A cell
+the cells start from (RUN_DIR/policy.json), then drives the run (gyre.sched.controller.orchestrator). A cell
 (`run_cell`) starts its engine and builds its training replica from that, then serves the controller
-(gyre.sched.cell); a cell's other ranks follow its first (`run_follower`, MPI only).
+(gyre.sched.cell.worker); a cell's other ranks follow its first (`run_follower`, MPI only).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def run_controller(
     ResumePoint, given: that one, nothing moved), tell the cells through policy.json, run; returns whether
     the cells may MPI_Finalize. A stop signal checkpoints and raises Preempted."""
     from gyre.resume.recovery import prepare_resume
-    from gyre.sched.controller import Controller, StopRequest
+    from gyre.sched.controller.orchestrator import Controller, StopRequest
 
     stop = StopRequest(in_process)  # a stop from here on is a checkpoint at the last completed step
     point = point or prepare_resume(out, cfg.resume, log=print)
@@ -93,12 +93,12 @@ def cell_resources(cfg: RunConfig, cell: int) -> CellResources:
 
 def run_cell(cfg: RunConfig, cp: ControlPlane, out: Path, start_id: str, in_process: bool = False) -> bool:
     """Import megatron and build the training replica in a thread while the engine starts in this one (the
-    thread it starts on owns it: see gyre.sched.cell_engine), then serve the controller. `in_process`: the
+    thread it starts on owns it: see gyre.sched.cell.engine), then serve the controller. `in_process`: the
     run's only cell, in the controller's process, with torch's threads as they are and the engine's own
     (engine.num_threads) rather than sched.threads_per_cell, no Mooncake (nothing to send anywhere), and the
     engine's synced weights kept in RUN_DIR/weights."""
     from gyre.comm.mooncake_transport import resolve_hostname
-    from gyre.sched.cell_engine import CellEngine, cell_env, cell_nodes
+    from gyre.sched.cell.engine import CellEngine, cell_env, cell_nodes
 
     if cp.cell_comm.Get_size() > 1:  # the cell's trainer world over its ranks (gloo), for megatron's layout
         from gyre.comm.gloo_transport import init_gloo_from_mpi
@@ -111,7 +111,7 @@ def run_cell(cfg: RunConfig, cp: ControlPlane, out: Path, start_id: str, in_proc
     threads = cfg.engine.num_threads if in_process else cfg.sched.threads_per_cell
 
     def build() -> None:
-        from gyre.sched.cell import build_replica  # torch, megatron: seconds
+        from gyre.sched.cell.worker import build_replica  # torch, megatron: seconds
         from gyre.train.warm_start import Policy
 
         have_paths.wait()
@@ -136,15 +136,15 @@ def run_cell(cfg: RunConfig, cp: ControlPlane, out: Path, start_id: str, in_proc
     if "trainer" not in got:
         engine.stop()
         raise RuntimeError(f"cell {cp.cell}: building the training replica failed (its error is printed above)")
-    from gyre.sched.cell import CellWorker
+    from gyre.sched.cell.worker import CellWorker
 
     return CellWorker(cfg, cp, got["policy"], engine, got["trainer"], got["version"]).serve()
 
 
 def run_follower(cfg: RunConfig, cp: ControlPlane, out: Path, start_id: str) -> bool:
     """A cell rank after its first: its shard of the replica, run as the cell's leader tells it."""
-    from gyre.sched.cell import build_replica
-    from gyre.sched.cell_group import CellFollower
+    from gyre.sched.cell.ranks import CellFollower
+    from gyre.sched.cell.worker import build_replica
     from gyre.train.warm_start import Policy
 
     paths = policy_paths(out, cp, start_id)

@@ -1,12 +1,12 @@
 """A discrete-event simulation of a cell job that runs the production scheduling code on a simulated clock.
 
 What is simulated: the sessions (their calls on the rollout engines, their tool time, admission under
-the session capacity, as gyre.sched.rollout_driver does), the cells' training work, and the time the
+the session capacity, as gyre.sched.controller.sessions does), the cells' training work, and the time the
 controller spends blocked in role switches, shard writes, gradient reductions and weight syncs. What
-is not: every decision. The controller's loop here is gyre.sched.controller.Controller.run step by
+is not: every decision. The controller's loop here is gyre.sched.controller.orchestrator.Controller.run step by
 step: `may_start` admits steps, completed groups put their micro-batches in a `MicroBatchLedger`,
 `step_ready` closes a step, `gyre.sched.policy.decide` moves cells (releases first, then returns, as
-gyre.sched.switching.Switcher.apply does), and `hand_out` streams micro-batches to training cells.
+gyre.sched.controller.switching.Switcher.apply does), and `hand_out` streams micro-batches to training cells.
 A change to any of them changes the simulation.
 """
 
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gyre.comm.messages import MicroBatchRef
-from gyre.sched import ledger as ledger_rules
 from gyre.sched import policy
+from gyre.sched.policy import ledger as ledger_rules
 from gyre.sim.workload import CellModel, Rollout, RunShape
 
 
@@ -144,7 +144,7 @@ class Simulation:
         self.serving_capacity = policy.session_capacity(self.p, self.states())
         self.pump()
 
-    # ----- sessions (gyre.sched.rollout_driver) -----
+    # ----- sessions (gyre.sched.controller.sessions) -----
     def pump(self) -> None:
         while self.queue and len(self.running) < self.serving_capacity:
             s = self.queue.popleft()
@@ -203,7 +203,7 @@ class Simulation:
         self.pump()
         self.news()
 
-    # ----- the controller (gyre.sched.controller.Controller.run) -----
+    # ----- the controller (gyre.sched.controller.orchestrator.Controller.run) -----
     def news(self) -> None:
         if self.blocked:
             self.missed_news = True  # seen once the controller looks again
@@ -351,7 +351,7 @@ class Simulation:
         self.ledger.close_step(self.version)
         self.version += 1
         self.step_end.append(self.t)
-        self.missed_news = True  # the loop goes round at once after a step (gyre.sched.controller: continue)
+        self.missed_news = True  # the loop goes round at once after a step (Controller.run: continue)
         self.unblock()
 
     def result(self) -> SimResult:

@@ -1,7 +1,7 @@
 """Megatron's model-parallel layout inside one trainer world: tensor x pipeline x data parallel ranks.
 
 The world is torch.distributed's default group: gloo on CPU, NCCL on CUDA, started by the cell job
-over the cell's ranks (gyre.sched.job), by torchrun/srun through its env variables, or here as a
+over the cell's ranks (gyre.sched.launch.job), by torchrun/srun through its env variables, or here as a
 one-process world. megatron's parallel_state then splits it into tensor-parallel groups (adjacent
 ranks), pipeline stages and data-parallel replicas of the rest.
 

@@ -76,7 +76,7 @@ class HetSlurmExecutor(submitit.SlurmExecutor):
 
     `job.results()` holds one result per task (task i = SLURM_PROCID i; task 0 is the controller,
     task 1 the core cell, both on component 0; task 1+i satellite cell i). For the cell job, fn is
-    `gyre.sched.job.submitit_main`, with `start_guard=True`: the script reruns a start whose MPI world
+    `gyre.sched.launch.job.submitit_main`, with `start_guard=True`: the script reruns a start whose MPI world
     never comes up (launch/slurm/sbatch.py); any other fn runs once, however long it takes.
     """
 
@@ -91,7 +91,7 @@ class HetSlurmExecutor(submitit.SlurmExecutor):
         super().__init__(folder, python=shlex.quote(cluster_python(cfg)))
         self.cfg = cfg
         self.config_path = config_path
-        self.start_guard = start_guard  # fn is the cell job (gyre.sched.job.submitit_main): guard its MPI start
+        self.start_guard = start_guard  # fn is the cell job (gyre.sched.launch.job.submitit_main): guard its MPI start
         self.step = plan_step(cfg, ["(submitit)"])  # fails early on a bad layout
         minutes = max((parse_time_s(c.time) or 0) for c in cells(cfg)) // 60
         self.update_parameters(time=minutes or 60)  # submitit's timeout bookkeeping; not written to sbatch

@@ -1,7 +1,7 @@
 """The job step of a heterogeneous Slurm job, and the layout of its tasks.
 
 Component 0 is the core cell, components 1..N the satellite cells. The cell job is one MPI program
-(`python -m mpi4py -m gyre.sched.job RUN_DIR`), started by one `srun` over every component with a
+(`python -m mpi4py -m gyre.sched.launch.job RUN_DIR`), started by one `srun` over every component with a
 single MPI_COMM_WORLD: rank 0 is the controller (proxy, harness sessions, scheduler) on the core
 cell's first node, then the core cell's ranks, then each satellite cell's. Each cell's leader starts its
 cell's rollout engine (the embedded engine, or an SGLang server over `engine.tp_size` GPUs) and all its
@@ -12,7 +12,7 @@ controller first on the core's first node, beside the core's first ranks): its M
 train.tensor_parallel x pipeline_parallel ranks, the first of which also runs the engine and talks to
 the controller. Each component asks Slurm for exactly its tasks (`ComponentLayout`: tasks on each node,
 CPUs per task, the node's GPUs); the step runs them under the block distribution, and each rank checks
-where it landed (gyre.sched.slurm_env.place_in_job). Every layout the cell runtime cannot hold fails
+where it landed (gyre.sched.launch.slurm_env.place_in_job). Every layout the cell runtime cannot hold fails
 here, before submitting, with the key to change.
 """
 
@@ -26,7 +26,7 @@ from gyre.config.schema import CellResources, RunConfig
 from gyre.config.validate import ConfigValueError, check_cells
 from gyre.errors import UserError
 
-JOB_MODULE = "gyre.sched.job"
+JOB_MODULE = "gyre.sched.launch.job"
 
 
 class LayoutError(UserError, ValueError):
@@ -128,7 +128,7 @@ def job_command(cfg: RunConfig, run_dir: str) -> list[str]:
 
 def check_layout(cfg: RunConfig) -> None:
     if cfg.comm.transfer_backend == "gloo":
-        from gyre.sched.job_preflight import GLOO_UNSUPPORTED
+        from gyre.sched.launch.job_preflight import GLOO_UNSUPPORTED
 
         raise LayoutError(GLOO_UNSUPPORTED)
     for cell, res in enumerate(cells(cfg)):

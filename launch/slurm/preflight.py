@@ -208,7 +208,7 @@ def check_request(cells: list[CellResources], inv: Inventory) -> None:
 def check_addresses(comm_hostname: str, engine_host: str, cells: list[CellResources], inv: Inventory) -> None:
     """Refuse loopback addresses before submitting when the cells' nodes are separate hosts (their NodeAddr
     differ): a rank advertising 127.0.0.1, or an engine bound there, cannot be reached from another node.
-    The job's own preflight checks what each node resolves (gyre/sched/job_preflight.py)."""
+    The job's own preflight checks what each node resolves (gyre/sched/launch/job_preflight.py)."""
     addresses = {n.address for res in cells for n in inv.nodes_of(res.partition)}
     if len(addresses) < 2 or all(is_loopback(a) for a in addresses):
         return  # one host (the loopback test cluster), or nothing to tell

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 from gyre.config.schema import CellResources, ClusterConfig, RunConfig
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE
-from gyre.sched.slurm_env import EXIT_STATUS_VAR, HET_TASKS_VAR, START_ATTEMPT_VAR, WORLD_UP_VAR
+from gyre.sched.launch.slurm_env import EXIT_STATUS_VAR, HET_TASKS_VAR, START_ATTEMPT_VAR, WORLD_UP_VAR
 from launch.slurm.plan import ComponentLayout, Step, cells, component_layout
 
 LogNames = Callable[[Step], tuple[str, str | None]]
-# what gyre.sched.launch sets for a local cell job: shards are immutable once published, so HDF5's advisory
+# what gyre.sched.launch.local sets for a local cell job: shards are immutable once published, so HDF5's advisory
 # locks only add spurious EAGAIN failures between ranks; Mooncake's INFO lines drown the logs
 CELL_JOB_ENV = (
     ("HDF5_USE_FILE_LOCKING", "FALSE"),
@@ -89,7 +89,7 @@ def _wait_lines(pid: str) -> list[str]:
 
 
 def _controller_status_lines() -> list[str]:
-    """The job's status is the one rank 0 recorded (gyre.sched.job): srun's is the worst of its tasks, so a
+    """The job's status is the one rank 0 recorded (gyre.sched.launch.job): srun's is the worst of its tasks, so a
     satellite killed mid-run (137) would fail a run that finished without it as sched.allow_dead_cells
     allows, and would hide the dead-cells exit (3). No record (rank 0 itself failed): srun's."""
     return [

@@ -1,6 +1,6 @@
 """What a run shows a person: the progress bar's postfix after each step and the closing summary line.
 
-Pure functions of metrics rows (gyre.sched.steps.StepBook.summary); the controller prints them for every
+Pure functions of metrics rows (gyre.sched.controller.steps.StepBook.summary); the controller prints them for every
 scheduler.
 """
 

@@ -95,14 +95,14 @@ def reduce_shard(cp: ControlPlane, trainer: Trainer, msg: GradientReduce, timeou
     contributors = shard_ranks(cp, msg.contributors, index)
     flat, has = flat_grads(trainer.model)
     if cp.rank != core_rank:
-        from gyre.sched.grad_reduce import send_gradients  # MPI: a cell alone in its process sends nothing
+        from gyre.sched.cell.grad_reduce import send_gradients  # MPI: a cell alone in its process sends nothing
 
         send_gradients(cp.comm, core_rank, flat, has, cp.wait_for, timeout)
         trainer.zero_grad()
         return None
     others = [r for r in contributors if r != cp.rank]
     if others:
-        from gyre.sched.grad_reduce import receive_gradients
+        from gyre.sched.cell.grad_reduce import receive_gradients
 
         numel, n_params = grad_numel(trainer.model)
         total, any_has = receive_gradients(cp.comm, others, numel, n_params, cp.wait_for, timeout)

@@ -6,7 +6,7 @@
   while it has requests in flight.
 - `unreachable_engine:<cell>:after_calls:<n>`: once the proxy has served n calls (0: before the first),
   the controller sees the cell's engine at an address where nothing listens, as when a node advertises
-  an address the others cannot reach; the cell should be declared dead (gyre.sched.controller).
+  an address the others cannot reach; the cell should be declared dead (gyre.sched.controller.orchestrator).
 - `stall_start:<cell>:attempts:<n>`: on the first n starts of a Slurm cell job under the script's
   start-up guard, the cell's rank stalls before the MPI world is up, as a hung MPI_Init would (the
   guard ends and reruns the start); ignored elsewhere, where nothing would end the stall.
@@ -22,7 +22,7 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gyre.sched.cells import Cell, CellTable, kill_pid
+from gyre.sched.controller.cell_table import Cell, CellTable, kill_pid
 
 TRIGGERS = {
     "kill_cell": "after_micro_batches",

@@ -26,8 +26,8 @@ from gyre.pipeline import FinishedRollout, GroupShard, write_group_shard
 from gyre.proxy.call_log import CallRecord
 from gyre.resume.kept_groups import KeptGroup, restore_groups
 from gyre.sandbox.backends import check_task_images
+from gyre.sched.controller.sessions import SessionDone, SessionJob
 from gyre.sched.replica import plan_group
-from gyre.sched.rollout_driver import SessionDone, SessionJob
 from gyre.tasks.suite import TaskPool
 
 

@@ -16,7 +16,7 @@ node within its component is its node less the component's first. `place_in_job`
 task's place in the cell job: its cell, its rank in the cell and which of the cell's nodes it is on, and
 refuses a layout other than `tasks_per_node` ranks per node with the controller first on the core's first.
 
-`python -m gyre.sched.slurm_env` prints one line per task: a quick check of a job's layout.
+`python -m gyre.sched.launch.slurm_env` prints one line per task: a quick check of a job's layout.
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ def main() -> None:
     try:
         rank = cell_rank_from_env(os.environ)
     except (NotInSlurmStep, ValueError) as e:
-        sys.exit(f"gyre.sched.slurm_env: {e}")
+        sys.exit(f"gyre.sched.launch.slurm_env: {e}")
     print(describe(rank, os.environ), flush=True)
 
 

@@ -2,7 +2,7 @@
 clock, checkpoints and stops, metrics, the progress bar and the summary.
 
 Every scheduler is a configuration of it: colocate (every cell switches together; one local cell runs in
-this process, gyre.sched.local), colocate_cells, async and elastic (cells as an MPI job, gyre.sched.job).
+this process, gyre.sched.launch.in_process), colocate_cells, async and elastic (cells as an MPI job, gyre.sched.launch.job).
 The loop reacts to what happened since it last looked (sessions finished, micro-batches done, cells
 died), lets the policy move cells between roles, and hands out training work; it sleeps between
 looks (no spinning) and ends once the last step's weights are published.
@@ -36,17 +36,17 @@ from gyre.resume.preemption import Preempted
 from gyre.resume.recovery import ResumePoint, checkpoint_due, describe_start, task_pool_position
 from gyre.resume.state import RunState
 from gyre.sandbox import make_sandbox
-from gyre.sched.cells import Cell, CellDied, CellTable, Outbox, kill_pid, pid_alive
-from gyre.sched.faults import FaultInjector
+from gyre.sched.controller.cell_table import Cell, CellDied, CellTable, Outbox, kill_pid, pid_alive
+from gyre.sched.controller.faults import FaultInjector
+from gyre.sched.controller.report import progress, step_rows
+from gyre.sched.controller.report import summary as summary_line
+from gyre.sched.controller.sessions import RolloutDriver, SessionDone
+from gyre.sched.controller.steps import StepBook
+from gyre.sched.controller.switching import Switcher
+from gyre.sched.controller.timeline import Timeline
+from gyre.sched.controller.train_plane import TrainPlane
 from gyre.sched.liveness import LivenessWatch
 from gyre.sched.policy import Load, PolicyConfig, Switch, decide, initial_roles, may_start
-from gyre.sched.report import progress, step_rows
-from gyre.sched.report import summary as summary_line
-from gyre.sched.rollout_driver import RolloutDriver, SessionDone
-from gyre.sched.steps import StepBook
-from gyre.sched.switching import Switcher
-from gyre.sched.timeline import Timeline
-from gyre.sched.train_plane import TrainPlane
 from gyre.tracking import open_trackers
 
 # SIGTERM: Slurm preemption, `scontrol requeue`, the time-limit signal (the batch script forwards it through
@@ -128,7 +128,7 @@ class Controller:
         print(describe_start(point, cfg, out), flush=True)
         self.train.version = self.state.next_step
         self.submitted = self.state.next_step  # steps whose sessions have been handed to the driver
-        self.finalize = True  # False once a cell died (see gyre.sched.job)
+        self.finalize = True  # False once a cell died (see gyre.sched.launch.job)
         self.step_rows: list[dict[str, Any]] = []
         self.exclusions = ExclusionWatch(cfg.rl.max_excluded_fraction, cfg.rl.max_excluded_steps)
         self.dead_reasons: dict[int, str] = {}  # cell -> why it was declared dead

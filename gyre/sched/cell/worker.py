@@ -35,8 +35,8 @@ from gyre.config.schema import RunConfig
 from gyre.pipeline import tree_gspo_loss_fn
 from gyre.resume.checkpoint import Checkpointer, load_checkpoint
 from gyre.resume.state import RunState
-from gyre.sched.cell_engine import CellEngine
-from gyre.sched.cell_group import CellGroup, GroupCheckpoint, load_local_shard, local_shard, reduce_shard
+from gyre.sched.cell.engine import CellEngine
+from gyre.sched.cell.ranks import CellGroup, GroupCheckpoint, load_local_shard, local_shard, reduce_shard
 from gyre.sched.liveness import connect
 from gyre.sched.replica import MicroBatchSource, grad_numel
 from gyre.train.trainer import Trainer, make_trainer
@@ -85,7 +85,7 @@ class CellWorker:
         self.version = str(version)
         self.group = CellGroup(
             cp, cfg.comm.hostname
-        )  # the cell's other ranks, which follow this one (gyre.sched.cell_group)
+        )  # the cell's other ranks, which follow this one (gyre.sched.cell.ranks)
         if version:  # resumed: the engine started from the warm start serves the checkpoint's weights
             self.engine.load(self.gather(), self.version)
         self._weights: WeightTransport | None = None  # made on first use: a cell alone publishes to nobody

@@ -1,7 +1,7 @@
-"""The cell job's MPI program: `mpirun -n 1+C python -m mpi4py -m gyre.sched.job RUN_DIR`.
+"""The cell job's MPI program: `mpirun -n 1+C python -m mpi4py -m gyre.sched.launch.job RUN_DIR`.
 
-Rank 0 runs the controller (gyre.sched.controller), ranks 1..C the cells (gyre.sched.cell), all from
-RUN_DIR/config.yaml. Started by gyre.sched.launch on one machine, or by `srun` over the components
+Rank 0 runs the controller (gyre.sched.controller.orchestrator), ranks 1..C the cells (gyre.sched.cell.worker), all from
+RUN_DIR/config.yaml. Started by gyre.sched.launch.local on one machine, or by `srun` over the components
 of a Slurm het job (launch/submit.py; `submitit_main` under submitit). `-m mpi4py` turns an exception
 on any rank into MPI_Abort of the job instead of a hang.
 """
@@ -31,18 +31,17 @@ from gyre.engine.admin_key import set_run_admin_key, take_run_admin_key
 from gyre.errors import UserError, report, wants_traceback
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted
 from gyre.sandbox.limits import raise_open_file_limit
-from gyre.sched.affinity import available_cpus, cpu_plan, pin
-from gyre.sched.faults import stalls_start
-from gyre.sched.job_preflight import run_preflight
-from gyre.sched.launch import (
+from gyre.sched.controller.faults import stalls_start
+from gyre.sched.launch.affinity import available_cpus, cpu_plan, pin
+from gyre.sched.launch.job_preflight import run_preflight
+from gyre.sched.launch.local import (
     CONTROLLER_PID_FILE,
     DEAD_CELLS_EXIT_CODE,
     LAUNCHER_REPORTS_ENV,
     RANK_ERROR_FILE,
     DeadCellsError,
 )
-from gyre.sched.runtime import run_cell, run_controller
-from gyre.sched.slurm_env import (
+from gyre.sched.launch.slurm_env import (
     WORLD_UP_VAR,
     CellPlace,
     cell_rank_from_env,
@@ -51,6 +50,7 @@ from gyre.sched.slurm_env import (
     record_exit_status,
     start_attempt,
 )
+from gyre.sched.runtime import run_cell, run_controller
 
 
 def run(out: Path) -> tuple[bool, dict[str, Any], int]:
@@ -88,7 +88,7 @@ def run(out: Path) -> tuple[bool, dict[str, Any], int]:
         init_gloo_from_mpi(world, cfg.comm.hostname)
     code = 0
     if cp.is_controller:
-        (out / CONTROLLER_PID_FILE).write_text(str(os.getpid()))  # gyre.sched.launch passes stop signals here
+        (out / CONTROLLER_PID_FILE).write_text(str(os.getpid()))  # gyre.sched.launch.local passes stop signals here
         try:
             finalize = run_controller(cfg, cp, out, start_id)
         except Preempted:
@@ -120,7 +120,7 @@ def dead_cells_message(summary: dict[str, Any]) -> str:
 def job_layout(world: Any, cfg: RunConfig, env: Mapping[str, str]) -> CellLayout:
     """Which world ranks form each cell. The job has a rank for the controller, then each cell's ranks (nodes
     x tasks_per_node). Under a Slurm het job every rank finds its cell, its rank in it and its node among the
-    cell's nodes from Slurm's variables (gyre.sched.slurm_env.place_in_job: the controller and the core's
+    cell's nodes from Slurm's variables (gyre.sched.launch.slurm_env.place_in_job: the controller and the core's
     ranks on component 0, cell i's on component i, `tasks_per_node` of them on each of the cell's nodes), and
     the layout is what they found; elsewhere (mpirun) the cells take the ranks after the controller in order.
     Collective (an allgather under Slurm): every rank raises the same error."""
@@ -185,7 +185,7 @@ def record_rank_error(out: Path, error: UserError) -> bool:
 
 
 def fail_rank(out: Path, error: UserError) -> NoReturn:
-    """Stop the whole job on an expected failure with its message said once: by gyre.sched.launch when it
+    """Stop the whole job on an expected failure with its message said once: by gyre.sched.launch.local when it
     started the job (it reads rank_error.txt), else (srun) by the first rank that failed."""
     first = record_rank_error(out, error)
     if os.environ.get(LAUNCHER_REPORTS_ENV) == "1":

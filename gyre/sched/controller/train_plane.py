@@ -16,10 +16,10 @@ from typing import Any
 
 from gyre.comm.messages import Ack, GradientReduce, MicroBatchAssignment, WeightVersion
 from gyre.config.schema import RunConfig
-from gyre.sched.cells import Cell, CellDied, CellTable, Outbox
-from gyre.sched.faults import FaultInjector
-from gyre.sched.ledger import MicroBatchLedger, hand_out, step_ready, waiting_work
-from gyre.sched.steps import StepBook
+from gyre.sched.controller.cell_table import Cell, CellDied, CellTable, Outbox
+from gyre.sched.controller.faults import FaultInjector
+from gyre.sched.controller.steps import StepBook
+from gyre.sched.policy.ledger import MicroBatchLedger, hand_out, step_ready, waiting_work
 
 
 class TrainPlane:
@@ -69,7 +69,7 @@ class TrainPlane:
                   "seconds": round(ack.detail["seconds"], 4)})  # fmt: skip
 
     def waiting_work(self) -> int:
-        """Work of the current step that no cell has taken (gyre.sched.ledger.waiting_work)."""
+        """Work of the current step that no cell has taken (gyre.sched.policy.ledger.waiting_work)."""
         rec = self.book.steps.get(self.version)
         return 0 if rec is None else waiting_work(self.ledger, self.version, rec.all_shards_written)
 

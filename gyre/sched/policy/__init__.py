@@ -7,7 +7,7 @@ rollout cell (a cell's KV budget); the staleness bound decides which steps' roll
 
 - colocate, colocate_cells: every cell serves rollouts while any session of the step is queued or running,
   then every cell trains; weights are never older than the step (staleness 0). colocate may run one cell
-  (the embedded default: in one process, gyre.sched.local); colocate_cells is the same over 2 or more.
+  (the embedded default: in one process, gyre.sched.launch.in_process); colocate_cells is the same over 2 or more.
 - async: a fixed split, `rollout_cells` serving and the rest (the core first) training, rollouts one
   step (or `staleness` steps) ahead of training.
 - elastic: a rollout cell is released to training as soon as the remaining rollout cells can still

@@ -1,7 +1,7 @@
 """Carrying out role switches, and timing each one.
 
 rollout -> train: the cell's capacity leaves the admission count, its engine leaves the proxy and its
-in-flight requests move to the remaining engines with their keys/values (gyre.sched.reroute), then the
+in-flight requests move to the remaining engines with their keys/values (gyre.sched.controller.reroute), then the
 cell releases its engine's memory. train -> rollout: the cell resumes its engine at the newest
 weights, then the proxy routes to it and its capacity counts again. A switch's latency runs from the
 controller's decision to the cell's ack (cells switched together share it).
@@ -18,11 +18,11 @@ from gyre.config.schema import RunConfig
 from gyre.engine.client import EngineError
 from gyre.metrics import MetricsWriter
 from gyre.proxy.server import ProxyServer
-from gyre.sched.cells import Cell, CellDied, CellTable, Outbox
+from gyre.sched.controller.cell_table import Cell, CellDied, CellTable, Outbox
+from gyre.sched.controller.reroute import Migration, take_out_of_service
+from gyre.sched.controller.sessions import RolloutDriver
+from gyre.sched.controller.timeline import Timeline
 from gyre.sched.policy import PolicyConfig, Switch, session_capacity
-from gyre.sched.reroute import Migration, take_out_of_service
-from gyre.sched.rollout_driver import RolloutDriver
-from gyre.sched.timeline import Timeline
 
 
 class Switcher:

@@ -1,8 +1,8 @@
 """Starting a run on this machine: the run directory, then its cells, in this process or under `mpirun`.
 
 `run_cells(cfg)` writes RUN_DIR/config.yaml, then runs one local cell of one rank (scheduler=colocate, the
-embedded default) in this process (gyre.sched.local), and any other layout as an MPI job: it re-executes
-under the venv's `mpirun -n 1+C` (gyre.sched.job; its rank 0 builds or reuses the warm start while the
+embedded default) in this process (gyre.sched.launch.in_process), and any other layout as an MPI job: it re-executes
+under the venv's `mpirun -n 1+C` (gyre.sched.launch.job; its rank 0 builds or reuses the warm start while the
 cells start up). Each rank runs inside `sh -c` with
 SIGUSR1 ignored and mpiexec's auto-cleanup off, so that a killed cell rank leaves the others running
 (MPICH otherwise tears the whole job down); the controller then carries on without it.
@@ -30,9 +30,9 @@ from gyre.sched.runtime import POLICY_FILE
 
 CONTROLLER_PID_FILE = "controller.pid"  # rank 0's pid, for passing stop signals on
 DEAD_CELLS_EXIT_CODE = 3  # rank 0's exit when the run lost cells and sched.allow_dead_cells is not set
-RANK_SHELL = 'trap "" USR1; "$0" -m mpi4py -m gyre.sched.job "$1"; exit $?'
+RANK_SHELL = 'trap "" USR1; "$0" -m mpi4py -m gyre.sched.launch.job "$1"; exit $?'
 # a rank that stops on an expected failure (gyre.errors.UserError) writes "<exit code>\n<message>" here; the
-# first one wins, so the user reads the message once however many ranks fail alike (gyre.sched.job.fail_rank)
+# first one wins, so the user reads the message once however many ranks fail alike (gyre.sched.launch.job.fail_rank)
 RANK_ERROR_FILE = "rank_error.txt"
 LAUNCHER_REPORTS_ENV = "GYRE_LAUNCHER_REPORTS"  # set by run_cells: it prints that message, the ranks stay quiet
 
@@ -106,7 +106,7 @@ def run_cells(cfg: RunConfig) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     cfg.output_dir = str(out)
     (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-    from gyre.sched.local import run_in_process, runs_in_process
+    from gyre.sched.launch.in_process import run_in_process, runs_in_process
 
     if runs_in_process(cfg):
         run_in_process(cfg, out)

@@ -1,6 +1,6 @@
 """A run of one local cell in one process: the controller on the main thread (it owns the signals), the cell
 in a thread beside it, queues between them (gyre.comm.local_control). What `scheduler=colocate` runs on one
-cell of one rank, without mpirun; every other layout runs as an MPI job of cells (gyre.sched.launch).
+cell of one rank, without mpirun; every other layout runs as an MPI job of cells (gyre.sched.launch.local).
 """
 
 from __future__ import annotations
