@@ -4,12 +4,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.gyre-installed
 ARGS ?=
+# `make run` evaluates held-out instances every 6 steps (docs/evaluation.md); EVAL= turns it off
+EVAL ?= eval.every=6
 PYTEST_ARGS ?=
 
 .PHONY: run test setup lint format clean
 
 run: $(STAMP)
-	$(PY) -m launch.run $(ARGS)
+	$(PY) -m launch.run $(EVAL) $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -m "not gpu" --durations=40 $(PYTEST_ARGS)

@@ -57,8 +57,11 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def plot_learning_curve(rows: list[dict[str, Any]], png_path: str | Path) -> Path:
-    """Reward and success rate per step (with a 3-step moving average of success)."""
+def plot_learning_curve(
+    rows: list[dict[str, Any]], png_path: str | Path, eval_rows: Sequence[dict[str, Any]] = ()
+) -> Path:
+    """Reward and success rate per step (with a 3-step moving average of success); with `eval_rows`, held-out
+    pass@1 at each evaluated weight version (version v: the weights after v steps, drawn at step v - 0.5)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -72,6 +75,10 @@ def plot_learning_curve(rows: list[dict[str, Any]], png_path: str | Path) -> Pat
         sr = [r["success_rate"] for r in rows]
         avg = [sum(sr[max(0, i - 2) : i + 1]) / len(sr[max(0, i - 2) : i + 1]) for i in range(len(sr))]
         ax.plot(steps, avg, "--", color="gray", label="success, 3-step mean")
+    held = [r for r in eval_rows if r.get("pass@1") is not None]
+    if held:
+        x = [r["version"] - 0.5 for r in held]
+        ax.plot(x, [r["pass@1"] for r in held], "D-", color="tab:red", label="held-out pass@1 (eval)")
     ax.set_xlabel("RL step")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)

@@ -54,6 +54,9 @@ class GroupShard:
     rejected: list[str] = field(default_factory=list)  # rollout ids not stored: their call log made no tree
 
 
+EVAL_EXCLUSION = "eval rollout: never trained"
+
+
 def write_group_shard(
     cfg: RunConfig,
     shard_dir: Path,
@@ -61,21 +64,27 @@ def write_group_shard(
     group: int,
     rollouts: Sequence[FinishedRollout],
     skipped: Mapping[str, str] | None = None,
+    kind: str = "train",
 ) -> GroupShard:
     """Score one finished group and write it as one shard (atomic: temp file + rename). `skipped`: the
-    suite's tasks that could not be loaded (name -> cause), kept in the shard's provenance."""
+    suite's tasks that could not be loaded (name -> cause), kept in the shard's provenance. kind="eval": one
+    eval task's samples after weight version `step` (gyre.eval.run), every rollout excluded from training
+    (no reward, no advantage, no loss weight; its score kept), the producer's "kind" says so."""
     scores = [r.outcome.grade.score for r in rollouts]
     rewards = torch.tensor([[math.nan if s is None else s for s in scores]], dtype=torch.float64)
     advantages = group_advantages(rewards)[0].tolist()
-    path = shard_dir / f"step{step:05d}-group{group:04d}.h5"
+    name = f"step{step:05d}-group{group:04d}.h5" if kind == "train" else f"eval-v{step:05d}-task{group:04d}.h5"
+    path = shard_dir / name
     result = GroupShard(path, step, group, len(rollouts), 0, 0, 0, 0)
     producer = {"harness": cfg.harness.kind, "sandbox": cfg.sandbox.backend,  # "none" is on record in every shard
-                "tasks": task_provenance(cfg, rollouts, skipped),
+                "tasks": task_provenance(cfg, rollouts, skipped), "kind": kind,
                 "outcomes": [outcome_record(r.outcome) for r in rollouts]}  # fmt: skip
     with ShardWriter(path, run_id=cfg.output_dir or "gyre", step=step, producer=producer) as w:
         for r, adv in zip(rollouts, advantages, strict=True):
             rid, grade = r.outcome.rollout_id, r.outcome.grade
             reason = "" if grade.score is not None else f"evaluation failed: {grade.reason}"
+            if kind == "eval":
+                reason = EVAL_EXCLUSION if not reason else f"{EVAL_EXCLUSION}; {reason}"
             try:
                 sampled = sample_tree(build_tree(rid, r.calls), k=cfg.rl.max_trajectories_per_rollout)
             except TreeError as e:
@@ -87,7 +96,7 @@ def write_group_shard(
             if not reason and not math.isfinite(adv):
                 reason = "group has no other graded rollout"
             meta = RolloutMeta(
-                group_id=f"s{step}-g{group}",
+                group_id=f"s{step}-g{group}" if kind == "train" else f"eval-v{step}-t{group}",
                 task_id=r.outcome.task.task_id,
                 task_family=r.outcome.task.family,
                 harness=cfg.harness.kind,

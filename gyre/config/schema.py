@@ -630,6 +630,26 @@ class TrackingConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Held-out evaluation (gyre/eval): during the run every `every` steps, and on its own (launch/eval.py).
+    Eval rollouts run through the run's harness, proxy, sandbox and grader; they are never trained."""
+
+    every: int = ranged(0, NON_NEGATIVE, why="0: no evaluation during the run")  # steps between evals
+    # true: the held-out split of the training suite (builtin: instances the training pool never holds, from
+    # other seeds, plus held_out_families; a suite on disk: its tasks.split=eval); false: eval.tasks as given
+    held_out: bool = True
+    tasks: TaskConfig = field(default_factory=TaskConfig)  # with held_out=false: the eval tasks (a group like `tasks`)
+    # builtin, held_out=true: families evaluated though never trained on (a variant the training pool lacks)
+    held_out_families: list[str] = field(default_factory=lambda: ["echo_files"])
+    samples: int = ranged(4, AT_LEAST_1)  # rollouts per task: n of pass@k (k = 1 .. samples)
+    temperature: float = ranged(1.0, NON_NEGATIVE, why="0: greedy")  # sampling temperature of eval rollouts
+    # tasks per eval (builtin: instances drawn; a suite: a seeded sample); 0: every task of the suite
+    max_tasks: int = ranged(8, NON_NEGATIVE, why="0: every task of the suite")
+    # launch/eval.py: a checkpoint directory (a run's checkpoint/) to evaluate; empty: model.path or the warm start
+    checkpoint: str = ""
+
+
+@dataclass
 class RunConfig:
     # RL steps (optimizer updates) of the run
     steps: int = ranged(24, AT_LEAST_1, why="a run of no steps trains nothing")
@@ -661,9 +681,11 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     sched: SchedConfig = field(default_factory=SchedConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
-        from gyre.config.validate import check_task_sandbox
+        from gyre.config.validate import check_eval, check_task_sandbox
 
         check_fields(self)  # every section's fields, keyed from the top (cluster.satellites.1.nodes)
         check_task_sandbox(self)
+        check_eval(self)

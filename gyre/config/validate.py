@@ -55,6 +55,18 @@ def check_task_sandbox(cfg: RunConfig) -> None:
               "isolated sandbox (bwrap or apptainer)")  # fmt: skip
 
 
+def check_eval(cfg: RunConfig) -> None:
+    """Held-out builtin instances are drawn, so their number must be given; a suite's held-out split is
+    the training suite's own."""
+    e = cfg.eval
+    builtin = (cfg.tasks if e.held_out else e.tasks).source == "builtin"
+    if builtin and e.max_tasks == 0:
+        _fail("eval.max_tasks", 0, "built-in tasks are drawn: say how many (0 means every task of a suite on disk)")
+    if e.every and e.held_out and cfg.tasks.source != "builtin" and cfg.tasks.split != "train":
+        _fail("eval.held_out", True, f"tasks.split={cfg.tasks.split} trains on the held-out split too; set "
+              "tasks.split=train, or eval.held_out=false with eval.tasks")  # fmt: skip
+
+
 def check_harness(h: HarnessConfig) -> None:
     check_fields(h, "harness.")
     if h.bare and h.kind not in HarnessKind.short_prompt_kinds():

@@ -21,15 +21,17 @@ from gyre.config.schema import CellResources, ModelConfig, RunConfig
 POLICY_FILE = "policy.json"  # the warm start the cells load, written by the controller
 
 
-def run_controller(cfg: RunConfig, cp: ControlPlane, out: Path, start_id: str, in_process: bool = False) -> bool:
-    """Pick the starting point (a checkpoint to resume, outputs of unfinished steps moved aside), tell the
-    cells through policy.json, run; returns whether the cells may MPI_Finalize. A stop signal checkpoints
-    and raises Preempted."""
+def run_controller(
+    cfg: RunConfig, cp: ControlPlane, out: Path, start_id: str, in_process: bool = False, point: Any = None
+) -> bool:
+    """Pick the starting point (a checkpoint to resume, outputs of unfinished steps moved aside; `point`, a
+    ResumePoint, given: that one, nothing moved), tell the cells through policy.json, run; returns whether
+    the cells may MPI_Finalize. A stop signal checkpoints and raises Preempted."""
     from gyre.resume.recovery import prepare_resume
     from gyre.sched.controller.orchestrator import Controller, StopRequest
 
     stop = StopRequest(in_process)  # a stop from here on is a checkpoint at the last completed step
-    point = prepare_resume(out, cfg.resume, log=print)
+    point = point or prepare_resume(out, cfg.resume, log=print)
     tokenizer_dir = write_policy(cfg, out, start_id, point.checkpoint, point.state.next_step)
     controller = Controller(cfg, cp, tokenizer_dir, out, point, stop)
     try:

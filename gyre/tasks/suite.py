@@ -83,3 +83,26 @@ def balanced_tasks(families: Sequence[str] | None, n: int, seed: int) -> list[Ta
     names = list(families) if families is not None else sorted(FAMILIES)
     rng = random.Random(seed)
     return [sample_tasks([names[i % len(names)]], 1, rng)[0] for i in range(n)]
+
+
+HELD_OUT_SEED = 7_919  # offset of the seed held-out instances are drawn from: never the training pool's
+
+
+def held_out_tasks(families: Sequence[str], n: int, seed: int, exclude: Sequence[Task] = ()) -> list[Task]:
+    """`n` built-in instances, families in turn, drawn from another seed than the training pool's, none of
+    them one of `exclude` (the training pool's instances, compared by task id: same prompt and files)."""
+    if n < 1:
+        raise ValueError(f"held-out built-in instances are drawn: ask for at least 1, got {n}")
+    seen = {t.task_id for t in exclude}
+    rng = random.Random(seed * 1_000_003 + HELD_OUT_SEED)
+    out: list[Task] = []
+    for attempt in range(100 * n):
+        task = sample_tasks([families[len(out) % len(families)]], 1, rng)[0]
+        if task.task_id not in seen:
+            seen.add(task.task_id)
+            out.append(task)
+            if len(out) == n:
+                return out
+        if attempt == 100 * n - 1:
+            break
+    raise ValueError(f"could not draw {n} held-out instances of {list(families)} outside the training pool")

@@ -25,10 +25,11 @@ from gyre.comm.address import engine_reachable
 from gyre.comm.control import ControlError, ControlPlane
 from gyre.comm.messages import Hello, RoleSwitch, SaveCheckpoint, Shutdown
 from gyre.config.schema import LogprobDistribution, RunConfig
+from gyre.eval.run import EvalRunner
 from gyre.health import ExclusionWatch
 from gyre.metrics import MetricsWriter, plot_learning_curve
 from gyre.model.tokenizer import Tokenizer
-from gyre.proxy.call_log import CallLog
+from gyre.proxy.call_log import CallLog, CallRecord
 from gyre.proxy.keys import RolloutKeys
 from gyre.proxy.server import ProxyServer
 from gyre.resume.preemption import Preempted
@@ -39,7 +40,7 @@ from gyre.sched.controller.cell_table import Cell, CellDied, CellTable, Outbox, 
 from gyre.sched.controller.faults import FaultInjector
 from gyre.sched.controller.report import progress, step_rows
 from gyre.sched.controller.report import summary as summary_line
-from gyre.sched.controller.sessions import RolloutDriver
+from gyre.sched.controller.sessions import RolloutDriver, SessionDone
 from gyre.sched.controller.steps import StepBook
 from gyre.sched.controller.switching import Switcher
 from gyre.sched.controller.timeline import Timeline
@@ -114,6 +115,7 @@ class Controller:
         self.faults = FaultInjector(cfg.sched.faults, self.pcfg.n_cells, self.timeline.now)
         point = point or ResumePoint(RunState(), None)
         self.book = StepBook(cfg, out, point.kept)
+        self.evals = EvalRunner(cfg, out, self.book.pool) if cfg.eval.every else None
         self.train = TrainPlane(cfg, self.table, self.outbox, self.book, self.faults, out, self.cells_died, self.log)
         self.switcher = Switcher(
             cfg, self.pcfg, self.table, self.outbox, self.proxy, self.driver, self.timeline, self.metrics
@@ -122,6 +124,7 @@ class Controller:
         self.state.begin()
         self.metrics.rows = list(point.metrics_rows)
         self.run_rows = step_rows(point.metrics_rows)  # every completed step's row, over every start
+        self.eval_rows = [r for r in point.metrics_rows if r.get("event") == "eval"]
         print(describe_start(point, cfg, out), flush=True)
         self.train.version = self.state.next_step
         self.submitted = self.state.next_step  # steps whose sessions have been handed to the driver
@@ -172,7 +175,8 @@ class Controller:
         self.proxy.set_engines([c.engine_url for c in self.table.serving()])
         self.cells_died(self.switcher.apply(initial, self.train.on_ack, record=False))
         self.switcher.update_capacity()
-        while self.train.version < self.cfg.steps:
+        self.start_eval()  # before the first step: the baseline
+        while self.train.version < self.cfg.steps or self.eval_in_flight:
             if self.stop_signal:
                 self.stop(time.monotonic() - start)
             self.admit()
@@ -188,7 +192,20 @@ class Controller:
             self.cp.wait_for(lambda: True if self.has_news() else None, 0.25)
         self.finish(time.monotonic() - start)
 
+    @property
+    def eval_in_flight(self) -> bool:
+        return self.evals is not None and self.evals.in_flight
+
+    def start_eval(self) -> None:
+        """Evaluate the current weights when an eval is due: after the step's update, before the next step's
+        sessions under colocate (admit waits for it); as lowest-priority rollout work otherwise."""
+        if self.evals is not None and not self.evals.in_flight and self.evals.due(self.train.version):
+            if not any(r.get("version") == self.train.version for r in self.eval_rows):  # a resume's repeat
+                self.driver.submit(self.evals.open(self.train.version))
+
     def admit(self) -> None:
+        if self.pcfg.colocated and self.eval_in_flight:
+            return  # colocate: the eval runs between the update and the next step's rollouts
         while self.submitted < self.cfg.steps and may_start(self.pcfg, self.submitted, self.train.version):
             jobs, kept = self.book.open(self.submitted)
             for refs in kept:  # groups completed before a restart: trained, not run again
@@ -208,18 +225,27 @@ class Controller:
         while not self.driver.events.empty() and not self.stop_signal:  # a stop kills harnesses: no results
             done = self.driver.events.get()
             ago = time.time() - done.started  # the driver's times are wall clock, the timeline's monotonic
-            row = {"event": "session", "rollout_id": done.job.rollout_id, "step": done.job.step}
+            row = {"event": "session", "rollout_id": done.job.rollout_id, "step": done.job.step, "kind": done.job.kind}
             row |= {"started": round(self.timeline.now() - ago, 3), "seconds": round(done.ended - done.started, 3)}
             if done.outcome is not None:  # the harness's own clock: model calls and tools, not start-up or grading
                 row |= {"harness_s": done.outcome.wall_s, "turns": done.outcome.turns}
             self.log(row)
             calls = self.call_log.pop_rollout(done.job.rollout_id)
+            if done.job.kind == "eval":
+                self.eval_finished(done, calls)
+                continue
             t0 = time.monotonic()
             group = self.book.finished(done, calls, self.out / "rollouts" / f"step{done.job.step:04d}")
             if group is not None:  # the loop was blocked while the shard was written and planned
                 self.train.ledger.add(done.job.step, group[1])
                 row = {"event": "group", "step": done.job.step, "group": done.job.group, "micro_batches": len(group[1])}
                 self.log(row | {"seconds": round(time.monotonic() - t0, 4)})
+
+    def eval_finished(self, done: SessionDone, calls: list[CallRecord]) -> None:
+        assert self.evals is not None
+        if (row := self.evals.finished(done, calls)) is not None:
+            self.log(row)
+            self.eval_rows.append(row)
 
     def collect_acks(self) -> None:
         for body, ack in self.outbox.pump():
@@ -327,6 +353,7 @@ class Controller:
         self.state.record_step(step, stored, rec.trained_ids, [s.path.name for s in rec.shards], rejected)
         if checkpoint_due(self.cfg, step):
             self.checkpoint()
+        self.start_eval()
 
     def checkpoint(self, final: bool = False) -> None:
         """The core writes weights, optimizer and the run state of the completed steps (gyre/resume), in the
@@ -355,7 +382,9 @@ class Controller:
         return self.table.states(self.train.busy)
 
     def load(self) -> Load:
-        queued, running = self.driver.level()
+        """Queued eval sessions call cells to serve under colocate and after the last step only."""
+        queued_eval = self.pcfg.colocated or self.train.version >= self.cfg.steps
+        queued, running = self.driver.level(queued_eval)
         return Load(queued, running, self.train.waiting_work())
 
     def sample_level(self) -> None:
@@ -388,7 +417,7 @@ class Controller:
                 self.cp.send(rank, Shutdown("its cell was declared dead", False))
         self.bar.close()
         timeline = self.timeline.save(self.out, f"{self.cfg.scheduler}: {len(self.step_rows)} steps, {wall_s:.0f} s")
-        curve = plot_learning_curve(self.run_rows, self.out / "learning_curve.png")
+        curve = plot_learning_curve(self.run_rows, self.out / "learning_curve.png", self.eval_rows)
         report = self.summary(wall_s) | {"stopped_by": stopped}
         (self.out / "summary.json").write_text(json.dumps(report, indent=1))
         self.metrics.write({"event": "summary", **report})
@@ -396,7 +425,7 @@ class Controller:
         self.metrics.image("learning_curve", curve)
         self.metrics.close()
         print(f"gyre: {self.cfg.scheduler} finished {len(self.step_rows)} steps in {wall_s:.1f} s")
-        print(summary_line(self.run_rows, self.out, self.book.pool.skipped_causes()), flush=True)
+        print(summary_line(self.run_rows, self.out, self.book.pool.skipped_causes(), self.eval_rows), flush=True)
 
     def summary(self, wall_s: float) -> dict[str, Any]:
         lat = self.switcher.latencies
@@ -420,5 +449,8 @@ class Controller:
             "engine_failures": dict(self.proxy.dispatcher.engine_failures),
             "faults": self.faults.log,
             "role_seconds": self.timeline.role_seconds(),
-            "skipped_tasks": self.book.pool.skipped_causes(),  # the suite's tasks that could not be loaded
+            "skipped_tasks": self.book.pool.skipped_causes(),
+            "held_out_pass@1": {
+                str(r["version"]): r["pass@1"] for r in self.eval_rows
+            },  # by weight version  # the suite's tasks that could not be loaded
         }

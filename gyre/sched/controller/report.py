@@ -30,8 +30,14 @@ def progress(row: dict[str, Any]) -> dict[str, str]:
     }
 
 
-def summary(rows: list[dict[str, Any]], out: Path, skipped: dict[str, str] | None = None) -> str:
-    """Success over the first and the last quarter of the steps, the suite's skipped tasks, the outputs."""
+def summary(
+    rows: list[dict[str, Any]],
+    out: Path,
+    skipped: dict[str, str] | None = None,
+    eval_rows: list[dict[str, Any]] | None = None,
+) -> str:
+    """Success over the first and the last quarter of the steps, held-out pass@1 at the first and the last
+    eval, the suite's skipped tasks, the outputs."""
     k = max(1, len(rows) // 4)
     skipped_text = "".join(f"gyre: task {name} skipped: {cause}\n" for name, cause in sorted((skipped or {}).items()))
 
@@ -43,5 +49,23 @@ def summary(rows: list[dict[str, Any]], out: Path, skipped: dict[str, str] | Non
 
     return (
         f"gyre: success rate {rate(rows[:k]).format('first')} -> {rate(rows[-k:]).format('last')}\n"
-        f"{skipped_text}gyre: outputs in {out}"
+        f"{held_out_line(eval_rows or [])}{skipped_text}gyre: outputs in {out}"
     )
+
+
+def held_out_line(eval_rows: list[dict[str, Any]]) -> str:
+    """Held-out pass@1 (and pass@k at the largest k) of the first and the last eval, with their versions."""
+    if not eval_rows:
+        return ""
+
+    def shown(r: dict[str, Any]) -> str:
+        k = max((int(key[5:]) for key in r if key.startswith("pass@")), default=1)
+        p1, pk = r.get("pass@1"), r.get(f"pass@{k}")
+        text = "n/a" if p1 is None else f"{p1:.2f}"
+        if k > 1 and pk is not None:
+            text += f" (pass@{k} {pk:.2f})"
+        return f"{text} at version {r['version']}"
+
+    first, last = eval_rows[0], eval_rows[-1]
+    n = f"{last['n_tasks']} tasks x {last['n_samples'] // max(1, last['n_tasks'])} samples, {last['excluded']} excluded"
+    return f"gyre: held-out pass@1 {shown(first)} -> {shown(last)} ({n})\n"

@@ -25,10 +25,12 @@ from gyre.tasks.task import Task
 
 @dataclass(frozen=True)
 class SessionJob:
-    step: int
-    group: int
+    step: int  # train: the RL step; eval: the weight version evaluated
+    group: int  # train: the group; eval: the task's index in the eval set
     task: Task
     rollout_id: str
+    kind: str = "train"  # eval: held-out evaluation (gyre.eval.run), started only when no train session waits
+    harness: HarnessConfig | None = None  # this session's harness settings (eval: its temperature); None: the run's
 
 
 @dataclass
@@ -55,7 +57,9 @@ class RolloutDriver:
         self.events: queue.SimpleQueue[SessionDone] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._pending: deque[SessionJob] = deque()
+        self._pending_eval: deque[SessionJob] = deque()  # lower priority: start when no train session waits
         self._running = 0
+        self._running_eval = 0
         self._capacity = 0
         self._tasks: set[asyncio.Task] = set()
         self._loop = asyncio.new_event_loop()
@@ -64,7 +68,8 @@ class RolloutDriver:
 
     def submit(self, jobs: list[SessionJob]) -> None:
         with self._lock:
-            self._pending.extend(jobs)
+            for job in jobs:
+                (self._pending_eval if job.kind == "eval" else self._pending).append(job)
         self._loop.call_soon_threadsafe(self._pump)
 
     def set_capacity(self, sessions: int) -> None:
@@ -72,21 +77,29 @@ class RolloutDriver:
             self._capacity = sessions
         self._loop.call_soon_threadsafe(self._pump)
 
-    def level(self) -> tuple[int, int]:
-        """(queued, running) sessions."""
+    def level(self, queued_eval: bool = True) -> tuple[int, int]:
+        """(queued, running) sessions, running eval sessions included (they hold their engine's KV); queued
+        eval sessions only with `queued_eval` (they wait for idle capacity and call no cell back to serve)."""
         with self._lock:
-            return len(self._pending), self._running
+            return len(self._pending) + (len(self._pending_eval) if queued_eval else 0), self._running
+
+    def eval_level(self) -> int:
+        """Eval sessions queued or running."""
+        with self._lock:
+            return len(self._pending_eval) + self._running_eval
 
     def workdir(self, job: SessionJob) -> Path:
-        return self.root / f"step{job.step:04d}" / job.rollout_id
+        return self.root / (f"step{job.step:04d}" if job.kind == "train" else f"eval{job.step:04d}") / job.rollout_id
 
     def _pump(self) -> None:
         while True:
             with self._lock:
-                if not self._pending or self._running >= self._capacity:
+                queue_ = self._pending or self._pending_eval
+                if not queue_ or self._running >= self._capacity:
                     return
-                job = self._pending.popleft()
+                job = queue_.popleft()
                 self._running += 1
+                self._running_eval += job.kind == "eval"
             task = self._loop.create_task(self._run(job))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -96,7 +109,7 @@ class RolloutDriver:
         outcome, error = None, ""
         try:
             outcome = await run_rollout(
-                job.task, job.rollout_id, self.proxy_url, self.workdir(job), self.harness, self.tasks,
+                job.task, job.rollout_id, self.proxy_url, self.workdir(job), job.harness or self.harness, self.tasks,
                 sandbox=self.sandbox, keys=self.keys,
             )  # fmt: skip
         except Exception as e:  # noqa: BLE001 - handed to the controller, which stops the run with it
@@ -104,6 +117,7 @@ class RolloutDriver:
         finally:
             with self._lock:
                 self._running -= 1
+                self._running_eval -= job.kind == "eval"
         self.events.put(SessionDone(job, outcome, started, time.time(), error))
         self._pump()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import uuid
 from pathlib import Path
+from typing import Any
 
 from gyre.comm.local_control import CELL_RANK, fail_cell, local_control_planes
 from gyre.comm.messages import Shutdown
@@ -24,9 +25,9 @@ def runs_in_process(cfg: RunConfig) -> bool:
     return cfg.scheduler == "colocate" and cell_ranks(cfg) == [1]
 
 
-def run_in_process(cfg: RunConfig, out: Path) -> None:
+def run_in_process(cfg: RunConfig, out: Path, point: Any = None) -> None:
     """The controller here, the cell in a thread; raises what either raised (Preempted after a stop signal,
-    once checkpointed)."""
+    once checkpointed). `point` (a ResumePoint): start there instead of at the run's own checkpoint."""
     raise_open_file_limit()  # before anything opens: no rollout's connections may exhaust the trainer's
     controller_plane, cell_plane = local_control_planes(cfg.comm.idle_poll_max_s)
     start_id = uuid.uuid4().hex
@@ -41,7 +42,7 @@ def run_in_process(cfg: RunConfig, out: Path) -> None:
     thread = threading.Thread(target=cell, name="gyre-cell0", daemon=True)
     thread.start()
     try:
-        run_controller(cfg, controller_plane, out, start_id, in_process=True)
+        run_controller(cfg, controller_plane, out, start_id, in_process=True, point=point)
     finally:
         if thread.is_alive():  # told already after a finished run; after a failure, told here
             controller_plane.send(CELL_RANK, Shutdown("the controller stopped", finalize=False))

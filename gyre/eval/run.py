@@ -1,0 +1,123 @@
+"""Evaluation during a run: every eval.every steps (and before the first), each eval task sampled
+eval.samples times with the weights of one version, through the run's harness, proxy, sandbox and grader.
+
+Eval sessions are rollout work of the lowest priority (gyre.sched.controller.sessions starts one only when no
+training session waits); their shards go to shards_eval/ (kind=eval, every rollout excluded from training)
+and never reach a group's advantage or the trainer. Each finished eval is one metrics row (`event: eval`).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import shutil
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from gyre.config.schema import RunConfig
+from gyre.eval.metrics import Sample, summarize, summarize_by_family, task_table
+from gyre.eval.tasks import eval_task_set
+from gyre.harness.runner import RolloutOutcome
+from gyre.pipeline import FinishedRollout, write_group_shard
+from gyre.proxy.call_log import CallRecord
+from gyre.sched.controller.sessions import SessionDone, SessionJob
+from gyre.tasks.suite import TaskPool
+from gyre.tasks.task import Task
+
+
+def sample_of(outcome: RolloutOutcome) -> Sample:
+    grade = outcome.grade
+    return Sample(outcome.task.task_id, outcome.task.family, grade.success, grade.score)
+
+
+class EvalRunner:
+    """The eval tasks of the run and the one eval in flight (evals never overlap)."""
+
+    def __init__(self, cfg: RunConfig, out: Path, training: TaskPool | None = None) -> None:
+        self.cfg = cfg
+        self.tasks: list[Task] = eval_task_set(cfg, training)
+        self.harness = dataclasses.replace(cfg.harness, temperature=cfg.eval.temperature)
+        self.shard_dir = out / "shards_eval"
+        self.shard_dir.mkdir(parents=True, exist_ok=True)
+        self.workdirs = out / "rollouts"
+        self.version: int | None = None  # the weight version being evaluated
+        self.groups: dict[int, list[FinishedRollout]] = defaultdict(list)
+        self.done: list[RolloutOutcome] = []
+        self.shards: list[str] = []
+        self.versions_seen: set[str] = set()
+
+    @property
+    def in_flight(self) -> bool:
+        return self.version is not None
+
+    def due(self, version: int) -> bool:
+        """Before the first step, every `every` steps, and after the last."""
+        every = self.cfg.eval.every
+        return bool(every) and (version % every == 0 or version == self.cfg.steps)
+
+    def open(self, version: int) -> list[SessionJob]:
+        self.version, self.done, self.shards, self.versions_seen = version, [], [], set()
+        self.groups = defaultdict(list)
+        n = self.cfg.eval.samples
+        return [
+            SessionJob(version, t, task, f"e{version}-t{t}-r{i}", kind="eval", harness=self.harness)
+            for t, task in enumerate(self.tasks)
+            for i in range(n)
+        ]
+
+    def finished(self, done: SessionDone, calls: list[CallRecord]) -> dict[str, Any] | None:
+        """Record one eval session; the eval's metrics row once its last session is in."""
+        if done.error or done.outcome is None:
+            raise RuntimeError(f"eval rollout {done.job.rollout_id} could not run: {done.error}")
+        assert self.version is not None and done.job.step == self.version
+        self.versions_seen |= {c.weight_version for c in calls}
+        members = self.groups[done.job.group]
+        members.append(FinishedRollout(done.job.group, done.outcome, calls))
+        self.done.append(done.outcome)
+        if len(members) == self.cfg.eval.samples:
+            self.write_shard(done.job.group, members)
+        if len(self.done) < len(self.tasks) * self.cfg.eval.samples:
+            return None
+        row = self.row()
+        self.version = None
+        return row
+
+    def write_shard(self, task_index: int, members: list[FinishedRollout]) -> None:
+        members.sort(key=lambda r: r.outcome.rollout_id)
+        assert self.version is not None
+        shard = write_group_shard(self.cfg, self.shard_dir, self.version, task_index, members, kind="eval")
+        self.shards.append(shard.path.name)
+        if not self.cfg.harness.keep_workspaces:
+            for m in members:
+                shutil.rmtree(self.workdirs / f"eval{self.version:04d}" / m.outcome.rollout_id, ignore_errors=True)
+
+    def row(self) -> dict[str, Any]:
+        samples = [sample_of(o) for o in self.done]
+        k = self.cfg.eval.samples
+        table_dir = self.shard_dir.parent / "eval"
+        table_dir.mkdir(exist_ok=True)
+        csv_path, _ = write_task_table(samples, table_dir, f"v{self.version:05d}-tasks")
+        return {
+            "event": "eval",
+            "version": self.version,  # weights after this many steps
+            "weight_versions": sorted(self.versions_seen),  # what the calls were served with
+            "temperature": self.cfg.eval.temperature,
+            **summarize(samples, k),
+            "per_family": summarize_by_family(samples, k),
+            "shards": sorted(self.shards),
+            "task_table": str(csv_path.relative_to(self.shard_dir.parent)),  # and .json beside it
+        }
+
+
+def write_task_table(samples: list[Sample], out: Path, stem: str) -> tuple[Path, Path]:
+    """The per-task table as CSV and JSON beside each other (out/stem.csv, out/stem.json)."""
+    rows = task_table(samples)
+    csv_path, json_path = out / f"{stem}.csv", out / f"{stem}.json"
+    with csv_path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["task_id"])
+        w.writeheader()
+        w.writerows(rows)
+    json_path.write_text(json.dumps(rows, indent=1))
+    return csv_path, json_path
