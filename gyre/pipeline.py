@@ -68,7 +68,7 @@ def write_group_shard(
 ) -> GroupShard:
     """Score one finished group and write it as one shard (atomic: temp file + rename). `skipped`: the
     suite's tasks that could not be loaded (name -> cause), kept in the shard's provenance. kind="eval": one
-    eval task's samples after weight version `step` (gyre.eval.run), every rollout excluded from training
+    eval task's samples after weight version `step` (gyre.sched.controller.evaluation), every rollout excluded from training
     (no reward, no advantage, no loss weight; its score kept), the producer's "kind" says so."""
     scores = [r.outcome.grade.score for r in rollouts]
     rewards = torch.tensor([[math.nan if s is None else s for s in scores]], dtype=torch.float64)

@@ -29,7 +29,7 @@ def main(dict_cfg: DictConfig) -> None:
         if not cfg.output_dir:
             cfg.output_dir = HydraConfig.get().runtime.output_dir
         check_before_start(cfg)
-        from gyre.eval.standalone import evaluate, table_text
+        from gyre.sched.launch.evaluate import evaluate, table_text
 
         out = Path(cfg.output_dir)
         row = evaluate(cfg, out)

@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("proxy", "tasks"),
     ("harness",),
     ("warm_start", "pipeline", "resume"),
+    ("eval",),  # held-out metrics and task sets; the runs that use them are the controller's
     ("sched",),  # the one orchestrator (gyre.sched.controller) for every scheduler
     ("sim",),  # the simulator drives the production scheduling code (gyre.sched.policy)
 ]

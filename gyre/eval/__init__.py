@@ -1,1 +1,1 @@
-"""Evaluation: held-out pass rates during a run (gyre.eval.run) and on their own (launch/eval.py)."""
+"""Evaluation: held-out pass rates during a run (gyre.sched.controller.evaluation) and on their own (launch/eval.py)."""

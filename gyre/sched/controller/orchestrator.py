@@ -25,7 +25,6 @@ from gyre.comm.address import engine_reachable
 from gyre.comm.control import ControlError, ControlPlane
 from gyre.comm.messages import Hello, RoleSwitch, SaveCheckpoint, Shutdown
 from gyre.config.schema import LogprobDistribution, RunConfig
-from gyre.eval.run import EvalRunner
 from gyre.health import ExclusionWatch
 from gyre.metrics import MetricsWriter, plot_learning_curve
 from gyre.model.tokenizer import Tokenizer
@@ -37,6 +36,7 @@ from gyre.resume.recovery import ResumePoint, checkpoint_due, describe_start, ta
 from gyre.resume.state import RunState
 from gyre.sandbox import make_sandbox
 from gyre.sched.controller.cell_table import Cell, CellDied, CellTable, Outbox, kill_pid, pid_alive
+from gyre.sched.controller.evaluation import EvalRunner
 from gyre.sched.controller.faults import FaultInjector
 from gyre.sched.controller.report import progress, step_rows
 from gyre.sched.controller.report import summary as summary_line

@@ -29,7 +29,7 @@ class SessionJob:
     group: int  # train: the group; eval: the task's index in the eval set
     task: Task
     rollout_id: str
-    kind: str = "train"  # eval: held-out evaluation (gyre.eval.run), started only when no train session waits
+    kind: str = "train"  # eval: held-out evaluation (gyre.sched.controller.evaluation), started only when no train session waits
     harness: HarnessConfig | None = None  # this session's harness settings (eval: its temperature); None: the run's
 
 

@@ -1,7 +1,7 @@
 """A checkpoint, a model.path HF directory or the warm start evaluated on its own (launch/eval.py).
 
 The same controller and cell as a run (gyre.sched.launch.in_process: scheduler=colocate, one cell in this process),
-started at the checkpoint's weight version with no step left to train: it runs one eval (gyre.eval.run)
+started at the checkpoint's weight version with no step left to train: it runs one eval (gyre.sched.controller.evaluation)
 and finishes. The numbers, the shards and the per-task table are those an in-run eval of the same weight
 version and seed writes.
 """
