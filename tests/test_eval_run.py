@@ -18,6 +18,7 @@ from gyre.store.reader import read_shard
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
+    "scheduler=colocate",  # the eval runs between a step's update and the next step's rollouts: one per version
     "rl.groups_per_step=2",
     "rl.group_size=2",
     "warm_start.steps=3",

@@ -246,6 +246,9 @@ class Controller:
         if (row := self.evals.finished(done, calls)) is not None:
             self.log(row)
             self.eval_rows.append(row)
+            # an eval that came due while this one ran (under the cell schedulers steps go on meanwhile): the
+            # current weights, if they are due (the last step's always are)
+            self.start_eval()
 
     def collect_acks(self) -> None:
         for body, ack in self.outbox.pump():
