@@ -159,3 +159,41 @@ def test_a_leaving_engine_hands_on_the_cached_context_of_a_session_between_calls
     finally:
         SyncEngineClient(a.url).continue_generation()
         proxy.stop()
+
+
+@pytest.mark.unit
+def test_sessions_on_an_engine_are_read_while_the_proxy_moves_them():
+    """The controller's thread lists a cell's sessions (taking it out of rollout) while the proxy's event loop
+    records where each call ran: `make run` died once of "OrderedDict mutated during iteration" there."""
+    from gyre.proxy.dispatch import EngineDispatcher
+    from gyre.proxy.routing import EngineRouter
+
+    dispatcher = EngineDispatcher(EngineRouter(["http://a", "http://b"]), timeout_s=1.0)
+    for i in range(20_000):
+        dispatcher._remember(f"s{i}", "http://a")
+    stop = threading.Event()
+
+    def calls() -> None:
+        i = 0
+        while not stop.is_set():
+            dispatcher._remember(f"s{i % 20_000}", "http://b" if i % 2 else "http://a")
+            i += 1
+
+    class Cycle:  # garbage whose collection runs Python code (__del__): the collector runs inside sessions_on's
+        def __init__(self) -> None:  # allocations, and Python code there lets the other thread run
+            self.me = self
+
+        def __del__(self) -> None:
+            time.sleep(0)
+
+    writer = threading.Thread(target=calls)
+    writer.start()
+    try:
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            for _ in range(500):
+                Cycle()
+            assert len(dispatcher.sessions_on("http://a")) <= 20_000
+    finally:
+        stop.set()
+        writer.join()

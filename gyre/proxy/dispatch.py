@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import uuid
 from collections import Counter, OrderedDict
 from dataclasses import replace
@@ -37,6 +38,9 @@ class EngineDispatcher:
         self.continued = 0  # generations continued on another engine from their partial output
         self.continued_recomputed_tokens = 0  # of the tokens that had keys/values on the aborting engine
         self._home: OrderedDict[str, str] = OrderedDict()  # session (label) -> engine of its last call
+        # the event loop writes _home, the controller's thread reads it (sessions_on, while taking a cell out of
+        # rollout): an OrderedDict iterated while another thread moves an entry raises, so both hold this
+        self._home_lock = threading.Lock()
         # routing around engines that fail (counted in the run's metrics): failures by engine, calls that moved
         # on after one, and each engine's failures since its last success (the controller declares an
         # engine that keeps failing, its cell dead: gyre.sched.controller.orchestrator)
@@ -92,7 +96,8 @@ class EngineDispatcher:
         failure: ProxyError | None = None
         partial: GenerateResult | None = None  # what aborting engines generated so far
         prefer: str | None = None
-        home = self._home.get(label) if label else None
+        with self._home_lock:
+            home = self._home.get(label) if label else None
         while (url := self.router.acquire(exclude=tried, prefer=prefer, home=home)) is not None:
             tried.append(url)
             if len(tried) > 1:
@@ -140,18 +145,21 @@ class EngineDispatcher:
     def sessions_on(self, url: str) -> list[str]:
         """Sessions whose last call ran on `url` (their contexts are cached there); any thread."""
         url = url.rstrip("/")
-        return [label for label, home in list(self._home.items()) if home == url]
+        with self._home_lock:
+            return [label for label, home in self._home.items() if home == url]
 
     def move_session(self, label: str, url: str) -> None:
         """Session `label`'s context is now cached on `url` too: send its next call there."""
-        self._home[label] = url.rstrip("/")
+        with self._home_lock:
+            self._home[label] = url.rstrip("/")
 
     def _remember(self, label: str, url: str) -> None:
         if label:
-            self._home[label] = url
-            self._home.move_to_end(label)
-            while len(self._home) > MAX_SESSIONS:
-                self._home.popitem(last=False)
+            with self._home_lock:
+                self._home[label] = url
+                self._home.move_to_end(label)
+                while len(self._home) > MAX_SESSIONS:
+                    self._home.popitem(last=False)
 
 
 def _joined(partial: GenerateResult | None, result: GenerateResult, prompt_tokens: int) -> GenerateResult:
