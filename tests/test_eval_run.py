@@ -19,6 +19,7 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     "scheduler=colocate",  # the eval runs between a step's update and the next step's rollouts: one per version
+    "tasks.families=[write_value]",  # one trained family; the held-out set adds echo_files, never trained on
     "rl.groups_per_step=2",
     "rl.group_size=2",
     "warm_start.steps=3",
