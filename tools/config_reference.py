@@ -46,7 +46,16 @@ gyre: rl.group_size=1: must be >= 2 (advantages compare a group's rollouts: one 
 
 
 def field_comments(cls: type) -> dict[str, str]:
-    """The comment lines right above each field of `cls` and the comment at the end of its line."""
+    """The comment lines right above each field of `cls` (or of the class it extends) and the comment at the end
+    of its line."""
+    out: dict[str, str] = {}
+    for base in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(base):
+            out |= _own_field_comments(base)
+    return out
+
+
+def _own_field_comments(cls: type) -> dict[str, str]:
     lines, first = inspect.getsourcelines(cls)
     tree = ast.parse("".join(lines))
     body = tree.body[0].body  # type: ignore[attr-defined]

@@ -630,6 +630,17 @@ class TrackingConfig:
 
 
 @dataclass
+class EvalTaskConfig(TaskConfig):
+    """`eval.tasks`: a task group like `tasks` (used with eval.held_out=false), its values refused under its own
+    key."""
+
+    def __post_init__(self) -> None:
+        from gyre.config.validate import check_tasks
+
+        check_tasks(self, "eval.tasks.")
+
+
+@dataclass
 class EvalConfig:
     """Held-out evaluation (gyre/eval): during the run every `every` steps, and on its own (launch/eval.py).
     Eval rollouts run through the run's harness, proxy, sandbox and grader; they are never trained."""
@@ -638,7 +649,9 @@ class EvalConfig:
     # true: the held-out split of the training suite (builtin: instances the training pool never holds, from
     # other seeds, plus held_out_families; a suite on disk: its tasks.split=eval); false: eval.tasks as given
     held_out: bool = True
-    tasks: TaskConfig = field(default_factory=TaskConfig)  # with held_out=false: the eval tasks (a group like `tasks`)
+    tasks: EvalTaskConfig = field(
+        default_factory=EvalTaskConfig
+    )  # with held_out=false: the eval tasks (a group like `tasks`)
     # builtin, held_out=true: families evaluated though never trained on (a variant the training pool lacks)
     held_out_families: list[str] = field(default_factory=lambda: ["echo_files"])
     samples: int = ranged(4, AT_LEAST_1)  # rollouts per task: n of pass@k (k = 1 .. samples)

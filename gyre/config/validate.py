@@ -41,12 +41,13 @@ def check_sandbox(s: SandboxConfig) -> None:
               "backend=apptainer needs an image (a .sif file), or sandbox.apptainer_images per task image")  # fmt: skip
 
 
-def check_tasks(t: TaskConfig) -> None:
-    check_fields(t, "tasks.")
+def check_tasks(t: TaskConfig, prefix: str = "tasks.") -> None:
+    """`prefix`: where the group sits (`tasks.`, or `eval.tasks.` for an evaluation's own tasks)."""
+    check_fields(t, prefix)
     if t.source != TaskSourceKind.builtin and not t.path:
-        _fail("tasks.path", t.path, f"tasks.source={t.source} needs a path (a directory of tasks or a JSONL file)")
+        _fail(f"{prefix}path", t.path, f"{prefix}source={t.source} needs a path (a directory of tasks or a JSONL file)")
     if t.repos and t.source != TaskSourceKind.swebench:
-        _fail("tasks.repos", t.repos, "repository snapshots are for tasks.source=swebench only")
+        _fail(f"{prefix}repos", t.repos, f"repository snapshots are for {prefix}source=swebench only")
 
 
 def check_task_sandbox(cfg: RunConfig) -> None:
