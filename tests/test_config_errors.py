@@ -93,3 +93,15 @@ def test_a_missing_mpirun_is_one_message(tmp_path):
     args = run_args(tmp_path, "scheduler=elastic", "sched.mpirun=/nonexistent/mpirun")
     proc = run_module("launch.run", *args, env=quiet_env())
     assert_one_message(proc, "sched.mpirun='/nonexistent/mpirun': not found: `pip install mpi4py mpich`")
+
+
+@pytest.mark.unit
+def test_a_vocabulary_that_tensor_parallel_ranks_cannot_split_is_refused_by_name():
+    """The trained tokenizer's size is known only once the warm start exists (511 tokens, TP 2 stopped every
+    rank with an assertion inside megatron before this)."""
+    from gyre.errors import UserError
+    from gyre.sched.runtime import check_vocab_splits
+
+    check_vocab_splits(498, 2)
+    with pytest.raises(UserError, match="train.tensor_parallel=2: the warm start's tokenizer has 511 tokens"):
+        check_vocab_splits(511, 2)

@@ -17,6 +17,7 @@ from typing import Any
 
 from gyre.comm.control import ControlPlane
 from gyre.config.schema import CellResources, ModelConfig, RunConfig
+from gyre.errors import UserError
 
 POLICY_FILE = "policy.json"  # the warm start the cells load, written by the controller
 
@@ -53,12 +54,24 @@ def write_policy(cfg: RunConfig, out: Path, start_id: str, resume_from: Path | N
 
     first = TaskPool(cfg.tasks.families, cfg.tasks.pool_size, seed=cfg.seed).for_step(0, cfg.rl.groups_per_step)
     policy = prepare_policy(cfg, log=print, check=lambda tok: check_harness_fits(cfg, first, tok))
+    check_vocab_splits(policy.model_cfg.vocab_size, cfg.train.tensor_parallel)
     paths = {"start_id": start_id, "model": asdict(policy.model_cfg), "tokenizer_dir": str(policy.tokenizer_dir)}
     paths |= {"checkpoint_dir": str(policy.checkpoint_dir), "resume_from": str(resume_from or ""), "version": version}
     tmp = out / f"{POLICY_FILE}.tmp"
     tmp.write_text(json.dumps(paths, indent=1))
     tmp.rename(out / POLICY_FILE)
     return policy.tokenizer_dir
+
+
+def check_vocab_splits(vocab_size: int, tensor_parallel: int) -> None:
+    """Megatron splits the vocabulary over tensor-parallel ranks; a trained tokenizer's size is what its corpus
+    gave (at most tokenizer.vocab_size), so the config check cannot see this before the warm start exists."""
+    if vocab_size % tensor_parallel:
+        raise UserError(
+            f"train.tensor_parallel={tensor_parallel}: the warm start's tokenizer has {vocab_size} tokens, which "
+            f"{tensor_parallel} ranks cannot split evenly (a padded vocabulary is not implemented); use another "
+            "tokenizer.vocab_size or train.tensor_parallel=1"
+        )
 
 
 def policy_paths(out: Path, cp: ControlPlane, start_id: str) -> dict[str, Any]:
