@@ -120,7 +120,8 @@ CASES = {
     "no tokenizer": (lambda d: (d / "tokenizer.json").unlink(), [], "tokenizer.json (a tokenizers-format"),
     "longer context": (lambda d: None, ["engine.max_context_tokens=8192"],
                        "engine.max_context_tokens=8192: exceeds model.max_position_embeddings=4096"),
-    "vocab over tensor parallel": (lambda d: None, ["train.tensor_parallel=3"], "train.tensor_parallel=3"),
+    "vocab over tensor parallel": (lambda d: None, ["scheduler=colocate", "train.tensor_parallel=3",
+                                   "cluster.core.tasks_per_node=3"], "train.tensor_parallel=3"),
     "not a directory": (lambda d: shutil.rmtree(d), [], "no "),
 }  # fmt: skip
 
@@ -204,8 +205,8 @@ def test_the_megatron_trainer_starts_from_the_directory(qwen3_dir: Path, tmp_pat
 
 @pytest.mark.unit
 def test_the_cell_job_starts_its_cells_from_the_directory(qwen3_dir: Path, tmp_path: Path) -> None:
-    """scheduler=elastic: rank 0 writes where every cell's trainer and engine start from (gyre.sched.launch.job)."""
-    from gyre.sched.launch.job import write_policy
+    """scheduler=elastic: rank 0 writes where every cell's trainer and engine start from (gyre.sched.runtime)."""
+    from gyre.sched.runtime import write_policy
 
     cfg = compose([f"model.path={qwen3_dir}", "scheduler=elastic"])
     assert write_policy(cfg, tmp_path, "start-1", None, 0) == qwen3_dir.resolve()
@@ -219,7 +220,8 @@ def test_main_job_trains_a_step_from_a_model_directory(qwen3_dir: Path, tmp_path
     """`python -m launch.run model.path=DIR`: rollouts from the directory's weights, a step, the engines synced
     in HF names (transformers reads what they were given), the checkpoint written."""
     out = tmp_path / "run"
-    args = [f"model.path={qwen3_dir}", "steps=1", "rl.groups_per_step=1", "rl.group_size=2", "harness.max_turns=1",
+    # 2 steps: the engine gets the trained weights before step 1's rollouts (after the last step none are sent)
+    args = [f"model.path={qwen3_dir}", "scheduler=colocate", "steps=2", "rl.groups_per_step=1", "rl.group_size=2", "harness.max_turns=1",
             "harness.max_tokens=16", "tasks.families=[write_value]", f"output_dir={out}",
             f"hydra.run.dir={tmp_path / 'hydra'}", f"warm_start.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
     proc = subprocess.run([sys.executable, "-m", "launch.run", *args], cwd=ROOT, capture_output=True, text=True,
@@ -228,7 +230,7 @@ def test_main_job_trains_a_step_from_a_model_directory(qwen3_dir: Path, tmp_path
     assert f"starting from the model in {qwen3_dir.resolve()} (no warm start)" in proc.stdout
     assert not (tmp_path / "cache").exists()
     rows = step_rows(read_metrics(out / "metrics.jsonl"))
-    assert [r["step"] for r in rows] == [0] and rows[0]["n_rollouts"] == 2
+    assert [r["step"] for r in rows] == [0, 1] and rows[0]["n_rollouts"] == 2
     assert (out / "checkpoint" / "trainer" / ".metadata").exists()
     synced = out / "weights" / "current"
     assert json.loads((synced / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
