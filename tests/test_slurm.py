@@ -95,7 +95,15 @@ def _sweep(app: str, sweep: Path, minutes: int, overrides: list[str], timeout_s:
 def test_hydra_multirun_sweep_of_the_main_job_through_submitit_launcher(tmp_path):
     """Two real runs of the embedded main job (one small RL step each), as a Slurm array."""
     sweep = tmp_path / "sweep"
-    small = ["seed=1,2", "steps=1", "rl.groups_per_step=1", "rl.group_size=4", "harness.max_turns=2"]
+    # each array task is a one-task allocation: the one-cell scheduler (the elastic default starts an MPI job)
+    small = [
+        "scheduler=colocate",
+        "seed=1,2",
+        "steps=1",
+        "rl.groups_per_step=1",
+        "rl.group_size=4",
+        "harness.max_turns=2",
+    ]
     proc = _sweep("launch.run", sweep, 10, small, 600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     runs = sorted(p.parent for p in sweep.glob("*/metrics.jsonl"))
@@ -103,7 +111,7 @@ def test_hydra_multirun_sweep_of_the_main_job_through_submitit_launcher(tmp_path
     seeds = []
     for run in runs:
         steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in steps if "reward_mean" in r] == [0]
+        assert [r["step"] for r in steps if r.get("event", "step") == "step" and "reward_mean" in r] == [0]
         assert (run / "checkpoint" / "trainer" / ".metadata").stat().st_size > 0
         assert len(list((run / "shards").glob("step*-group*.h5"))) == 1
         seeds.append(int(OmegaConf.load(run / "config.yaml").seed))
