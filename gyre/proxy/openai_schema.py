@@ -38,6 +38,18 @@ Content = str_or_list(TextParts, "must be a string or a list of text parts")
 AssistantContent = str_or_list(AssistantParts, "must be a string or a list of text parts")
 
 
+def json_object_arguments(value: str) -> str:
+    """A tool call's `arguments`: empty, or the text of a JSON object (Chat Completions and Responses alike)."""
+    if value.strip():
+        try:
+            parsed = json.loads(value)
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise ValueError(f"is not JSON: {e}") from e
+        if not isinstance(parsed, dict):
+            raise ValueError("must be a JSON object")
+    return value
+
+
 class FunctionCall(_Part):
     name: str
     arguments: str = ""
@@ -45,14 +57,7 @@ class FunctionCall(_Part):
     @field_validator("arguments")
     @classmethod
     def _json_object(cls, value: str) -> str:
-        if value.strip():
-            try:
-                parsed = json.loads(value)
-            except (json.JSONDecodeError, RecursionError) as e:
-                raise ValueError(f"is not JSON: {e}") from e
-            if not isinstance(parsed, dict):
-                raise ValueError("must be a JSON object")
-        return value
+        return json_object_arguments(value)
 
 
 class ToolCall(_Part):

@@ -12,11 +12,11 @@ proxy keeps no conversation state: send the whole input, as Codex does with `sto
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
+from gyre.proxy.openai_schema import json_object_arguments
 from gyre.proxy.schema_util import ObjectSchema, refusal, str_or_list, tagged
 
 
@@ -56,14 +56,7 @@ class FunctionCallItem(_Obj):
     @field_validator("arguments")
     @classmethod
     def _json_object(cls, value: str) -> str:
-        if value.strip():
-            try:
-                parsed = json.loads(value)
-            except (json.JSONDecodeError, RecursionError) as e:
-                raise ValueError(f"is not JSON: {e}") from e
-            if not isinstance(parsed, dict):
-                raise ValueError("must be a JSON object")
-        return value
+        return json_object_arguments(value)
 
 
 class FunctionCallOutputItem(_Obj):
