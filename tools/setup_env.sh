@@ -56,13 +56,14 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install --upgrade pip
+# the CPU build, pinned here (pyproject.toml allows a range: GPU sites get SGLang's torch through gyre[gpu])
 echo "gyre setup: installing torch==2.13.0 (CPU)"
 "${PIP[@]}" install "torch==2.13.0"
 echo "gyre setup: installing gyre and its dependencies"
 "${PIP[@]}" install -e ".[dev]"
 # SGLang's source, pinned, for the tests that check gyre's requests and command lines against SGLang's own
 # definitions. --no-deps: its requirements pin a CUDA torch and GPU kernels (tests/sglang_io.py explains).
-SGLANG_VERSION=0.5.23
+SGLANG_VERSION=$(sed -n 's/^SGLANG_VERSION = "\([^"]*\)".*/\1/p' gyre/engine/sglang_backend.py)
 echo "gyre setup: installing sglang==$SGLANG_VERSION (--no-deps: source only, for payload tests)"
 "${PIP[@]}" install --no-deps "sglang==$SGLANG_VERSION"
 # Claude Code harness: the real CLI from npm, pinned (gyre/harness/claude_code.py CLAUDE_CODE_VERSION),

@@ -11,6 +11,7 @@ Flag names follow sglang/srt/arg_groups/fields/*.py (tests parse our argv with S
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -50,16 +51,52 @@ def sglang_env(env: dict[str, str] | None = None) -> dict[str, str]:
 
 WEIGHT_GROUP_BACKEND = "nccl"  # the trainer -> engine broadcast group (tests use gloo on CPU)
 DIST_INIT_PORT_OFFSET = 50  # a multi-node server's torch.distributed rendezvous: its HTTP port + this
-# what SGLang needs at run time beyond its source: its CUDA kernels and a CUDA build of torch
+# The SGLang release whose parser and request dataclasses the tests check gyre against; gyre[gpu] pins it and
+# tools/setup_env.sh installs its source.
+SGLANG_VERSION = "0.5.23"
+# what SGLang needs at run time beyond its source (its CUDA kernels, a CUDA build of torch), and then the
+# versions the trainer must agree with (one JSON line)
 RUNTIME_PROBE = """
-import importlib.util, sys
+import importlib.util, json, sys
 missing = [m for m in ("sglang", "sgl_kernel", "torch") if importlib.util.find_spec(m) is None]
 if missing:
     print("missing " + " ".join(missing)); sys.exit(3)
-import torch
+import importlib.metadata, torch
 if not torch.cuda.is_available():
     print(f"torch {torch.__version__} sees no CUDA device"); sys.exit(4)
+nccl = ".".join(map(str, torch.cuda.nccl.version()))
+print(json.dumps({"sglang": importlib.metadata.version("sglang"), "torch": torch.__version__, "nccl": nccl}))
 """
+
+
+def trainer_runtime() -> dict[str, str]:
+    """This process's torch and NCCL versions, in the probe's terms (nccl "" without CUDA)."""
+    import torch
+
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else ""
+    return {"torch": torch.__version__, "nccl": nccl}
+
+
+def _release(version: str) -> str:
+    return version.split("+")[0]
+
+
+def runtime_skew(engine: dict[str, str], trainer: dict[str, str], weight_sync: str) -> list[str]:
+    """What cannot work between the engine's interpreter (engine.python, RUNTIME_PROBE) and the trainer's:
+    SGLang other than the release gyre's requests are checked against; for weight_sync=distributed two NCCL
+    releases in one broadcast group (NCCL needs one version on every rank); for tensor two torch releases
+    unpickling each other's CUDA IPC handles. Disk updates cross any skew."""
+    problems = []
+    if engine.get("sglang") != SGLANG_VERSION:
+        problems.append(f"SGLang {engine.get('sglang')} where gyre speaks {SGLANG_VERSION}'s requests "
+                        f'(pip install "gyre[gpu]" or sglang=={SGLANG_VERSION})')  # fmt: skip
+    if weight_sync == "distributed" and trainer.get("nccl") and engine.get("nccl") != trainer["nccl"]:
+        problems.append(f"NCCL {engine.get('nccl')} in the engine, {trainer['nccl']} in the trainer: one broadcast "
+                        "group needs one NCCL (one environment, gyre[gpu], or engine.weight_sync=disk)")  # fmt: skip
+    if weight_sync == "tensor" and _release(engine.get("torch", "")) != _release(trainer.get("torch", "")):
+        problems.append(f"torch {engine.get('torch')} in the engine, {trainer.get('torch')} in the trainer: CUDA IPC "
+                        "handles are pickled by one torch and read by the other (one environment, or weight_sync=disk)")  # fmt: skip
+    return problems
 
 
 class SGLangUnavailable(UserError, EngineStartError):
@@ -270,8 +307,9 @@ def launch_command(cfg: EngineConfig, launch: ServerLaunch, local_node: str = ""
     return ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={launch.node}", "--kill-on-bad-exit=1", *cmd]
 
 
-def check_sglang_runtime(python: str, env: dict[str, str] | None = None) -> None:
-    """Raise SGLangUnavailable, saying what to install, unless `python` can run SGLang's server here."""
+def check_sglang_runtime(python: str, env: dict[str, str] | None = None, weight_sync: str = "disk") -> dict[str, str]:
+    """Raise SGLangUnavailable, saying what to install, unless `python` can run SGLang's server here with
+    weights from this trainer by `weight_sync` (runtime_skew); its versions otherwise."""
     try:
         probe = subprocess.run([python, "-c", RUNTIME_PROBE], capture_output=True, text=True, timeout=300,
                                env={**os.environ, **(env or {})})  # fmt: skip
@@ -279,13 +317,17 @@ def check_sglang_runtime(python: str, env: dict[str, str] | None = None) -> None
         raise SGLangUnavailable(f"engine.python={python!r} cannot run ({e}); set engine.python to an "
                                 "interpreter with SGLang installed") from e  # fmt: skip
     if probe.returncode == 0:
-        return
+        versions = json.loads(probe.stdout.strip().splitlines()[-1])
+        if problems := runtime_skew(versions, trainer_runtime(), weight_sync):
+            raise SGLangUnavailable(f"engine.python={python}: " + "; ".join(problems))
+        return versions
     why = (probe.stdout.strip() or probe.stderr.strip()[-500:]) or f"exit code {probe.returncode}"
     raise SGLangUnavailable(
         f"engine.backend=sglang: {python} cannot serve SGLang on this node ({why}). Install SGLang's runtime on "
-        f'the GPU nodes (`pip install "sglang[all]"` with a CUDA build of torch, which brings sgl_kernel) or '
-        "point engine.python at an interpreter that has it; `pip install --no-deps sglang` (tools/setup_env.sh) "
-        "holds only its source, for the payload tests; on a CPU machine use engine.backend=embedded"
+        f'the GPU nodes (`pip install "gyre[gpu]"`, or `pip install "sglang[all]"` at {SGLANG_VERSION} with a CUDA '
+        "build of torch, which brings sgl_kernel) or point engine.python at an interpreter that has it; "
+        "`pip install --no-deps sglang` (tools/setup_env.sh) holds only its source, for the payload tests; on a "
+        "CPU machine use engine.backend=embedded"
     )
 
 
@@ -372,7 +414,7 @@ class SGLangEngine:
         return self.processes[0].pid if self.processes else -1
 
     def start(self, weights: Path) -> None:
-        check_sglang_runtime(self.cfg.python, self.setup.env)
+        check_sglang_runtime(self.cfg.python, self.setup.env, self.weight_sync)
         plan = plan_servers(weights, self.cfg, self.setup.model_cfg, self.setup.nodes, self.setup.gpus_per_node,
                             weight_version=self.version, key_dir=self.setup.log_dir)  # fmt: skip
         local = self.setup.nodes[0] if self.setup.nodes else ""
