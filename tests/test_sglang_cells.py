@@ -99,11 +99,35 @@ def test_cell_jobs_refuse_sglang_settings_they_cannot_honour():
     from gyre.config.validate import ConfigValueError, check_engine_in_cells
 
     cfg = compose(["cluster=slurm_gpu"])
-    check_engine_in_cells(cfg)  # the GPU preset: one 8-GPU node per cell, tp 8, no KV migration
+    check_engine_in_cells(cfg)  # the GPU preset: 2 nodes of 8 GPUs per cell, tp 16, no KV migration
     with pytest.raises(ConfigValueError, match="sched.kv_migration"):
         check_engine_in_cells(dataclasses.replace(cfg, sched=dataclasses.replace(cfg.sched, kv_migration=True)))
     with pytest.raises(ConfigValueError, match="one SGLang server per cell"):
         check_engine_in_cells(dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, tp_size=4)))
+    odd_heads = dataclasses.replace(cfg.model, num_attention_heads=40, num_query_groups=8, head_dim=128)
+    with pytest.raises(ConfigValueError, match=r"engine.tp_size=16: must divide model.num_attention_heads=40"):
+        check_engine_in_cells(dataclasses.replace(cfg, model=odd_heads))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("preset", ["slurm_gpu", "slurm_gpu_small"])
+def test_gpu_presets_plan_one_sglang_server_over_each_cells_gpus(preset, tmp_path):
+    """What SGLang's parser reads from the presets' command lines: slurm_gpu's cell of 2 nodes x 8 GPUs is
+    one server of TP 16 over both nodes (SGLang 0.5.23 gives an update group's engine ranks rank_offset +
+    tp_rank, so a server with --pp-size or --dp-size > 1 could not join one weight broadcast group)."""
+    from gyre.config.load import compose
+
+    cfg = compose([f"cluster={preset}"])
+    nodes = ["n0", "n1"][: cfg.cluster.core.nodes]
+    plan = plan_servers("/models/qwen3", cfg.engine, cfg.model, nodes, cfg.cluster.core.gpus_per_node,
+                        key_dir=tmp_path)  # fmt: skip
+    got = [(p.node, p.node_rank, parsed(p.argv)) for p in plan]
+    if preset == "slurm_gpu":
+        assert [(n, r, ns.tp_size, ns.nnodes, ns.node_rank, ns.dist_init_addr) for n, r, ns in got] == [
+            ("n0", 0, 16, 2, 0, "n0:30050"), ("n1", 1, 16, 2, 1, "n0:30050")]  # fmt: skip
+    else:
+        assert [(n, ns.tp_size, ns.nnodes, ns.base_gpu_id) for n, _, ns in got] == [("n0", 8, 1, 0)]
+    assert all(ns.enable_memory_saver and ns.pp_size == 1 and ns.dp_size == 1 for _, _, ns in got)
 
 
 @pytest.fixture

@@ -36,6 +36,16 @@ def gpu_cfg() -> RunConfig:
     return compose(["cluster=slurm_gpu"])
 
 
+@pytest.fixture(scope="module")
+def three_node_cfg(gpu_cfg) -> RunConfig:
+    """Three cells of one 8-GPU node each (one rank), for the preflight checks of a request against an inventory."""
+    cfg = copy.deepcopy(gpu_cfg)
+    node = CellResources(nodes=1, tasks_per_node=1, cpus_per_node=96, gpus_per_node=8, mem="0", partition="gpu",
+                         time="2-00:00:00")  # fmt: skip
+    cfg.cluster.core, cfg.cluster.satellites = node, [copy.deepcopy(node), copy.deepcopy(node)]
+    return cfg
+
+
 def _golden(name: str, text: str) -> None:
     path = GOLDEN / name
     if os.environ.get("GYRE_UPDATE_GOLDEN"):
@@ -44,7 +54,9 @@ def _golden(name: str, text: str) -> None:
     assert text == path.read_text(), f"{name} changed; if intended, regenerate with GYRE_UPDATE_GOLDEN=1"
 
 
-@pytest.mark.parametrize("preset", ["slurm_cpu", "slurm_cpu_tp2", "slurm_cpu_tp2_nodes", "slurm_gpu"])
+@pytest.mark.parametrize(
+    "preset", ["slurm_cpu", "slurm_cpu_tp2", "slurm_cpu_tp2_nodes", "slurm_gpu", "slurm_gpu_small"]
+)
 def test_generated_sbatch_matches_golden(preset):
     # slurm_cpu runs the submitting interpreter by absolute path: fixed here, as if submitted from /shared/gyre
     python = ["cluster.python=/shared/gyre/.venv/bin/python"] if preset.startswith("slurm_cpu") else []
@@ -55,13 +67,15 @@ def test_generated_sbatch_matches_golden(preset):
 def test_the_cell_job_is_one_mpi_world_over_every_component(gpu_cfg):
     step = plan_step(gpu_cfg, job_command(gpu_cfg, "/runs/r1"))
     assert step.argv == ("python", "-m", "mpi4py", "-m", "gyre.sched.launch.job", "/runs/r1") and step.mpi == "pmix"
-    assert step.het_groups == (0, 1, 2) and [c.tasks for c in step.components] == [2, 1, 1]  # controller + core
-    assert "--gres=gpu:8" in step.components[1].srun_args and "--cpus-per-task=48" in step.components[0].srun_args
+    # 2 cells of 2 nodes x 8 ranks (one per GPU); component 0 holds the controller beside the core's 16
+    assert step.het_groups == (0, 1) and [c.tasks for c in step.components] == [17, 16]
+    assert "--gres=gpu:8" in step.components[1].srun_args and "--ntasks-per-node=8" in step.components[1].srun_args
+    assert "--nodes=2" in step.components[0].srun_args and "--cpus-per-task=10" in step.components[0].srun_args
     script = plain_script(gpu_cfg, "/runs/r1/config.yaml", "/runs/r1/slurm")
     assert (
         len(re.findall(r"^\s*srun ", script, re.M)) == 1
-        and script.count(" : --het-group=") == 2
-        and "GYRE_HET_TASKS=2,1,1" in script
+        and script.count(" : --het-group=") == 1
+        and "GYRE_HET_TASKS=17,16" in script
     )
 
 
@@ -82,31 +96,26 @@ def test_cells_of_several_ranks_lay_out_their_tasks_on_their_nodes():
 
 def test_layouts_the_cell_runtime_cannot_hold_fail_with_the_key_to_change(gpu_cfg):
     cfg = copy.deepcopy(gpu_cfg)
-    cfg.engine.tp_size = 16
-    with pytest.raises(LayoutError, match="engine.tp_size=16: cell 0 has 1 node.* of 8 GPUs"):
+    cfg.engine.tp_size = 8
+    with pytest.raises(LayoutError, match="engine.tp_size=8: cell 0 has 2 node.* of 8 GPUs"):
         plan_step(cfg, ["x"])
     cfg = copy.deepcopy(gpu_cfg)
-    cfg.train.pipeline_parallel = 2
-    with pytest.raises(LayoutError, match=r"cluster.core.tasks_per_node=1: cell 0 has 1 node\(s\) x 1 task.*= 2 rank"):
+    cfg.train.pipeline_parallel = 4
+    with pytest.raises(LayoutError, match=r"cluster.core.tasks_per_node=8: cell 0 has 2 node\(s\) x 8 task.*= 32 rank"):
         plan_step(cfg, ["x"])
     cfg = copy.deepcopy(gpu_cfg)
     cfg.cluster.satellites[0].tasks_per_node = 2
     with pytest.raises(LayoutError, match="cluster.satellites.0.tasks_per_node=2: cell 1 has"):
         plan_step(cfg, ["x"])
     cfg = copy.deepcopy(gpu_cfg)
-    cfg.cluster.satellites[1].nodes = 2  # 2 ranks for a one-rank trainer
-    with pytest.raises(LayoutError, match=r"cluster.satellites.1.tasks_per_node=1: cell 2 has 2 node\(s\) x 1"):
+    cfg.cluster.satellites[0].nodes = 1  # 8 ranks for a 16-rank trainer
+    with pytest.raises(LayoutError, match=r"cluster.satellites.0.tasks_per_node=8: cell 1 has 1 node\(s\) x 8"):
         plan_step(cfg, ["x"])
     cfg = copy.deepcopy(gpu_cfg)
-    cfg.cluster.satellites[0].tasks_per_node, cfg.cluster.satellites[0].gpus_per_node = 4, 2
-    with pytest.raises(LayoutError, match="cluster.satellites.0.tasks_per_node=4 exceeds .*gpus_per_node=2"):
+    cfg.engine.backend, cfg.cluster.satellites[0].gpus_per_node = "embedded", 4
+    with pytest.raises(LayoutError, match="cluster.satellites.0.tasks_per_node=8 exceeds .*gpus_per_node=4"):
         plan_step(cfg, ["x"])
-    cfg = copy.deepcopy(gpu_cfg)  # TP 8 x PP 2 over the core's 2 nodes x 8 GPUs: CUDA inside a multi-rank cell
-    cfg.train.tensor_parallel, cfg.train.pipeline_parallel = 8, 2
-    for res in cells(cfg):
-        res.nodes, res.tasks_per_node = 2, 8
-    with pytest.raises(LayoutError, match="train.tensor_parallel/pipeline_parallel=.*gloo on CPU only"):
-        plan_step(cfg, ["x"])
+    plan_step(gpu_cfg, ["x"])  # TP 8 x PP 2 over each cell's 2 nodes x 8 GPUs: NCCL inside a multi-rank cell
     cfg = compose(["cluster=slurm_cpu_tp2_nodes", "cluster.core.cpus_per_node=1"])  # controller + rank 0 on node 1
     with pytest.raises(LayoutError, match="cluster.core.cpus_per_node=1: .*set cluster.core.cpus_per_node to 2"):
         plan_step(cfg, ["x"])
@@ -161,36 +170,36 @@ def test_inventory_parsing():
     assert [(n.name, n.gpus) for n in inv.nodes_of("gpu")] == [("g1", 8), ("g2", 8)]  # g3 is draining
 
 
-def test_preflight_names_what_to_change(gpu_cfg):
+def test_preflight_names_what_to_change(three_node_cfg):
     inv = parse_inventory(PARTITIONS, NODES)
-    check_request(_cells(gpu_cfg)[:2], inv)
+    check_request(_cells(three_node_cfg)[:2], inv)
     with pytest.raises(SlurmPreflightError, match="cluster.satellites.1.partition='gpux'.*it has: cpu, gpu"):
-        check_request(_cells(gpu_cfg, sat2__partition="gpux"), inv)
+        check_request(_cells(three_node_cfg, sat2__partition="gpux"), inv)
     with pytest.raises(SlurmPreflightError, match="cluster.core asks for 1 node.*has 0 such node.*largest node has 96"):
-        check_request(_cells(gpu_cfg, core__cpus_per_node=128), inv)
+        check_request(_cells(three_node_cfg, core__cpus_per_node=128), inv)
     with pytest.raises(SlurmPreflightError, match="exceeds the MaxTime"):
-        check_request(_cells(gpu_cfg, core__time="3-00:00:00"), inv)
+        check_request(_cells(three_node_cfg, core__time="3-00:00:00"), inv)
     with pytest.raises(SlurmPreflightError, match="needs 3 distinct nodes.*only 2 nodes fit"):
-        check_request(_cells(gpu_cfg), inv)
+        check_request(_cells(three_node_cfg), inv)
 
 
-def test_het_job_on_a_single_node_cluster_is_refused_before_submitting(gpu_cfg):
+def test_het_job_on_a_single_node_cluster_is_refused_before_submitting(three_node_cfg):
     inv = parse_inventory(PARTITIONS, NODES)
     small = {"nodes": 1, "cpus_per_node": 2, "gpus_per_node": 0, "mem": "", "partition": "cpu"}
     changes = {f"{cell}__{k}": v for cell in ("core", "sat1", "sat2") for k, v in small.items()}
     with pytest.raises(SlurmPreflightError, match=r"3 cells needs 3 distinct nodes.*single node \(c1\).*cluster=local"):
-        check_request(_cells(gpu_cfg, **changes), inv)
+        check_request(_cells(three_node_cfg, **changes), inv)
 
 
-def test_loopback_addresses_are_refused_before_submitting_to_separate_hosts(gpu_cfg):
+def test_loopback_addresses_are_refused_before_submitting_to_separate_hosts(three_node_cfg):
     inv = parse_inventory(PARTITIONS, NODES)  # no NodeAddr: each node at its own name
-    check_addresses("auto", "0.0.0.0", _cells(gpu_cfg)[:2], inv)
+    check_addresses("auto", "0.0.0.0", _cells(three_node_cfg)[:2], inv)
     with pytest.raises(SlurmPreflightError, match=r"separate hosts.*comm.hostname='127.0.0.1': set comm.hostname=auto"):
-        check_addresses("127.0.0.1", "0.0.0.0", _cells(gpu_cfg)[:2], inv)
+        check_addresses("127.0.0.1", "0.0.0.0", _cells(three_node_cfg)[:2], inv)
     with pytest.raises(SlurmPreflightError, match=r"engine.host='127.0.0.1': set engine.host=0.0.0.0"):
-        check_addresses("auto", "127.0.0.1", _cells(gpu_cfg)[:2], inv)
+        check_addresses("auto", "127.0.0.1", _cells(three_node_cfg)[:2], inv)
     one_host = parse_inventory(PARTITIONS, "".join(f"{line} NodeAddr=127.0.0.1\n" for line in NODES.splitlines()))
-    check_addresses("127.0.0.1", "127.0.0.1", _cells(gpu_cfg)[:2], one_host)  # the loopback test cluster
+    check_addresses("127.0.0.1", "127.0.0.1", _cells(three_node_cfg)[:2], one_host)  # the loopback test cluster
 
 
 def test_no_slurm_on_path():
@@ -202,13 +211,13 @@ def test_dry_run_writes_script_and_resolved_config(tmp_path, capsys):
     submit_main(["--dry-run", "--out", str(tmp_path), "cluster=slurm_gpu", "seed=7"])
     assert "wrote" in capsys.readouterr().out
     script = (tmp_path / "gyre.sbatch").read_text()
-    assert script.count("#SBATCH hetjob") == 2 and f"gyre.sched.launch.job {tmp_path} " in script
+    assert script.count("#SBATCH hetjob") == 1 and f"gyre.sched.launch.job {tmp_path} " in script
     saved = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(tmp_path / "config.yaml"))
     resolved = OmegaConf.to_object(saved)
     assert resolved.seed == 7 and resolved.cluster.mooncake.protocol == "rdma" and resolved.output_dir == str(tmp_path)
     assert (tmp_path / "slurm").is_dir()
-    with pytest.raises(SystemExit, match="engine.tp_size=16: cell 0 has 1 node.* of 8 GPUs"):
-        submit_main(["--dry-run", "--out", str(tmp_path), "cluster=slurm_gpu", "engine.tp_size=16"])
+    with pytest.raises(SystemExit, match="engine.tp_size=8: cell 0 has 2 node.* of 8 GPUs"):
+        submit_main(["--dry-run", "--out", str(tmp_path), "cluster=slurm_gpu", "engine.tp_size=8"])
     with pytest.raises(SystemExit, match="scheduler='colocate' runs on one machine.*scheduler=colocate_cells"):
         submit_main(["--dry-run", "--out", str(tmp_path), "cluster=slurm_gpu", "scheduler=colocate"])
 

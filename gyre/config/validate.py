@@ -172,12 +172,6 @@ def check_cells(cfg: RunConfig) -> None:
                   f"cell {i} has {res.nodes} node(s) x {res.tasks_per_node} task(s) = {ranks} rank(s), but its trainer "
                   f"is train.tensor_parallel x pipeline_parallel x context_parallel = {model_parallel} rank(s): make "
                   "them equal (data parallelism runs across cells, not inside one)")  # fmt: skip
-    gpu_cells = [c for c in (cfg.cluster.core, *cfg.cluster.satellites) if c.gpus_per_node]
-    if model_parallel > 1 and gpu_cells:
-        _fail("train.tensor_parallel/pipeline_parallel", (t.tensor_parallel, t.pipeline_parallel),
-              "cells of several ranks run their trainer world over gloo on CPU only so far (no NCCL, no GPU per "
-              "rank inside a cell): on GPU cells keep train.tensor_parallel=pipeline_parallel=context_parallel=1, "
-              "or set cluster.*.gpus_per_node=0 to train on the CPUs")  # fmt: skip
     if model_parallel > 1 and cfg.comm.transfer_backend == "gloo":
         _fail("comm.transfer_backend", "gloo",
               "cells of several ranks each run their own torch.distributed world, which the gloo transport (one "
@@ -199,6 +193,10 @@ def check_engine_in_cells(cfg: RunConfig) -> None:
             _fail("engine.tp_size", cfg.engine.tp_size,
                   f"cell {i} has {cell.nodes} node(s) of {cell.gpus_per_node} GPUs: one SGLang server per cell "
                   f"must span them all (engine.tp_size={gpus}); the controller routes to one engine per cell")  # fmt: skip
+    heads = cfg.model.num_attention_heads
+    if not cfg.model.path and heads % cfg.engine.tp_size:
+        _fail("engine.tp_size", cfg.engine.tp_size,
+              f"must divide model.num_attention_heads={heads}: SGLang splits the query heads over its TP ranks")  # fmt: skip
 
 
 def check_proxy(p: ProxyConfig) -> None:

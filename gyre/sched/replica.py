@@ -65,12 +65,23 @@ class MicroBatchSource:
             self._packed.pop(s, None)
 
 
+def param_grad(p: torch.nn.Parameter) -> torch.Tensor | None:
+    """A parameter's accumulated gradient: megatron's DDP (the GPU trainer) keeps it in the contiguous buffer
+    behind `main_grad`, torch's optimizer (the CPU trainer) in `.grad`."""
+    return p.main_grad if hasattr(p, "main_grad") else p.grad
+
+
 def flat_grads(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(all parameters' gradients as one fp32 vector, uint8 [n_params] 1 where a parameter has a gradient)."""
+    """(all parameters' gradients as one fp32 vector in host memory, for MPI; uint8 [n_params] 1 where a
+    parameter has a gradient)."""
     params = list(model.parameters())
-    has = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
-    parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().reshape(-1) for p in params]
-    return torch.cat(parts) if parts else torch.zeros(0), has
+    grads = [param_grad(p) for p in params]
+    has = torch.tensor([g is not None for g in grads], dtype=torch.uint8)
+    parts = [
+        (g if g is not None else torch.zeros_like(p)).detach().float().reshape(-1)
+        for p, g in zip(params, grads, strict=True)
+    ]
+    return torch.cat(parts).cpu() if parts else torch.zeros(0), has
 
 
 def grad_numel(model: torch.nn.Module) -> tuple[int, int]:
@@ -79,11 +90,16 @@ def grad_numel(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def set_flat_grads(model: torch.nn.Module, flat: torch.Tensor, has: torch.Tensor) -> None:
-    """Make `flat` the gradients; parameters no replica gave a gradient keep none (the optimizer skips them)."""
+    """Make `flat` the gradients; parameters no replica gave a gradient keep none (the optimizer skips them),
+    or zeros in megatron's DDP buffer, which its optimizer reads whole."""
     offset = 0
     for p, keep in zip(model.parameters(), has.tolist(), strict=True):
         n = p.numel()
-        p.grad = flat[offset : offset + n].view_as(p).to(p.dtype).clone() if keep else None
+        part = flat[offset : offset + n].view_as(p)
+        if hasattr(p, "main_grad"):
+            p.main_grad.copy_(part if keep else torch.zeros_like(part))
+        else:
+            p.grad = part.to(device=p.device, dtype=p.dtype).clone() if keep else None
         offset += n
     if offset != flat.numel():
         raise ValueError(f"flat gradient has {flat.numel()} values, the model {offset}")
@@ -91,11 +107,6 @@ def set_flat_grads(model: torch.nn.Module, flat: torch.Tensor, has: torch.Tensor
 
 def core_step(trainer: Trainer, summed: torch.Tensor, has: torch.Tensor, scale: float) -> dict[str, float]:
     """Install the summed gradients times `scale` on the core and take the optimizer step (clip included)."""
-    if getattr(trainer, "_mcore", None) is not None:
-        raise NotImplementedError(
-            "summed gradients go into param.grad, which megatron's DDP (CUDA) does not read; run the cell "
-            "schedulers with train.distributed_optimizer=false or on CPU"
-        )
     if not bool(has.any()):
         trainer.zero_grad()
         return {"skipped_step": 1.0, "grad_norm": 0.0, "lr": trainer.lr}

@@ -113,10 +113,10 @@ def run_cell(cfg: RunConfig, cp: ControlPlane, out: Path, start_id: str, in_proc
     from gyre.comm.mooncake_transport import resolve_hostname
     from gyre.sched.cell.engine import CellEngine, cell_env, cell_nodes
 
-    if cp.cell_comm.Get_size() > 1:  # the cell's trainer world over its ranks (gloo), for megatron's layout
-        from gyre.comm.gloo_transport import init_gloo_from_mpi
+    if cp.cell_comm.Get_size() > 1:  # the cell's trainer world over its ranks (gloo; NCCL on GPUs), for megatron
+        from gyre.sched.cell.world import init_trainer_world
 
-        init_gloo_from_mpi(cp.cell_comm, cfg.comm.hostname)
+        init_trainer_world(cp.cell_comm, cfg.comm.hostname)
     if cp.cell_comm.Get_rank() > 0:
         return run_follower(cfg, cp, out, start_id)
     got: dict[str, Any] = {}

@@ -29,6 +29,28 @@ def needs_model_parallel(train_cfg: TrainConfig) -> bool:
     return max(train_cfg.tensor_parallel, train_cfg.pipeline_parallel, train_cfg.context_parallel) > 1
 
 
+def trainer_backend(device: torch.device | None = None) -> str:
+    """The trainer world's torch.distributed backend, chosen here only: NCCL when the rank trains on a GPU
+    (megatron's DDP, distributed optimizer and TP/PP collectives on CUDA tensors), gloo on CPU."""
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def rank_device(local_rank: int) -> torch.device:
+    """The device a trainer rank runs on: GPU `local_rank` of its node, made current (megatron's layers and
+    NCCL use the current device), or the CPU on a machine without CUDA."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise RuntimeError(
+            f"trainer rank {local_rank} of its node sees {count} GPU(s): one rank per GPU; give the cell at most "
+            f"cluster.*.gpus_per_node tasks per node (cluster.*.tasks_per_node) or expose more GPUs"
+        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
 def init_model_parallel(train_cfg: TrainConfig, model_cfg: ModelConfig) -> None:
     """megatron's TP/PP/CP groups over the default world, started here when nobody has: a one-process
     world (in-process store) or, with WORLD_SIZE set (torchrun, srun), the env:// rendezvous."""
@@ -37,10 +59,9 @@ def init_model_parallel(train_cfg: TrainConfig, model_cfg: ModelConfig) -> None:
     if train_cfg.context_parallel > 1 and not cuda:
         raise RuntimeError("train.context_parallel > 1 needs CUDA GPUs (megatron's ring attention); keep it at 1")
     if not dist.is_initialized():
-        backend = "nccl" if cuda else "gloo"
+        backend = trainer_backend()
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            if cuda:
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            rank_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group(backend=backend)
         else:
             dist.init_process_group(backend=backend, store=dist.HashStore(), world_size=1, rank=0)
