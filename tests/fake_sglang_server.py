@@ -6,6 +6,7 @@ broadcasts the way SGLang's TP ranks do (SGLang's own init_custom_process_group,
 """
 
 import asyncio
+import importlib.util
 import json
 import os
 import sys
@@ -15,7 +16,7 @@ import torch
 from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sglang_io import light_common  # noqa: E402
+from sglang_io import light_common, sglang_root  # noqa: E402
 
 RECORD = Path(sys.argv[2])
 state = {"weight_version": "0", "groups": {}, "received_sum": 0.0}
@@ -34,8 +35,21 @@ def join_group(body: dict) -> None:
     state["groups"][body["group_name"]] = group
 
 
+def flattened_bucket_class() -> type:
+    """SGLang's own FlattenedTensorBucket (sglang/srt/weight_sync/tensor_bucket.py imports only torch)."""
+    path = sglang_root() / "srt" / "weight_sync" / "tensor_bucket.py"
+    spec = importlib.util.spec_from_file_location("sglang_tensor_bucket", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.FlattenedTensorBucket
+
+
 def receive(body: dict) -> float:
     group = state["groups"][body["group_name"]]
+    if body.get("load_format") == "flattened_bucket":  # as SGLang's _receive_bucketed_weights_from_distributed
+        bucket = flattened_bucket_class().empty(body["names"], body["dtypes"], body["shapes"], "cpu")
+        torch.distributed.broadcast(bucket.get_flattened_tensor(), src=0, group=group)
+        return sum(float(t.double().sum()) for _, t in bucket.reconstruct_tensors())
     total = 0.0
     for dtype, shape in zip(body["dtypes"], body["shapes"], strict=True):
         t = torch.empty(shape, dtype=getattr(torch, dtype))

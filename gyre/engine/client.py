@@ -213,8 +213,10 @@ class _EngineAPI:
         weight_version: str,
         group_name: str = "weight_update_group",
         flush_cache: bool = True,
+        load_format: str | None = None,
     ) -> Any:
-        """Receive these tensors by broadcast in the group; the trainer broadcasts them in this order."""
+        """Receive these tensors by broadcast in the group; the trainer broadcasts them in this order (with
+        load_format="flattened_bucket", all of them as one byte buffer)."""
         payload = {
             "names": list(names),
             "dtypes": list(dtypes),
@@ -224,6 +226,8 @@ class _EngineAPI:
             "flush_cache": flush_cache,
             "abort_all_requests": False,
         }
+        if load_format:
+            payload["load_format"] = load_format
         return self._send("POST", "/update_weights_from_distributed", payload, then=_check_success)
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> Any:

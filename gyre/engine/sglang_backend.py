@@ -344,27 +344,40 @@ def update_from_tensor(servers: EngineServers, state: dict[str, torch.Tensor], v
 
 
 def update_from_distributed(client: SyncEngineClient, state: dict[str, torch.Tensor], version: str, group: Any,
-                            group_name: str = "weight_update_group") -> None:  # fmt: skip
+                            group_name: str = "weight_update_group", bucket_bytes: int | None = None) -> None:  # fmt: skip
     """Broadcast `state` from trainer rank 0 of `group` (sglang_weights.open_weight_update_group) while the
-    engine receives it; both sides follow the announced name order."""
-    from gyre.engine.sglang_weights import broadcast_state, distributed_metadata
+    engine receives it, one flattened bucket per request (sglang_weights.weight_buckets)."""
+    from gyre.engine.sglang_weights import BUCKET_BYTES, weight_buckets
 
-    names, dtypes, shapes = distributed_metadata(state)
+    for bucket in weight_buckets(state, bucket_bytes or BUCKET_BYTES):
+        send_bucket(client, bucket, version, group, group_name)
+    EngineServers([client.base_url]).check_version(version)
+
+
+def send_bucket(client: SyncEngineClient, bucket: dict[str, torch.Tensor], version: str, group: Any,
+                group_name: str) -> None:  # fmt: skip
+    """One `/update_weights_from_distributed` request (load_format flattened_bucket) and, while the engine
+    waits in it, the bucket's bytes broadcast from rank 0 of `group`."""
+    import torch.distributed as dist
+
+    from gyre.engine.sglang_weights import FLATTENED_BUCKET, distributed_metadata, flatten_bucket
+
+    names, dtypes, shapes = distributed_metadata(bucket)
     failed: list[BaseException] = []
 
     def request() -> None:
         try:
-            client.update_weights_from_distributed(names, dtypes, shapes, version, group_name=group_name)
+            client.update_weights_from_distributed(names, dtypes, shapes, version, group_name=group_name,
+                                                   load_format=FLATTENED_BUCKET)  # fmt: skip
         except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
             failed.append(e)
 
     thread = threading.Thread(target=request, name="gyre-weights-request", daemon=True)
     thread.start()
-    broadcast_state(state, group)
+    dist.broadcast(flatten_bucket(bucket), src=0, group=group)
     thread.join()
     if failed:
         raise failed[0]
-    EngineServers([client.base_url]).check_version(version)
 
 
 def open_distributed_group(client: SyncEngineClient, trainer_address: str, tp_size: int, group_name: str,
