@@ -9,8 +9,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("environment", "generation", "trainer", "weight_sync", "role_switch", "tree_vs_expanded",
-            "tree_path_agreement")  # fmt: skip
+SECTIONS = ("environment", "generation", "trainer", "weight_sync", "distributed_sync", "role_switch",
+            "tree_vs_expanded", "tree_path_agreement", "cell_cycle")  # fmt: skip
 
 
 def run_check(out: Path, *flags: str, timeout: int) -> dict:
@@ -29,6 +29,8 @@ def check_figures(figures: dict) -> None:
     sw = figures["role_switch"]
     assert 0 < sw["rollout_to_train_s"] and 0 < sw["train_to_rollout_s"] and sw["weight_load_s"] > 0
     assert figures["weight_sync"]["engine_load_s"] > 0
+    cycle = figures["cell_cycle"]
+    assert cycle["steps"] == 1 and cycle["last_step"]["version"] >= 1  # rollout -> train -> rollout on new weights
     for k in ("k5", "unbounded"):
         tree = figures["tree_vs_expanded"][k]
         assert tree["expanded_tokens"] >= tree["tree_tokens"] > 0 and tree["tree_fwd_bwd_s"] > 0

@@ -13,8 +13,9 @@ aiohttp's family that the machine lacks. Fill ./wheels (gitignored) on a machine
 Then it builds a random-weights Qwen3-0.6B-shaped model and measures, side by side in one run:
 generation throughput through the proxy (and straight to the engine), role-switch latency both
 ways (pause + release memory; resume memory + weight load + continue), weight sync time (trainer
-export, checkpoint write, engine load; SGLang also from tensor), tree-packed vs expanded
-forward-backward time, and tree-vs-path logprob agreement. A section that fails records its error
+export, checkpoint write, engine load; SGLang also from tensor and over a broadcast group in flattened
+buckets), tree-packed vs expanded forward-backward time, tree-vs-path logprob agreement, and one cell's
+rollout -> train -> rollout cycle through launch.run (docs/gpu.md lists the figures). A section that fails records its error
 and the others still run; the exit code is 1 if any failed. `--tiny` runs everything on CPU with a
 tiny Qwen3 (the CI exercise of this script).
 """
@@ -343,6 +344,68 @@ def weight_sync(plan: Plan, trainer: Any, model_cfg: Any, engine_url: str, workd
     return out
 
 
+def distributed_sync(plan: Plan, trainer: Any, engine_url: str) -> dict[str, Any]:
+    """Trainer -> SGLang over a broadcast group (init_weights_update_group, then update_weights_from_distributed
+    in flattened buckets), the trainer on the same GPU: what a cell's engine gets after each step."""
+    if plan.engine != "sglang":
+        return {"skipped": "the embedded engine has no /update_weights_from_distributed (engine.weight_sync=disk)"}
+    from gyre.engine.client import SyncEngineClient
+    from gyre.engine.sglang_backend import open_distributed_group, update_from_distributed
+    from gyre.engine.sglang_weights import weight_buckets
+
+    client = SyncEngineClient(engine_url, timeout_s=600)
+    t0 = time.perf_counter()
+    group = open_distributed_group(client, "127.0.0.1", 1, "gyre_check_weights", backend="nccl")
+    opened = time.perf_counter() - t0
+    rows = []
+    for i in range(plan.switch_repeats):
+        state = trainer.hf_state_dict()
+        synchronize()
+        t = time.perf_counter()
+        update_from_distributed(client, state, f"dist{i}", group, group_name="gyre_check_weights")
+        rows.append(time.perf_counter() - t)
+    gib = sum(v.numel() * v.element_size() for v in state.values()) / 2**30
+    return {"group_open_s": round(opened, 3), "sync_s": round(median(rows), 3), "gib": round(gib, 3),
+            "buckets": len(weight_buckets(state)), "gib_per_s": round(gib / median(rows), 2)}  # fmt: skip
+
+
+def cell_cycle(plan: Plan, workdir: Path) -> dict[str, Any]:
+    """One cell's rollout -> train -> rollout through launch.run (scheduler=colocate_cells: the cell job's
+    runtime with one cell of one rank), one step: the step's rows say what it took."""
+    out = workdir / "cell_cycle"
+    cmd = [sys.executable, "-m", "launch.run", "scheduler=colocate_cells", "cluster.satellites=[]", "steps=1",
+           f"engine={plan.engine}", "rl.groups_per_step=1", "rl.group_size=2", "harness.max_turns=2",
+           "warm_start.steps=2", "warm_start.demos=8", "warm_start.batch_size=4", "tokenizer.corpus_tasks=40",
+           "tokenizer.vocab_size=512", f"output_dir={out}", f"hydra.run.dir={out}/hydra"]  # fmt: skip
+    if plan.engine == "sglang":
+        cmd += ["engine.dtype=bfloat16", "engine.mem_fraction_static=0.4"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
+    if proc.returncode:
+        raise RuntimeError(f"launch.run exited {proc.returncode}: {(proc.stdout + proc.stderr)[-2000:]}")
+    from gyre.sched.controller.report import step_rows
+
+    metrics = out / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    steps = step_rows(rows)
+    if not steps:
+        raise RuntimeError(f"launch.run wrote no step rows under {out}")
+    keep = (
+        "step",
+        "version",
+        "rollout_s",
+        "reduce_s",
+        "sync_s",
+        "wall_s",
+        "n_rollouts",
+        "reward_mean",
+        "train/trained",
+    )
+    switches = {r["direction"]: r["latency_s"] for r in rows if r.get("event") == "switch" and not r.get("initial")}
+    return {"wall_s": round(time.perf_counter() - t0, 1), "steps": len(steps), "switch_latency_s": switches,
+            "last_step": {k: v for k, v in steps[-1].items() if k in keep}}  # fmt: skip
+
+
 def role_switch(plan: Plan, engine_url: str, checkpoint: Path) -> dict[str, Any]:
     """rollout -> train (pause retract + release all memory) and train -> rollout (resume weights, load the
     trainer's checkpoint, resume KV, continue), with requests in flight across the switch."""
@@ -496,6 +559,7 @@ def run(plan: Plan, out_path: Path, install: bool) -> Report:
             trainer = made.get("trainer")
             if trainer is not None:
                 report.section("weight_sync", lambda: weight_sync(plan, trainer, model_cfg, engine.url, workdir))
+                report.section("distributed_sync", lambda: distributed_sync(plan, trainer, engine.url))
                 checkpoint = workdir / "sync" if (workdir / "sync").exists() else model_dir
                 report.section("role_switch", lambda: role_switch(plan, engine.url, checkpoint))
                 report.section("tree_vs_expanded", lambda: tree_vs_expanded(plan, trainer))
@@ -503,6 +567,14 @@ def run(plan: Plan, out_path: Path, install: bool) -> Report:
         finally:
             engine.stop()
             report.figures["engine_log_tail"] = engine.log_tail(20) if report.errors else ""
+        trainer = None  # the cell's own trainer and engine take the device next
+        made.clear()
+        if torch.cuda.is_available():
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
+        report.section("cell_cycle", lambda: cell_cycle(plan, workdir))
     report.figures["total_s"] = round(time.perf_counter() - t_start, 1)
     out_path.write_text(json.dumps({**asdict(report), "ok": not report.errors}, indent=2))
     print(f"gpu_check: wrote {out_path} ({'ok' if not report.errors else 'errors: ' + ', '.join(report.errors)})")
