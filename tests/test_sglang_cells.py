@@ -183,6 +183,36 @@ def test_role_switch_and_distributed_weights_through_the_engine_interface(fake_s
     assert (group.rank_offset, group.world_size, group.backend) == (1, 2, "gloo")
     resumes = [r["body"].get("tags") for r in sent if r["path"] == "/resume_memory_occupation"]
     assert resumes == [["weights"], ["kv_cache"]]
+    check_stage_sender(url, record, len(sent), info["received_sum"])
+
+
+def check_stage_sender(url, record, seen: int, received: float) -> None:
+    """Shard to shard: a pipeline stage's sender (the one stage of a one-rank trainer here) names its megatron
+    shard as HF does and broadcasts it in flattened buckets over a group of its own with the server."""
+    from gyre.model.weights import hf_to_megatron
+    from gyre.train.megatron_gpt import init_megatron_single_process
+
+    init_megatron_single_process()
+    untied = dataclasses.replace(SHAPES["qwen3-tiny"], tie_embeddings=False)
+    hf = random_hf_state(untied, seed=4, dtype=torch.float32)
+    megatron = hf_to_megatron(hf, untied)
+
+    class Stage(torch.nn.Module):
+        def state_dict(self):
+            return megatron
+
+    groups = {}
+    sent = sglang_backend.send_stage(Stage(), untied, SyncEngineClient(url), "6", "127.0.0.1", 1, 0, groups,
+                                     backend="gloo", bucket_bytes=1 << 16)  # fmt: skip
+    assert sent == len(hf) and list(groups) == ["gyre_weights_0_stage0"]
+    new = [json.loads(line) for line in record.read_text().splitlines()][seen:]
+    buckets = [parse_like_sglang(r["path"], r["body"]) for r in new if r["path"] == "/update_weights_from_distributed"]
+    assert len(buckets) > 1 and {(b.load_format, b.group_name) for b in buckets} == {
+        ("flattened_bucket", "gyre_weights_0_stage0")}  # fmt: skip
+    assert sorted(n for b in buckets for n in b.names) == sorted(hf)
+    info = SyncEngineClient(url).server_info()
+    expected = received + sum(float(t.double().sum()) for t in hf.values())
+    assert info["weight_version"] == "6" and abs(info["received_sum"] - expected) < 1e-2 * max(1.0, abs(expected))
 
 
 @pytest.mark.integration

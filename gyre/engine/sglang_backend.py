@@ -404,6 +404,27 @@ def open_distributed_group(client: SyncEngineClient, trainer_address: str, tp_si
     return group
 
 
+def send_stage(model: torch.nn.Module, cfg: ModelConfig, client: SyncEngineClient, version: str, trainer_address: str,
+               engine_tp: int, server: int, groups: dict[str, Any], backend: str = WEIGHT_GROUP_BACKEND,
+               bucket_bytes: int | None = None) -> int:  # fmt: skip
+    """This trainer rank's part of a shard-to-shard update of one SGLang server: every rank of a
+    tensor-parallel group calls it (the all-gather of its stage's shards); the group's first rank names the
+    stage's tensors as HF does and broadcasts them in buckets over its own group with the server (opened on
+    first use, kept in `groups`). Returns the tensors this rank sent (0 on the other TP ranks)."""
+    from gyre.engine.sglang_weights import sends_weights, stage_hf_state, tp_merged_stage, weight_group_name
+    from gyre.train.megatron_gpt import parallel_state
+
+    stage = tp_merged_stage(model, cfg)
+    if not sends_weights(parallel_state.get_tensor_model_parallel_rank()):
+        return 0
+    state = stage_hf_state(stage, cfg)
+    name = weight_group_name(server, parallel_state.get_pipeline_model_parallel_rank())
+    if name not in groups:
+        groups[name] = open_distributed_group(client, trainer_address, engine_tp, name, backend)
+    update_from_distributed(client, state, version, groups[name], group_name=name, bucket_bytes=bucket_bytes)
+    return len(state)
+
+
 class SGLangEngine:
     """The cell's SGLang servers as one RolloutEngine; new weights by engine.weight_sync (distributed:
     the trainer broadcasts to every server's TP ranks, one group per server, opened at the first update)."""
