@@ -88,6 +88,9 @@ def test_policy_config_errors_say_what_to_change() -> None:
         PolicyConfig("async", 3, 4, 1, rollout_cells=3)
     with pytest.raises(ValueError, match="capacity_per_cell"):
         PolicyConfig("elastic", 3, 0, 1)
+    with pytest.raises(ValueError, match="elastic needs at least 2 cells"):
+        PolicyConfig("elastic", 1, 4, 1)
+    assert PolicyConfig("colocate_cells", 1, 4, 0).colocated  # one cell of many ranks (slurm_gpu_small)
 
 
 def ref(i: int, tokens: int = 10, shard: str = "a.h5") -> MicroBatchRef:

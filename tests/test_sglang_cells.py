@@ -96,7 +96,7 @@ def test_layouts_that_cannot_be_served_fail_with_the_reason():
 @pytest.mark.unit
 def test_cell_jobs_refuse_sglang_settings_they_cannot_honour():
     from gyre.config.load import compose
-    from gyre.config.validate import ConfigValueError, check_engine_in_cells
+    from gyre.config.validate import ConfigValueError, check_engine_in_cells, check_run
 
     cfg = compose(["cluster=slurm_gpu"])
     check_engine_in_cells(cfg)  # the GPU preset: 2 nodes of 8 GPUs per cell, tp 16, no KV migration
@@ -104,9 +104,12 @@ def test_cell_jobs_refuse_sglang_settings_they_cannot_honour():
         check_engine_in_cells(dataclasses.replace(cfg, sched=dataclasses.replace(cfg.sched, kv_migration=True)))
     with pytest.raises(ConfigValueError, match="one SGLang server per cell"):
         check_engine_in_cells(dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, tp_size=4)))
+    check_run(cfg)
     odd_heads = dataclasses.replace(cfg.model, num_attention_heads=40, num_query_groups=8, head_dim=128)
-    with pytest.raises(ConfigValueError, match=r"engine.tp_size=16: must divide model.num_attention_heads=40"):
-        check_engine_in_cells(dataclasses.replace(cfg, model=odd_heads))
+    with pytest.raises(ConfigValueError, match=r"engine.tp_size=16: does not divide model.num_attention_heads=40"):
+        check_run(dataclasses.replace(cfg, model=odd_heads))
+    with pytest.raises(ConfigValueError, match=r"train.tensor_parallel=8: must divide model.vocab_size=151937"):
+        check_run(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=151937)))
 
 
 @pytest.mark.unit

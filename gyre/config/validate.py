@@ -193,10 +193,6 @@ def check_engine_in_cells(cfg: RunConfig) -> None:
             _fail("engine.tp_size", cfg.engine.tp_size,
                   f"cell {i} has {cell.nodes} node(s) of {cell.gpus_per_node} GPUs: one SGLang server per cell "
                   f"must span them all (engine.tp_size={gpus}); the controller routes to one engine per cell")  # fmt: skip
-    heads = cfg.model.num_attention_heads
-    if not cfg.model.path and heads % cfg.engine.tp_size:
-        _fail("engine.tp_size", cfg.engine.tp_size,
-              f"must divide model.num_attention_heads={heads}: SGLang splits the query heads over its TP ranks")  # fmt: skip
 
 
 def check_proxy(p: ProxyConfig) -> None:

@@ -39,10 +39,12 @@ def init_megatron_single_process() -> None:
     If torch.distributed is already initialized (e.g. by a launcher) that world is reused. The world's
     store is in-process (HashStore): no port to pick, so no race with other processes picking theirs.
     """
+    from gyre.train.model_parallel import trainer_backend  # imports this module: here, not at the top
+
     apply_cpu_shim()
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(
-            backend="nccl" if torch.cuda.is_available() else "gloo",  # megatron's DDP/optimizer collectives on CUDA
+            backend=trainer_backend(),
             store=torch.distributed.HashStore(),
             world_size=1,
             rank=0,

@@ -7,7 +7,8 @@ rollout cell (a cell's KV budget); the staleness bound decides which steps' roll
 
 - colocate, colocate_cells: every cell serves rollouts while any session of the step is queued or running,
   then every cell trains; weights are never older than the step (staleness 0). colocate may run one cell
-  (the embedded default: in one process, gyre.sched.launch.in_process); colocate_cells is the same over 2 or more.
+  (the embedded default: in one process, gyre.sched.launch.in_process); colocate_cells is the same as an MPI job
+  of one cell or more (one cell of several ranks: a trainer over a node's GPUs, conf/cluster/slurm_gpu_small.yaml).
 - async: a fixed split, `rollout_cells` serving and the rest (the core first) training, rollouts one
   step (or `staleness` steps) ahead of training.
 - elastic: a rollout cell is released to training as soon as the remaining rollout cells can still
@@ -49,7 +50,9 @@ class PolicyConfig:
         if self.kind not in SCHEDULERS:
             raise ValueError(f"scheduler={self.kind!r}: the cell schedulers are {', '.join(SCHEDULERS)}")
         if self.n_cells < self.min_cells:
-            raise ValueError(f"{self.kind} needs at least 2 cells (core + 1 satellite), got {self.n_cells}")
+            raise ValueError(
+                f"{self.kind} needs at least {self.min_cells} cells (core + satellites), got {self.n_cells}"
+            )
         if self.capacity < 1:
             raise ValueError(f"sched.capacity_per_cell must be at least 1, got {self.capacity}")
         if self.keep_training < 1:
@@ -64,12 +67,12 @@ class PolicyConfig:
 
     @property
     def colocated(self) -> bool:
-        """Every cell switches together (colocate on one cell or more, colocate_cells on two or more)."""
+        """Every cell switches together (colocate and colocate_cells, on one cell or more)."""
         return self.kind in (Scheduler.colocate, Scheduler.colocate_cells)
 
     @property
     def min_cells(self) -> int:
-        return 1 if self.kind == Scheduler.colocate else 2
+        return 1 if self.kind in (Scheduler.colocate, Scheduler.colocate_cells) else 2
 
     @property
     def max_lag(self) -> int:
