@@ -26,6 +26,7 @@ from sglang_io import (
     load_sampling_params,
     parse_like_sglang,
     parse_server_argv,
+    sglang_root,
     sglang_version,
 )
 
@@ -277,6 +278,31 @@ def test_distributed_update_interoperates_with_sglangs_group_join(tmp_path):
 
 
 # ----- server command lines -----
+
+
+def test_hicache_over_a_mooncake_store_as_sglangs_parser_and_store_config_read_it():
+    """The command-line side of KV kept on reroute (not wired to the scheduler: sched.kv_migration stays off on
+    SGLang): a write policy, a prefetch policy and the store's address, in the keys SGLang's Mooncake store reads."""
+    import re
+
+    extra = {"master_server_address": "n0:50051", "protocol": "rdma", "device_name": "mlx5_0",
+             "metadata_server": "P2PHANDSHAKE", "global_segment_size": 4 << 30}  # fmt: skip
+    cfg = EngineConfig(backend="sglang", enable_hierarchical_cache=True, hicache_storage_backend="mooncake",
+                       hicache_write_policy="write_through", hicache_storage_prefetch_policy="wait_complete",
+                       hicache_storage_extra_config=json.dumps(extra))  # fmt: skip
+    ns, unknown = parse_server_argv(sglang_server_args("/m", cfg, 30000))
+    assert not unknown and ns.enable_hierarchical_cache and ns.hicache_storage_backend == "mooncake"
+    assert (ns.hicache_write_policy, ns.hicache_storage_prefetch_policy) == ("write_through", "wait_complete")
+    assert json.loads(ns.hicache_storage_backend_extra_config) == extra
+    store = (sglang_root() / "srt/mem_cache/storage/mooncake_store/mooncake_store.py").read_text()
+    read = store[store.index("def load_from_extra_config") :]
+    assert set(extra) <= set(re.findall(r'extra_config\.get\(\s*"(\w+)"', read))  # keys SGLang reads
+    with pytest.raises(ConfigValueError, match="master_server_address"):
+        dataclasses.replace(cfg, hicache_storage_extra_config='{"protocol": "tcp"}')
+    with pytest.raises(ConfigValueError, match="is not JSON"):
+        dataclasses.replace(cfg, hicache_storage_extra_config="master=n0")
+    assert "--hicache-write-policy" not in sglang_server_args("/m", EngineConfig(backend="sglang"), 30000)
+
 
 SGLANG = EngineConfig(backend="sglang", tp_size=2, mem_fraction_static=0.7, dtype="bfloat16", port=30000,
                       enable_hierarchical_cache=True, hicache_storage_backend="mooncake", chunked_prefill_size=4096,

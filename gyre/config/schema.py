@@ -251,6 +251,12 @@ class EngineConfig:
     disable_radix_cache: bool = False  # sglang: --disable-radix-cache
     enable_hierarchical_cache: bool = False  # host-memory KV tier (HiCache)
     hicache_storage_backend: str = ""  # e.g. "mooncake": KV prefixes in a store other engines read
+    # sglang HiCache: when computed KV pages go to host memory, and from there to the storage backend
+    hicache_write_policy: str = choice("write_through", ("write_back", "write_through", "write_through_selective"))
+    # sglang: when prefetching a prefix found in the storage backend stops (the rest is prefilled)
+    hicache_storage_prefetch_policy: str = choice("timeout", ("best_effort", "wait_complete", "timeout"))
+    # sglang: --hicache-storage-backend-extra-config, a JSON object; mooncake: {"master_server_address": "host:port"}
+    hicache_storage_extra_config: str = ""
     base_gpu_id: int = ranged(0, NON_NEGATIVE)  # sglang: first GPU of the server
     random_seed: int = ranged(0, SEED)  # sglang: --random-seed
     log_level: str = choice(LogLevel.info, LogLevel)  # sglang: --log-level

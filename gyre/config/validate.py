@@ -87,10 +87,29 @@ def check_engine(e: EngineConfig) -> None:
     if e.hicache_storage_backend and not e.enable_hierarchical_cache:
         _fail("engine.hicache_storage_backend", e.hicache_storage_backend,
               "needs engine.enable_hierarchical_cache=true (SGLang's storage tier sits under HiCache)")  # fmt: skip
+    if e.hicache_storage_extra_config:
+        check_hicache_extra_config(e)
     if e.backend == "embedded" and e.weight_sync in ("tensor", "distributed"):
         _fail("engine.weight_sync", e.weight_sync, "the embedded engine loads weights from disk; use disk or auto")
     if e.backend == "embedded" and e.device != "cpu" and not e.device.startswith("cuda"):
         _fail("engine.device", e.device, "the embedded engine runs on 'cpu' or 'cuda[:N]'")
+
+
+def check_hicache_extra_config(e: EngineConfig) -> None:
+    """What SGLang would refuse at its start: extra config that is not a JSON object, or a Mooncake store
+    without its master's (or a client's) address (MooncakeStoreConfig.load_from_extra_config)."""
+    import json
+
+    key = "engine.hicache_storage_extra_config"
+    try:
+        extra = json.loads(e.hicache_storage_extra_config)
+    except json.JSONDecodeError as err:
+        _fail(key, e.hicache_storage_extra_config, f"is not JSON ({err})")
+    if not isinstance(extra, dict):
+        _fail(key, e.hicache_storage_extra_config, "must be a JSON object")
+    if e.hicache_storage_backend == "mooncake" and not {"master_server_address", "client_server_address"} & set(extra):
+        _fail(key, e.hicache_storage_extra_config,
+              'needs "master_server_address" (mooncake_master\'s host:port) or "client_server_address"')  # fmt: skip
 
 
 def check_rl(r: RLConfig) -> None:

@@ -158,8 +158,13 @@ def sglang_server_args(
     argv += [flag for flag, on in flags.items() if on]
     if cfg.chunked_prefill_size:
         argv += ["--chunked-prefill-size", str(cfg.chunked_prefill_size)]
+    if cfg.enable_hierarchical_cache:
+        argv += ["--hicache-write-policy", cfg.hicache_write_policy]
     if cfg.hicache_storage_backend:
-        argv += ["--hicache-storage-backend", cfg.hicache_storage_backend]
+        argv += ["--hicache-storage-backend", cfg.hicache_storage_backend,
+                 "--hicache-storage-prefetch-policy", cfg.hicache_storage_prefetch_policy]  # fmt: skip
+        if cfg.hicache_storage_extra_config:
+            argv += ["--hicache-storage-backend-extra-config", cfg.hicache_storage_extra_config]
     if nnodes > 1:
         if not dist_init_addr:
             raise ValueError("a server over several nodes needs dist_init_addr (its first node's host:port)")
