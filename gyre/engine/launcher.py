@@ -1,4 +1,5 @@
-"""Start and stop an embedded engine server as a subprocess in its own process group.
+"""Start and stop an embedded engine server as a subprocess in its own process group, tied to this process
+(gyre.lifetime: it dies with it).
 
 engine = start_engine(model_dir, num_threads=1)
 ... EngineClient(engine.url) ...
@@ -9,19 +10,18 @@ The cell runtime and the colocate loop reach it through gyre.engine.embedded.Emb
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gyre.config.schema import EngineConfig
 from gyre.engine.admin_key import key_pipe
+from gyre.lifetime import spawn_tied
 
 READY_PREFIX = "GYRE_ENGINE_READY"  # the server prints "GYRE_ENGINE_READY <url>" once it serves
 
@@ -35,14 +35,6 @@ def _tail(path: Path, lines: int = 40) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the process that started the engine dies, even by SIGKILL,
-    so an engine never outlives its run (Linux prctl PR_SET_PDEATHSIG; elsewhere nothing). Only for
-    engines started from the main thread: the signal fires when the forking *thread* exits."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 @dataclass
@@ -147,7 +139,7 @@ def start_engine(
     log_file = open(log_path, "w")  # noqa: SIM115 - owned by the EngineProcess
     key_fd = key_pipe()  # the admin key: in a pipe, never in the engine's environment or command line
     try:
-        proc = subprocess.Popen(
+        proc = spawn_tied(  # dies with this process, even SIGKILLed: no engine outlives a crashed run
             [*cmd, f"--admin-key-fd={key_fd}"],
             stdout=log_file,
             stderr=subprocess.STDOUT,
@@ -155,8 +147,6 @@ def start_engine(
             env=child_env,
             start_new_session=True,
             pass_fds=(key_fd,),
-            # the kernel ties PDEATHSIG to the thread that forks: only the main thread lives as long as the run
-            preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,
         )
     finally:
         os.close(key_fd)

@@ -30,6 +30,7 @@ from gyre.config.schema import HarnessConfig, SandboxConfig, TaskConfig
 from gyre.harness.attribution import harness_failure
 from gyre.harness.endpoint import DEFAULT_MAX_CONNECTIONS, ProxyEndpoint
 from gyre.harness.kinds import HarnessLaunch, harness_spec
+from gyre.lifetime import tie_to_this_thread
 from gyre.proxy.keys import RolloutKeys
 from gyre.sandbox import Mount, Sandbox, SandboxJob, make_sandbox, place
 from gyre.sandbox.base import HARNESS_DIR, RELAY_PORT, WORKSPACE, code_mounts, host_env
@@ -164,6 +165,7 @@ async def _run_harness(
                 stdout=log_file,
                 stderr=log_file,
                 start_new_session=True,
+                preexec_fn=tie_to_this_thread(),  # this thread waits on it: it ends with the run, even SIGKILLed
                 pass_fds=(write_fd,) if write_fd >= 0 else (),
             )
     finally:

@@ -1,8 +1,8 @@
 """A cell's rollout engine: whichever backend engine.backend names (gyre.engine.engine.make_engine),
 switched between roles by gyre.engine.switch, restarted when it died.
 
-Start it from the main thread: the embedded launcher ties the engine's life to the thread that started
-it (PR_SET_PDEATHSIG), so that an engine dies with its cell even when the cell is SIGKILLed.
+An engine dies with the process of its cell, even a SIGKILLed one (gyre.lifetime.spawn_tied), from
+whichever thread the cell starts it.
 
 Leaving rollout pauses (aborting stragglers back to the proxy) and releases memory; returning resumes
 memory, loads the newest weights if the engine is behind (engine.weight_sync: the embedded engine from a
