@@ -57,9 +57,8 @@ def test_model_dependent_checks():
     for cell in (cells.cluster.core, *cells.cluster.satellites):
         cell.tasks_per_node = 2
     check_run(cells)
-    cells.cluster.core.gpus_per_node = 2  # multi-rank cells train on CPU (gloo) only: refused before start
-    with pytest.raises(ConfigValueError, match=r"train.tensor_parallel/pipeline_parallel=\(2, 1\): .* gloo on CPU"):
-        check_run(cells)
+    cells.cluster.core.gpus_per_node = 2  # a multi-rank GPU cell: an NCCL world, one rank per GPU (sched/cell/world.py)
+    check_run(cells)
     with pytest.raises(ConfigValueError, match="train.context_parallel=2: Gyre trains on token trees"):
         check_run(compose(["train.context_parallel=2"]))  # refused before anything starts, not at the first step
     with pytest.raises(ConfigValueError, match="train.transformer_engine='yes'"):

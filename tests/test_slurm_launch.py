@@ -43,6 +43,8 @@ def three_node_cfg(gpu_cfg) -> RunConfig:
     node = CellResources(nodes=1, tasks_per_node=1, cpus_per_node=96, gpus_per_node=8, mem="0", partition="gpu",
                          time="2-00:00:00")  # fmt: skip
     cfg.cluster.core, cfg.cluster.satellites = node, [copy.deepcopy(node), copy.deepcopy(node)]
+    cfg.train.tensor_parallel = cfg.train.pipeline_parallel = 1
+    cfg.engine.tp_size = 8
     return cfg
 
 
@@ -242,7 +244,7 @@ def test_engines_bound_to_every_interface_are_advertised_at_the_node_address(gpu
     assert advertised_url("http://127.0.0.1:30000", "10.1.2.3") == "http://127.0.0.1:30000"  # one machine: as is
 
 
-def test_every_launcher_renders_what_it_would_start(tmp_path, gpu_cfg):
+def test_every_launcher_renders_what_it_would_start(tmp_path, gpu_cfg, three_node_cfg):
     """One interface over mpirun, this process, sbatch and submitit, chosen in launch.launchers: the dry run of each
     is the command or script its launch would start."""
     from gyre.sched.launch.launcher import LaunchPlan
@@ -255,8 +257,8 @@ def test_every_launcher_renders_what_it_would_start(tmp_path, gpu_cfg):
     assert isinstance(sbatch, SbatchLauncher) and isinstance(submitit, SubmititLauncher)
     assert sbatch.render(plan) == plain_script(gpu_cfg, str(plan.config_path), str(plan.log_dir))
     het = submitit.render(plan)
-    assert het.count("#SBATCH hetjob") == 2 and "-m submitit.core._submit" in het and "_result.pkl" in het
-    local = [copy.deepcopy(gpu_cfg) for _ in range(2)]
+    assert het.count("#SBATCH hetjob") == 1 and "-m submitit.core._submit" in het and "_result.pkl" in het
+    local = [copy.deepcopy(three_node_cfg) for _ in range(2)]  # cells of one rank: colocate runs in-process
     for cfg, scheduler in zip(local, ("colocate", "elastic"), strict=True):
         cfg.scheduler, cfg.output_dir = scheduler, str(tmp_path / scheduler)
     plans = [local_plan(cfg) for cfg in local]  # the run directory and its config.yaml

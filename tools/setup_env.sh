@@ -63,7 +63,8 @@ echo "gyre setup: installing gyre and its dependencies"
 "${PIP[@]}" install -e ".[dev]"
 # SGLang's source, pinned, for the tests that check gyre's requests and command lines against SGLang's own
 # definitions. --no-deps: its requirements pin a CUDA torch and GPU kernels (tests/sglang_io.py explains).
-SGLANG_VERSION=$(sed -n 's/^SGLANG_VERSION = "\([^"]*\)".*/\1/p' gyre/engine/sglang_backend.py)
+# the same as gyre/engine/sglang_backend.py SGLANG_VERSION and pyproject's gyre[gpu] (the tests check all three)
+SGLANG_VERSION=0.5.23
 echo "gyre setup: installing sglang==$SGLANG_VERSION (--no-deps: source only, for payload tests)"
 "${PIP[@]}" install --no-deps "sglang==$SGLANG_VERSION"
 # Claude Code harness: the real CLI from npm, pinned (gyre/harness/claude_code.py CLAUDE_CODE_VERSION),
