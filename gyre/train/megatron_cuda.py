@@ -71,7 +71,12 @@ class MegatronOptimizerStep:
 
     def step(self) -> tuple[float, bool]:
         """(grad norm before clipping, skipped); megatron skips a step whose norm is not finite."""
-        self.ddp.finish_grad_sync()
+        # megatron's own finish: the data-parallel reduction, then the sums its layout needs beyond it: the
+        # query/key norms over tensor-parallel ranks (config.qk_layernorm: each rank normalises its own heads
+        # with the shared weight), the word embeddings between first and last pipeline stage when tied
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.ddp])
         ok, grad_norm, _ = self.optimizer.step()
         return float(grad_norm if grad_norm is not None else float("nan")), not ok
 
