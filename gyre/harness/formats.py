@@ -183,7 +183,9 @@ def codex_body(task: Task, bare: bool, date: str | None = None, cwd: str = WORKS
 
 def codex_first_request(task: Task, bare: bool) -> Demonstration:
     body = codex_body(task, bare)
-    return Demonstration(convert_input(body.get("instructions"), body["input"]), convert_response_tools(body["tools"]) or [])
+    return Demonstration(
+        convert_input(body.get("instructions"), body["input"]), convert_response_tools(body["tools"]) or []
+    )
 
 
 def codex_demonstration(task: Task, bare: bool, date: str | None = None) -> Demonstration:
