@@ -67,7 +67,8 @@ def call_role(headers: Mapping[str, str], system_text: str, user_text: str, has_
         or any(m in system_text for m in SUBAGENT_SYSTEM_MARKERS)
         or codex.get("agent_name", CODEX_ROOT_AGENT) != CODEX_ROOT_AGENT
     )
-    if SUMMARY_MARKER in user_text or codex.get("request_kind") == "compaction":
+    summary = SUMMARY_MARKER in user_text or CODEX_SUMMARY_MARKER in user_text
+    if summary or codex.get("request_kind") == "compaction":
         return SUBAGENT_SUMMARY if subagent else MAIN_SUMMARY
     if any(m in system_text or m in user_text for m in SIDE_MARKERS):
         return SIDE
