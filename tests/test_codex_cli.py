@@ -22,6 +22,7 @@ from gyre.engine.launcher import start_engine
 from gyre.harness.codex import CODEX_VERSION, EventTally, codex_bin, codex_config, responses_base_url
 from gyre.harness.kinds import harness_spec
 from gyre.harness.runner import run_rollout
+from gyre.model.chat_template import GENERATION_PROMPT
 from gyre.model.hf_io import save_hf_checkpoint
 from gyre.model.llama import LlamaForCausalLM
 from gyre.model.tokenizer import Tokenizer
@@ -109,6 +110,9 @@ def test_codex_runs_builtin_and_harbor_tasks_and_splices_its_outputs(proxy):
         assert task.prompt in Tokenizer.load(root / "tok").decode(calls[0].input_ids)
     assert outcome.grade.checks and {c["name"] for c in outcome.grade.checks} == {"exists", "content"}
     calls = server.call_log.for_rollout("cx-builtin")
+    tok = Tokenizer.load(root / "tok")  # the CLI's first request in the sandbox is the warm start's, token for token
+    ids, _ = encode_conversation(*harness_spec("codex").first_request(builtin, bare=True), tok)
+    assert calls[0].input_ids == ids + tok.encode(GENERATION_PROMPT), tok.decode(calls[0].input_ids)
     assert len(calls) >= 2 and calls[0].tool_calls and calls[0].tool_calls[0]["name"] == "exec_command"
     for k, after in zip(calls, calls[1:], strict=False):  # call k+1 holds call k's prompt and output ids verbatim
         assert after.input_ids[: len(k.input_ids) + len(k.output_ids)] == k.input_ids + k.output_ids
