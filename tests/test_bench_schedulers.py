@@ -44,9 +44,14 @@ def test_report_gives_medians_with_their_spread() -> None:
 
 
 def test_cpu_seconds_are_told_apart_by_component() -> None:
-    assert component_of("|mpirun -n 4") == "launcher"
-    assert component_of("0|python -m mpi4py -m gyre.sched.launch.job out") == "controller"
-    assert component_of("2|python -m mpi4py -m gyre.sched.launch.job out") == "cell2"
-    assert component_of("2|python -m gyre.engine.server --port 1") == "engine2"
-    tree = process_tree(os.getpid())  # this test's process, with no PMI_RANK: the launcher
+    job = "python -m mpi4py -m gyre.sched.launch.job out"
+    assert component_of("mpirun -n 4", "", "launcher") == "launcher"
+    assert component_of(f"sh -c trap '' USR1; {job}", "0", "launcher") == "controller"  # the rank's shell
+    assert component_of(job, "0", "controller") == "controller"
+    assert component_of(job, "2", "cell@rank2") == "cell@rank2"
+    assert component_of("python -m gyre.engine.server --port 1", "2", "cell@rank2") == "engine@rank2"
+    assert component_of("python -m gyre.engine.server --port 1", "", "cell@rank2") == "engine@rank2"
+    assert component_of("bwrap -- python harness.py", "", "controller") == "harnesses"  # no PMI_RANK inside
+    assert component_of("python grade.py", "", "harnesses") == "harnesses"
+    tree = process_tree(os.getpid())  # this test's process, no MPI rank: the launcher
     assert tree[os.getpid()][0] == "launcher" and tree[os.getpid()][1] > 0

@@ -104,10 +104,9 @@ def run_once(scheduler: str, steps: int, out: Path, extra: list[str]) -> dict[st
 
 
 class CpuSampler:
-    """CPU seconds of a run's processes by component, read from /proc every `every_s` while it runs: rank 0
-    and what it starts (proxy, harnesses, tools) is the controller, rank i > 0 cell i, a process running
-    gyre.engine that cell's engine. A process's last fraction of a poll before it exits is not seen (a lower
-    bound); the 1-minute load average is sampled alongside."""
+    """CPU seconds of a run's processes by component (`component_of`), read from /proc every `every_s` while
+    it runs. A process's last fraction of a poll before it exits is not seen (a lower bound: short-lived
+    harness tools lose the most); the 1-minute load average is sampled alongside."""
 
     def __init__(self, root_pid: int, every_s: float = 0.5) -> None:
         self.root_pid, self.every_s = root_pid, every_s
@@ -143,7 +142,7 @@ class CpuSampler:
 
 def process_tree(root: int) -> dict[int, tuple[str, int]]:
     """pid -> (component, utime + stime ticks) of `root` and its descendants (gone ones skipped)."""
-    stats: dict[int, tuple[int, int, str]] = {}  # pid -> (ppid, ticks, cmdline)
+    stats: dict[int, tuple[int, int, str, str]] = {}  # pid -> (ppid, ticks, MPI rank or "", cmdline)
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -153,16 +152,19 @@ def process_tree(root: int) -> dict[int, tuple[str, int]]:
             rank = _pmi_rank(entry)
         except OSError:
             continue
-        stats[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]), f"{rank}|{cmdline}")
+        stats[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]), rank, cmdline)
     children: dict[int, list[int]] = {}
-    for pid, (ppid, _, _) in stats.items():
+    for pid, (ppid, *_) in stats.items():
         children.setdefault(ppid, []).append(pid)
-    out, todo = {}, [root]
+    out: dict[int, tuple[str, int]] = {}
+    todo = [(root, "launcher")]
     while todo:
-        pid = todo.pop()
+        pid, parent = todo.pop()
         if pid in stats:
-            out[pid] = (component_of(stats[pid][2]), stats[pid][1])
-            todo += children.get(pid, [])
+            _, ticks, rank, cmdline = stats[pid]
+            label = component_of(cmdline, rank, parent)
+            out[pid] = (label, ticks)
+            todo += [(child, label) for child in children.get(pid, [])]
     return out
 
 
@@ -173,14 +175,17 @@ def _pmi_rank(proc_dir: Path) -> str:
     return ""
 
 
-def component_of(tagged_cmdline: str) -> str:
-    """ "rank|cmdline" -> controller, cell<i>, engine<i> or launcher (mpirun and what runs before rank 0)."""
-    rank, _, cmdline = tagged_cmdline.partition("|")
-    if not rank:
-        return "launcher"
+def component_of(cmdline: str, rank: str, parent: str) -> str:
+    """A process's component from its command line, its MPI rank (PMI_RANK, "" when its environment has
+    none: a sandboxed harness) and its parent's component: a rank's own process is the controller (rank 0)
+    or a cell (cell@rank<r>), an engine is its rank's engine (engine@rank<r>), what the controller starts
+    (proxy helpers, harnesses, tools, graders) is "harnesses", anything else its parent's component
+    (mpirun and the launcher: "launcher")."""
     if "gyre.engine.server" in cmdline or "sglang.launch_server" in cmdline:
-        return f"engine{rank}"
-    return "controller" if rank == "0" else f"cell{rank}"
+        return f"engine@rank{rank or parent.rpartition('rank')[2]}"
+    if rank and "gyre.sched.launch" in cmdline:
+        return "controller" if rank == "0" else f"cell@rank{rank}"
+    return "harnesses" if parent == "controller" else parent
 
 
 def run_order(schedulers: list[str], repeat: int) -> list[str]:
