@@ -171,6 +171,10 @@ def test_calibration_reads_a_run(tmp_path: Path) -> None:
     assert simulate("elastic", again.cell, again.shape, again.trace()).wall_s == pytest.approx(
         simulate("elastic", cal.cell, cal.shape, cal.trace()).wall_s
     )
+    assert c.group_write_blocks and record.shape["tool_time_s"] == 0.0 and record.shape["cpus"] >= 1
+    metrics = tmp_path / "metrics.jsonl"  # a run with the writer thread: its group rows say the loop went on
+    metrics.write_text(metrics.read_text().replace('"seconds": 0.25}', '"seconds": 0.25, "blocked_s": 0.0}'))
+    assert not calibrate([read_run(tmp_path)]).cell.group_write_blocks
 
 
 # the cross-prediction of the recorded benchmark (tools/sim_data/bench17_runs.json.gz) before the trace was

@@ -135,9 +135,10 @@ def workload_facts(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _group_writes(rows: list[dict[str, Any]], group_size: int) -> list[float]:
-    """How long the controller's loop stood still writing and planning each completed group's shard: the
-    `group` events, or in a run from before they were logged, the time from the session row that completed
-    the group to the controller's next row (an upper bound: the loop may have waited for news)."""
+    """How long each completed group's shard took to write and plan: the `group` events (on the writer's
+    thread when they carry `blocked_s`, else in the controller's loop), or in a run from before they were
+    logged, the time from the session row that completed the group to the controller's next row (an upper
+    bound: the loop may have waited for news)."""
     if direct := [r["seconds"] for r in rows if r["event"] == "group"]:
         return direct
     seen: dict[tuple[int, str], int] = defaultdict(int)
