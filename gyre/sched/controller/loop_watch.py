@@ -21,6 +21,7 @@ class LoopWatch:
     def __init__(self) -> None:
         self.longest: dict[str, float] = {}  # phase -> the longest it held the loop since the last take()
         self.longest_cpu: dict[str, float] = {}  # phase -> the most CPU the loop's thread spent in one pass
+        self.others_cpu: dict[str, float] = {}  # phase -> in its longest pass, CPU the process's other threads used
         self.woke = time.monotonic()  # when the loop last woke (news, or its poll's time-out)
 
     def wake(self) -> None:
@@ -28,22 +29,28 @@ class LoopWatch:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        start, cpu = time.monotonic(), time.thread_time()
+        start, cpu, process = time.monotonic(), time.thread_time(), time.process_time()
         try:
             yield
         finally:
-            self.longest[name] = max(self.longest.get(name, 0.0), time.monotonic() - start)
-            self.longest_cpu[name] = max(self.longest_cpu.get(name, 0.0), time.thread_time() - cpu)
+            wall, mine = time.monotonic() - start, time.thread_time() - cpu
+            if wall >= self.longest.get(name, 0.0):
+                self.longest[name] = wall
+                self.others_cpu[name] = max(0.0, time.process_time() - process - mine)
+            self.longest_cpu[name] = max(self.longest_cpu.get(name, 0.0), mine)
 
     def take(self) -> dict[str, dict[str, float]]:
-        """The longest time each phase held the loop since the last take (a step's row), in wall seconds and
-        in the loop thread's own CPU seconds: a wall far above the CPU is time the thread waited for a CPU
-        (a loaded machine) or for the interpreter lock, not work it did."""
+        """The longest time each phase held the loop since the last take (a step's row), in wall seconds; the
+        most CPU seconds the loop's thread spent in one pass of it; and, during the longest pass, the CPU
+        seconds the controller's other threads (proxy, rollout driver, shard writer) used. A wall far above
+        the loop's CPU is waiting: for the interpreter lock when the other threads' CPU fills it, else for a
+        CPU (a loaded machine)."""
         out = {
-            "loop_max_s": {k: round(v, 4) for k, v in sorted(self.longest.items())},
-            "loop_max_cpu_s": {k: round(v, 4) for k, v in sorted(self.longest_cpu.items())},
+            "loop_max_s": _rounded(self.longest),
+            "loop_max_cpu_s": _rounded(self.longest_cpu),
+            "loop_max_others_cpu_s": _rounded(self.others_cpu),
         }
-        self.longest, self.longest_cpu = {}, {}
+        self.longest, self.longest_cpu, self.others_cpu = {}, {}, {}
         return out
 
     def decision_row(
@@ -60,3 +67,7 @@ class LoopWatch:
             "decide_s": round(decide_s, 5),
             "loop_s": round(time.monotonic() - decide_s - self.woke, 4),
         }
+
+
+def _rounded(d: dict[str, float]) -> dict[str, float]:
+    return {k: round(v, 4) for k, v in sorted(d.items())}
