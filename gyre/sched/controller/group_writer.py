@@ -81,7 +81,7 @@ class GroupWriter:
         """Wait up to `timeout` s for every handed-over group (the end of a run, a test)."""
         deadline = time.monotonic() + timeout
         out: list[WrittenGroup] = []
-        while self.in_flight > len(out) and time.monotonic() < deadline:
+        while self.in_flight > 0 and time.monotonic() < deadline:  # done() counts what it takes back
             time.sleep(0.01)
             out += self.done()
         return out
