@@ -44,6 +44,7 @@ class EngineProcess:
     log_path: Path
     model_path: str
     _log_file: object = field(default=None, repr=False)
+    temp_log: bool = False  # the log is a temp file of ours: removed after a clean stop, kept after a failure
 
     @property
     def pid(self) -> int:
@@ -69,6 +70,8 @@ class EngineProcess:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+        if self.temp_log and self.proc.returncode in (0, -signal.SIGTERM):
+            self.log_path.unlink(missing_ok=True)
         return self.proc.returncode
 
     def __enter__(self) -> EngineProcess:
@@ -112,6 +115,7 @@ def start_engine(
     `weights_dirs` (default: `model_path`). Output (stdout and stderr) goes to log_path (a temp file by default); on failure the error
     carries its tail.
     """
+    temp_log = log_path is None
     log_path = _log_path(log_path)
     cmd = [
         sys.executable,
@@ -132,6 +136,7 @@ def start_engine(
     child_env = {**os.environ, **(env or {})}
     child_env.setdefault("OMP_NUM_THREADS", str(num_threads))
     engine = _spawn_engine(cmd, child_env, log_path, str(model_path))
+    engine.temp_log = temp_log
     return _wait_until_healthy(engine, startup_timeout_s)
 
 
@@ -167,11 +172,12 @@ def _spawn_engine(cmd: list[str], env: dict[str, str], log_path: Path, model_pat
 
 
 def _wait_until_healthy(engine: EngineProcess, timeout_s: float) -> EngineProcess:
-    """The engine once it printed its URL and /health answers; stopped, with its log's tail in the error, if it
-    exits or is not healthy within `timeout_s`."""
+    """The engine once it printed its URL and /health answers; stopped, with its log's tail in the error (the log
+    then kept), if it exits or is not healthy within `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not engine.alive():
+            engine.temp_log = False  # the error names the log
             engine.stop()
             raise EngineStartError(
                 f"engine for {engine.model_path} exited with code {engine.proc.returncode} before it was ready; "
@@ -181,6 +187,7 @@ def _wait_until_healthy(engine: EngineProcess, timeout_s: float) -> EngineProces
         if engine.url and _healthy(engine.url):
             return engine
         time.sleep(0.1)
+    engine.temp_log = False  # the error names the log
     engine.stop()
     raise EngineStartError(
         f"engine for {engine.model_path} not healthy after {timeout_s:.0f}s (raise startup_timeout_s if the "
