@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from gyre.config.schema import ProxyConfig
 from gyre.engine.client import SamplingParams
-from gyre.model.chat_template import TemplateError, parse_assistant_text
+from gyre.model.chat_template import TemplateError, parse_assistant_text, reply_text
 from gyre.model.tokenizer import Tokenizer
 from gyre.proxy.body_check import LARGE_BODY_BYTES, BodyChecker
 from gyre.proxy.call_log import CallLog, CallRecord
@@ -47,6 +47,8 @@ class GenParams:
     seed: int | None = None
     top_k: int = -1
     min_p: float = 0.0
+    # False for tool_choice "none" (every API): the reply is text, tool-call markup included, never a tool call
+    tool_calls: bool = True
 
 
 def cut_at_stop(tokenizer: Tokenizer, output_ids: list[int], stops: list[str]) -> tuple[int, str] | None:
@@ -240,7 +242,7 @@ class CallRunner:
             output_ids, logprobs, finish = output_ids[:n], logprobs[:n], "stop"
         else:
             text = self.tokenizer.decode(output_ids)
-        content, calls = parse_assistant_text(text)
+        content, calls = parse_assistant_text(text) if params.tool_calls else (reply_text(text), [])
         record = CallRecord(
             rollout_id=rollout_id,
             call_id=call_id,
