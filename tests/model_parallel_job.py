@@ -110,9 +110,16 @@ def main(out: Path, tp: int, pp: int) -> None:
     dp, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     metrics, grads = one_step(trainer, batches[dp::dp_size])
     after = trainer.hf_state_dict()
+    # what this rank would send an SGLang engine shard to shard: its stage, TP shards all-gathered, in HF names
+    from gyre.engine.sglang_weights import sends_weights, stage_hf_state, tp_merged_stage
+
+    stage = stage_hf_state(tp_merged_stage(trainer.model, CFG), CFG)
+    sender = sends_weights(parallel_state.get_tensor_model_parallel_rank())
+    stages = MPI.COMM_WORLD.gather((sender, stage), root=0)
     if MPI.COMM_WORLD.Get_rank() == 0:
         layout = {"tp": tp, "pp": pp, "dp": dp_size}
-        torch.save({"weights": after, "grads": grads, "metrics": metrics, "logprobs": before, "layout": layout}, out)
+        torch.save({"weights": after, "grads": grads, "metrics": metrics, "logprobs": before, "layout": layout,
+                    "stages": stages}, out)  # fmt: skip
     MPI.COMM_WORLD.Barrier()
 
 

@@ -72,6 +72,10 @@ def test_a_tp2_dp2_world_update_equals_the_one_process_update(tmp_path, one_proc
     """One trainer world of 4 ranks: tensor parallel 2, data parallel 2 (megatron's groups, gloo)."""
     got = run_job(tmp_path, "model_parallel_job.py", 4, 2, 1)
     assert got["layout"] == {"tp": 2, "pp": 1, "dp": 2}
+    # each TP group's first rank would send an SGLang engine its stage, merged from the TP shards, in HF names
+    assert [sender for sender, _ in got["stages"]] == [True, False, True, False]
+    for _, stage in got["stages"]:
+        assert set(stage) == set(got["weights"]) and all(torch.equal(stage[k], v) for k, v in got["weights"].items())
     torch.testing.assert_close(got["logprobs"], one_process["logprobs"])  # fp32 defaults: rtol 1.3e-6, atol 1e-5
     check_update(got, one_process)
 
