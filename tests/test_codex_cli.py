@@ -87,7 +87,8 @@ def proxy(tmp_path_factory):
     engine = start_engine(train_policy(root, task), max_context_tokens=CONTEXT, log_path=root / "engine.log")
     keys = RolloutKeys()
     server = ProxyServer(Tokenizer.load(root / "tok"), [engine.url],
-                         ProxyConfig(max_context_tokens=CONTEXT, max_output_tokens=48, default_max_tokens=48),
+                         ProxyConfig(max_context_tokens=CONTEXT, max_output_tokens=48, default_max_tokens=48,
+                                     sampling_seed=0),  # Codex sends no seed: the test samples the same tokens every run
                          CallLog(root / "calls.jsonl"), keys=keys)  # fmt: skip
     server.start()
     yield server, keys, root, task

@@ -75,7 +75,7 @@ def sdk_requests() -> list[tuple[str, dict[str, str], bytes]]:
             dict(messages=history, tools=[tool], temperature=0.7, top_p=0.9, seed=3, stop=["\n\n"], logprobs=True,
                  top_logprobs=0, max_completion_tokens=2, user="u", metadata={"a": "b"}, store=False,
                  parallel_tool_calls=True, reasoning_effort="low", service_tier="auto", n=1,
-                 response_format={"type": "text"}, presence_penalty=0.1, frequency_penalty=0.1, **new_params),
+                 response_format={"type": "text"}, presence_penalty=0, frequency_penalty=0, **new_params),
         ):  # fmt: skip
             with contextlib.suppress(openai.APIError):
                 client.chat.completions.create(model="gpt-5", **kwargs)

@@ -51,6 +51,9 @@ REFUSED = [
     ("chat", {"logprobs": True, "top_logprobs": 3}, "top_logprobs"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
     ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("chat", {"frequency_penalty": -0.1}, "frequency_penalty"),
+    ("chat", {"logit_bias": {"17": 5}}, "logit_bias"),
     ("anthropic", {"tool_choice": {"type": "any"}}, "tool_choice"),
     ("anthropic", {"tool_choice": {"type": "tool", "name": "write_file"}}, "tool_choice"),
     ("anthropic", {"tool_choice": {"type": "auto", "disable_parallel_tool_use": True}}, "tool_choice"),
@@ -73,7 +76,8 @@ def test_what_would_need_constrained_decoding_is_refused_in_the_apis_shape(api, 
 
 
 def test_what_can_be_honoured_is_accepted():
-    parse_chat_request({**BASES["chat"], "response_format": {"type": "text"}, "logprobs": True, "top_logprobs": 0}, "m")
+    parse_chat_request({**BASES["chat"], "response_format": {"type": "text"}, "logprobs": True, "top_logprobs": 0,
+                        "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {"17": 0}}, "m")  # fmt: skip
     parse_messages_request({**BASES["anthropic"], "output_config": {"effort": "high"}}, "m")  # Claude Code sends it
     parse_responses_request({**BASES["responses"], "include": ["reasoning.encrypted_content"],
                              "truncation": "disabled", "text": {"format": {"type": "text"}}}, "m")  # fmt: skip

@@ -297,6 +297,9 @@ class ProxyConfig:
     # a body of 512 KB or more is measured in a helper process before it is parsed: over this many JSON values
     # (parsing holds the event loop ~0.3 us per value) it gets 413
     max_body_values: int = ranged(250_000, POSITIVE)
+    # a call that sends no seed (Claude Code, Codex, litellm send none) is seeded from this, its rollout id and
+    # its prompt's token ids: the same conversation samples the same tokens, in any order of arrival
+    sampling_seed: int | None = ranged(None, SEED, why="or null: calls without a seed sample unseeded")
 
     def __post_init__(self) -> None:
         from gyre.config.validate import check_proxy

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
+from array import array
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -125,6 +127,15 @@ class CallRunner:
         self.retokenized_turns = 0
         self._forced_limits: dict[str, int] = {}
 
+    def derived_seed(self, rollout_id: str, input_ids: list[int]) -> int | None:
+        """proxy.sampling_seed's seed for a call that sent none: a hash of the run's seed, the rollout and the
+        prompt's ids, so a rerun samples what the first run did whatever order the calls arrive in."""
+        if self.cfg.sampling_seed is None:
+            return None
+        digest = hashlib.blake2b(f"{self.cfg.sampling_seed}/{rollout_id}/".encode(), digest_size=4)
+        digest.update(array("q", input_ids).tobytes())
+        return int.from_bytes(digest.digest(), "little") >> 1
+
     def force_context_limit(self, rollout_id: str, limit: int | None) -> None:
         """Answer this rollout's prompts over `limit` tokens as too long (None lifts it); it only
         lowers `max_context_tokens`. Drives a harness's compaction path without a long task."""
@@ -211,14 +222,15 @@ class CallRunner:
             wanted = min(wanted, self.cfg.max_output_tokens)
         return min(wanted, limit - prompt_tokens)
 
-    def sampling(self, prompt_tokens: int, params: GenParams, rollout_id: str) -> SamplingParams:
-        """The engine's sampling parameters for a call: the request's, its output bounded by the context limit."""
+    def sampling(self, input_ids: list[int], params: GenParams, rollout_id: str) -> SamplingParams:
+        """The engine's sampling parameters for a call: the request's, its output bounded by the context limit, its
+        seed the request's or one derived from the rollout and the prompt (a rerun samples the same)."""
         return SamplingParams(
             temperature=params.temperature,
             top_p=params.top_p,
-            max_new_tokens=self.max_new_tokens(prompt_tokens, params.max_tokens, rollout_id),
+            max_new_tokens=self.max_new_tokens(len(input_ids), params.max_tokens, rollout_id),
             stop_token_ids=[self.tokenizer.eos_id],
-            seed=params.seed,
+            seed=params.seed if params.seed is not None else self.derived_seed(rollout_id, input_ids),
             top_k=params.top_k,
             min_p=params.min_p,
             truncated_logprobs=self.truncated_logprobs,
@@ -236,7 +248,7 @@ class CallRunner:
     ) -> CallRecord:
         t_start = time.time()
         prompt = await self.render(rollout_id, messages, tools)
-        sampling = self.sampling(len(prompt.input_ids), params, rollout_id)
+        sampling = self.sampling(prompt.input_ids, params, rollout_id)
         call_id = self.call_log.next_call_id()
         url, result = await self.dispatcher.generate(prompt.input_ids, sampling, call_id, rollout_id)
         output_ids, logprobs, finish = result.output_ids, result.output_logprobs, result.finish_reason

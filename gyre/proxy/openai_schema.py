@@ -5,7 +5,7 @@ tokenizing or engine work. Strict types (no "1" for 1, no 1.0 for an integer), r
 nothing here are accepted and ignored. What would change the reply but cannot be honoured is refused by name:
 `tool_choice` other than "auto" and "none" (no constrained decoding to force a call), `top_logprobs` above 0
 (the engines return the sampled token's logprob only), a `response_format` other than text (no constrained
-decoding to a JSON schema). Unknown top-level fields are refused, as OpenAI does.
+decoding to a JSON schema), non-zero presence/frequency penalties and logit biases (the engines sample without them). Unknown top-level fields are refused, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -127,6 +127,7 @@ class TextFormat(_Part):
 
 
 NO_TOP_LOGPROBS = "top logprobs are not served (the engines return the sampled token's logprob only): use 0"
+NO_PENALTIES = "is not applied by the engines (training needs the logprobs of the distribution sampled): use 0"
 
 
 class ChatCompletionBody(BaseModel):
@@ -185,6 +186,20 @@ class ChatCompletionBody(BaseModel):
     def _no_top_logprobs(cls, value: int | None) -> int | None:
         if value:
             raise ValueError(NO_TOP_LOGPROBS)
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None, info: Any) -> float | None:
+        if value:
+            raise ValueError(f"{info.field_name} {NO_PENALTIES}")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, int] | None) -> dict[str, int] | None:
+        if value and any(value.values()):
+            raise ValueError("logit_bias is not applied by the engines: send none (or only zero biases)")
         return value
 
     @field_validator("stop")
