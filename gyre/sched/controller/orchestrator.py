@@ -227,10 +227,13 @@ class Controller:
             ago = time.time() - done.started  # the driver's times are wall clock, the timeline's monotonic
             row = {"event": "session", "rollout_id": done.job.rollout_id, "step": done.job.step, "kind": done.job.kind}
             row |= {"started": round(self.timeline.now() - ago, 3), "seconds": round(done.ended - done.started, 3)}
+            row |= {"queued_s": round(done.queued_s, 3)}
             if done.outcome is not None:  # the harness's own clock: model calls and tools, not start-up or grading
                 row |= {"harness_s": done.outcome.wall_s, "turns": done.outcome.turns}
-            self.log(row)
+            self.log(row | ({"preempted": True} if done.preempted else {}))
             calls = self.call_log.pop_rollout(done.job.rollout_id)
+            if done.preempted:  # an eval session whose slot training took: it runs again, from the start
+                continue
             if done.job.kind == "eval":
                 self.eval_finished(done, calls)
                 continue
@@ -385,9 +388,9 @@ class Controller:
         return self.table.states(self.train.busy)
 
     def load(self) -> Load:
-        """Queued eval sessions call cells to serve under colocate and after the last step only."""
-        queued_eval = self.pcfg.colocated or self.train.version >= self.cfg.steps
-        queued, running = self.driver.level(queued_eval)
+        """Eval sessions count under colocate and after the last step only: otherwise they keep no cell serving
+        and call none back (they hold only slots no training session wants, gyre.sched.controller.sessions)."""
+        queued, running = self.driver.level(evals=self.pcfg.colocated or self.train.version >= self.cfg.steps)
         return Load(queued, running, self.train.waiting_work())
 
     def sample_level(self) -> None:
@@ -419,7 +422,8 @@ class Controller:
             for rank in c.remote_followers if not c.alive else ():
                 self.cp.send(rank, Shutdown("its cell was declared dead", False))
         self.bar.close()
-        timeline = self.timeline.save(self.out, f"{self.cfg.scheduler}: {len(self.step_rows)} steps, {wall_s:.0f} s")
+        title = f"{self.cfg.scheduler}: {len(self.step_rows)} steps, {wall_s:.0f} s"
+        timeline = self.timeline.save(self.out, title, self.driver.slots)
         curve = plot_learning_curve(self.run_rows, self.out / "learning_curve.png", self.eval_rows)
         report = self.summary(wall_s) | {"stopped_by": stopped}
         (self.out / "summary.json").write_text(json.dumps(report, indent=1))
