@@ -87,15 +87,22 @@ def test_scheduler_runs_as_an_mpi_job_of_cells(tmp_path: Path, scheduler: str) -
 
 
 def check_evals_never_held_up_training(out: Path, rows: list[dict]) -> None:
-    """The evals ran (the first and the last version at least) and their rows agree with their shards; at every
-    change of the driver's counts, eval sessions held only slots no running or waiting training session wanted
-    (a training session that wanted one took it at once: the eval session was preempted and ran again later);
-    and, from the session rows, no training session that waited for a slot waited while an eval session ran."""
+    """Every due version was evaluated or abandoned for the next one; each eval row was served by its own
+    weights alone and agrees with its shards; at every change of the driver's counts, eval sessions held only
+    slots no running or waiting training session wanted (one that wanted a slot took it at once: the eval session
+    was preempted and ran again later); and, from the session rows, no training session that waited for a slot
+    waited while an eval session ran."""
     evals = [r for r in rows if r["event"] == "eval"]
-    versions = [r["version"] for r in evals]
-    assert versions[0] == 0 and versions[-1] == 2 and versions == sorted(set(versions))
+    abandoned = [r for r in rows if r["event"] == "eval_abandoned"]
+    assert evals[-1]["version"] == 2  # the last step's weights are always evaluated
+    assert sorted(r["version"] for r in evals + abandoned) == [0, 1, 2]
+    assert all(r["replaced_by"] == r["version"] + 1 for r in abandoned)
     for r in evals:
-        check_row_against_shards(out, r, samples=2)  # pass@k from the shards; every eval rollout excluded, no loss weight
+        assert r["weight_versions"] == [str(r["version"])]
+        check_row_against_shards(
+            out, r, samples=2
+        )  # pass@k from the shards; every eval rollout excluded, no loss weight
+    assert sorted(p.name for p in (out / "shards_eval").glob("*.h5")) == sorted(n for r in evals for n in r["shards"])
     slots = json.loads((out / "timeline.json").read_text())["slots"]
     assert slots and max(s[4] for s in slots) > 0  # eval sessions did run
     for _, queued_train, running_train, _, running_eval, capacity in slots:
@@ -108,8 +115,7 @@ def check_evals_never_held_up_training(out: Path, rows: list[dict]) -> None:
     assert waits  # training sessions did wait for slots (16 per step, 4 per cell)
     for w0, w1 in waits:
         assert all(min(w1, e1) - max(w0, e0) <= 0.05 for e0, e1 in eval_runs), (w0, w1)
-    preempted = [r for r in sessions if r.get("preempted")]
-    assert all(r["kind"] == "eval" for r in preempted)
+    assert all(r["kind"] == "eval" for r in sessions if r.get("preempted"))
 
 
 def check_tensorboard(out: Path, rows: list[dict]) -> None:

@@ -67,7 +67,7 @@ def test_eval_sessions_start_only_when_no_training_session_waits(monkeypatch, tm
 
 def test_a_training_session_takes_an_eval_sessions_slot_at_once(monkeypatch, tmp_path):
     started: list[str] = []
-    driver = fake_driver(monkeypatch, tmp_path, started, 0.3)
+    driver = fake_driver(monkeypatch, tmp_path, started, 0.2)
     try:
         driver.set_capacity(2)
         driver.submit(evals(2))
@@ -87,7 +87,7 @@ def test_a_training_session_takes_an_eval_sessions_slot_at_once(monkeypatch, tmp
 
 def test_eval_sessions_give_up_the_slots_of_a_cell_that_leaves(monkeypatch, tmp_path):
     started: list[str] = []
-    driver = fake_driver(monkeypatch, tmp_path, started, 0.3)
+    driver = fake_driver(monkeypatch, tmp_path, started, 0.2)
     try:
         driver.set_capacity(4)
         driver.submit(trains(1) + evals(3))
@@ -109,3 +109,20 @@ def test_a_retried_eval_job_keeps_its_task_and_counts_its_attempts():
     job = SessionJob(3, 1, TASK, "e3-t1-r0", kind="eval")
     again = job.retry().retry()
     assert (again.rollout_id, again.attempt, again.step, again.group) == ("e3-t1-r0.2", 2, 3, 1)
+
+
+def test_dropped_evals_leave_the_queue_and_their_slots_and_do_not_come_back(monkeypatch, tmp_path):
+    started: list[str] = []
+    driver = fake_driver(monkeypatch, tmp_path, started, 0.2)
+    try:
+        driver.set_capacity(2)
+        driver.submit(evals(4))
+        wait_until(lambda: len(started) == 2)
+        driver.drop_evals()  # a newer version's eval replaces them
+        dropped = [driver.events.get(timeout=1) for _ in range(2)]
+        assert all(d.preempted for d in dropped) and driver.eval_level() == 0
+        driver.submit(trains(1))
+        assert not driver.events.get(timeout=10).preempted
+    finally:
+        driver.close()
+    assert started == ["e0-t0-r0", "e0-t0-r1", "s1-g0-r0"]

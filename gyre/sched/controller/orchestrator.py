@@ -198,10 +198,18 @@ class Controller:
 
     def start_eval(self) -> None:
         """Evaluate the current weights when an eval is due: after the step's update, before the next step's
-        sessions under colocate (admit waits for it); as lowest-priority rollout work otherwise."""
-        if self.evals is not None and not self.evals.in_flight and self.evals.due(self.train.version):
-            if not any(r.get("version") == self.train.version for r in self.eval_rows):  # a resume's repeat
-                self.driver.submit(self.evals.open(self.train.version))
+        sessions under colocate (admit waits for it); as lowest-priority rollout work otherwise, where an
+        eval still in flight when the next one comes due is abandoned for it (so no eval is served by weights
+        newer than the next due version's)."""
+        version = self.train.version
+        if self.evals is None or not self.evals.due(version) or self.evals.version == version:
+            return
+        if any(r.get("version") == version for r in self.eval_rows):  # a resume's repeat
+            return
+        if self.evals.in_flight:
+            self.driver.drop_evals()
+            self.log(self.evals.abandon(version))
+        self.driver.submit(self.evals.open(version))
 
     def admit(self) -> None:
         if self.pcfg.colocated and self.eval_in_flight:
@@ -249,9 +257,6 @@ class Controller:
         if (row := self.evals.finished(done, calls)) is not None:
             self.log(row)
             self.eval_rows.append(row)
-            # an eval that came due while this one ran (under the cell schedulers steps go on meanwhile): the
-            # current weights, if they are due (the last step's always are)
-            self.start_eval()
 
     def collect_acks(self) -> None:
         for body, ack in self.outbox.pump():

@@ -145,13 +145,27 @@ class RolloutDriver:
         running_train = self._running - len(self._evals)
         free_for_eval = max(0, self._capacity - running_train - len(self._pending))
         for rollout_id in list(self._evals)[free_for_eval:][::-1]:
-            run = self._evals.pop(rollout_id)
-            self._running -= 1
-            self._preempted.add(rollout_id)
-            self._pending_eval.appendleft((run.job.retry(), now))
-            self.events.put(SessionDone(run.job, None, run.started, now, queued_s=run.queued_s, preempted=True))
-            self._loop.call_soon_threadsafe(self._cancel, run)
+            self._pending_eval.appendleft((self._preempt(rollout_id, now).retry(), now))
         self._note()
+
+    def drop_evals(self) -> None:
+        """Forget every eval session: queued ones are dropped, running ones preempted and not run again (an
+        eval of newer weights replaces them)."""
+        now = time.time()
+        with self._lock:
+            self._pending_eval.clear()
+            for rollout_id in list(self._evals):
+                self._preempt(rollout_id, now)
+            self._note()
+
+    def _preempt(self, rollout_id: str, now: float) -> SessionJob:
+        """Take a running eval session's slot now (under the lock); its harness is killed just after."""
+        run = self._evals.pop(rollout_id)
+        self._running -= 1
+        self._preempted.add(rollout_id)
+        self.events.put(SessionDone(run.job, None, run.started, now, queued_s=run.queued_s, preempted=True))
+        self._loop.call_soon_threadsafe(self._cancel, run)
+        return run.job
 
     def _cancel(self, run: _Running) -> None:
         if run.task is not None:  # created in the same loop callback that started it: set by now
