@@ -1,9 +1,11 @@
 """Evaluation during a run: every eval.every steps (and before the first), each eval task sampled
 eval.samples times with the weights of one version, through the run's harness, proxy, sandbox and grader.
 
-Eval sessions are rollout work of the lowest priority (gyre.sched.controller.sessions starts one only when no
-training session waits); their shards go to shards_eval/ (kind=eval, every rollout excluded from training)
-and never reach a group's advantage or the trainer. Each finished eval is one metrics row (`event: eval`).
+Eval sessions are rollout work of the lowest priority: gyre.sched.controller.sessions gives them only slots no
+training session wants and preempts them (to run again) when one does, so under the cell schedulers they
+never hold up a step; the controller abandons an eval still in flight when the next comes due. Their shards
+go to shards_eval/ (kind=eval, every rollout excluded from training) and never reach a group's advantage or
+the trainer. Each finished eval is one metrics row (`event: eval`).
 """
 
 from __future__ import annotations
