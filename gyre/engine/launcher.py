@@ -52,6 +52,7 @@ class EngineProcess:
     log_path: Path
     model_path: str
     _log_file: object = field(default=None, repr=False)
+    temp_log: bool = False  # the log is a temp file of ours: removed after a clean stop, kept after a failure
 
     @property
     def pid(self) -> int:
@@ -77,6 +78,8 @@ class EngineProcess:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+        if self.temp_log and self.proc.returncode in (0, -signal.SIGTERM):
+            self.log_path.unlink(missing_ok=True)
         return self.proc.returncode
 
     def __enter__(self) -> EngineProcess:
@@ -120,6 +123,7 @@ def start_engine(
     `weights_dirs` (default: `model_path`). Output (stdout and stderr) goes to log_path (a temp file by default); on failure the error
     carries its tail.
     """
+    temp_log = log_path is None
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix="gyre-engine-", suffix=".log")
         os.close(fd)
@@ -160,10 +164,11 @@ def start_engine(
         )
     finally:
         os.close(key_fd)
-    engine = EngineProcess(proc, "", log_path, str(model_path), log_file)
+    engine = EngineProcess(proc, "", log_path, str(model_path), log_file, temp_log)
     deadline = time.monotonic() + startup_timeout_s
     while time.monotonic() < deadline:
         if not engine.alive():
+            engine.temp_log = False  # the error names the log
             engine.stop()
             raise EngineStartError(
                 f"engine for {model_path} exited with code {proc.returncode} before it was ready; "
@@ -173,6 +178,7 @@ def start_engine(
         if engine.url and _healthy(engine.url):
             return engine
         time.sleep(0.1)
+    engine.temp_log = False  # the error names the log
     engine.stop()
     raise EngineStartError(
         f"engine for {model_path} not healthy after {startup_timeout_s:.0f}s (raise startup_timeout_s if the "
