@@ -87,14 +87,17 @@ def test_scheduler_runs_as_an_mpi_job_of_cells(tmp_path: Path, scheduler: str) -
 
 
 def check_evals_never_held_up_training(out: Path, rows: list[dict]) -> None:
-    """Every due version was evaluated or abandoned for the next one; each eval row was served by its own
+    """The baseline ran before any training session; every due version was evaluated or abandoned for the
+    next one; each eval row was served by its own
     weights alone and agrees with its shards; at every change of the driver's counts, eval sessions held only
     slots no running or waiting training session wanted (one that wanted a slot took it at once: the eval session
     was preempted and ran again later); and, from the session rows, no training session that waited for a slot
     waited while an eval session ran."""
     evals = [r for r in rows if r["event"] == "eval"]
     abandoned = [r for r in rows if r["event"] == "eval_abandoned"]
-    assert evals[-1]["version"] == 2  # the last step's weights are always evaluated
+    # the baseline owns the cells before the first step's sessions, the last version's after the last step
+    assert evals[0]["version"] == 0 and evals[-1]["version"] == 2
+    assert evals[0]["t"] < next(r["started"] for r in rows if r["event"] == "session" and r["kind"] == "train")
     assert sorted(r["version"] for r in evals + abandoned) == [0, 1, 2]
     assert all(r["replaced_by"] == r["version"] + 1 for r in abandoned)
     for r in evals:

@@ -197,10 +197,9 @@ class Controller:
         return self.evals is not None and self.evals.in_flight
 
     def start_eval(self) -> None:
-        """Evaluate the current weights when an eval is due: after the step's update, before the next step's
-        sessions under colocate (admit waits for it); as lowest-priority rollout work otherwise, where an
-        eval still in flight when the next one comes due is abandoned for it (so no eval is served by weights
-        newer than the next due version's)."""
+        """Evaluate the current weights when an eval is due: while it owns the cells (admit waits for it), or
+        as lowest-priority rollout work, where an eval still in flight when the next one comes due is
+        abandoned for it (so no eval is served by weights newer than the next due version's)."""
         version = self.train.version
         if self.evals is None or not self.evals.due(version) or self.evals.version == version:
             return
@@ -211,9 +210,18 @@ class Controller:
             self.log(self.evals.abandon(version))
         self.driver.submit(self.evals.open(version))
 
+    @property
+    def eval_owns_the_cells(self) -> bool:
+        """An eval in flight now has the rollout cells to itself: under colocate every eval (between a step's
+        update and the next step's rollouts); otherwise the baseline, before the first step's sessions are
+        admitted, and the last version's, after the last step. Any other eval takes only idle slots."""
+        if not self.eval_in_flight:
+            return False
+        return self.pcfg.colocated or self.submitted == 0 or self.train.version >= self.cfg.steps
+
     def admit(self) -> None:
-        if self.pcfg.colocated and self.eval_in_flight:
-            return  # colocate: the eval runs between the update and the next step's rollouts
+        if self.eval_owns_the_cells:
+            return
         while self.submitted < self.cfg.steps and may_start(self.pcfg, self.submitted, self.train.version):
             jobs, kept = self.book.open(self.submitted)
             for refs in kept:  # groups completed before a restart: trained, not run again
@@ -393,9 +401,9 @@ class Controller:
         return self.table.states(self.train.busy)
 
     def load(self) -> Load:
-        """Eval sessions count under colocate and after the last step only: otherwise they keep no cell serving
-        and call none back (they hold only slots no training session wants, gyre.sched.controller.sessions)."""
-        queued, running = self.driver.level(evals=self.pcfg.colocated or self.train.version >= self.cfg.steps)
+        """Eval sessions count only while an eval owns the cells: otherwise they keep no cell serving and call
+        none back (they hold only slots no training session wants, gyre.sched.controller.sessions)."""
+        queued, running = self.driver.level(evals=self.eval_owns_the_cells)
         return Load(queued, running, self.train.waiting_work())
 
     def sample_level(self) -> None:
