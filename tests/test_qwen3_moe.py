@@ -1,0 +1,62 @@
+"""Qwen3-MoE models (gyre/model/llama.py SparseMoE, megatron's MoE layer in training) against transformers'
+Qwen3MoeForCausalLM, the independent reference for what a Qwen3-MoE checkpoint means."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from gyre.model.hf_io import load_hf_state, load_llama, model_config_from_hf, save_hf_checkpoint
+from gyre.model.moe import moe_layer_indices
+from gyre.model.pretrained import expected_hf_shapes
+from gyre.model.random_model import SHAPES, create_random_model
+
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.*")]
+
+TINY_MOE = SHAPES["qwen3-moe-tiny"]
+
+
+def perturbed(state: dict[str, torch.Tensor], seed: int = 0) -> dict[str, torch.Tensor]:
+    """Every tensor off its init (norms at one, a near-uniform router), so a swapped or ignored one shows."""
+    gen = torch.Generator().manual_seed(seed)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> object:
+    path = create_random_model(tmp_path_factory.mktemp("moe") / "qwen3-moe", TINY_MOE, seed=1, dtype=torch.float32)
+    _, state = load_hf_state(path)
+    return save_hf_checkpoint(path, perturbed(state), TINY_MOE, path)
+
+
+@pytest.mark.unit
+def test_moe_config_round_trips_with_its_sparse_layers():
+    sparse = dataclasses.replace(TINY_MOE, num_layers=4, decoder_sparse_step=2, mlp_only_layers=[3])
+    assert moe_layer_indices(sparse) == [1]  # (i + 1) % 2 == 0 picks 1 and 3; 3 is listed dense
+    from gyre.model.hf_io import hf_config
+
+    out = hf_config(sparse)
+    assert (out["architectures"], out["model_type"]) == (["Qwen3MoeForCausalLM"], "qwen3_moe")
+    assert model_config_from_hf(out) == sparse
+    shapes = expected_hf_shapes(sparse)
+    assert shapes["model.layers.1.mlp.gate.weight"] == (4, 64)
+    assert shapes["model.layers.1.mlp.experts.3.down_proj.weight"] == (64, 64)
+    assert shapes["model.layers.3.mlp.up_proj.weight"] == (128, 64)  # dense layers keep intermediate_size
+    with pytest.raises(ValueError, match="shared experts"):
+        model_config_from_hf({**out, "shared_expert_intermediate_size": 32})
+
+
+@pytest.mark.unit
+def test_transformers_qwen3_moe_loads_our_directory_with_the_same_logits(moe_dir):
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    assert type(ref).__name__ == "Qwen3MoeForCausalLM"
+    ours = load_llama(moe_dir)
+    tokens = torch.randint(0, TINY_MOE.vocab_size, (2, 19), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = ref(tokens).logits
+        got, _ = ours(tokens, torch.arange(19).expand(2, 19))
+    assert (got - expected).abs().max().item() < 1e-4
+    routed = ours.model.layers[0].mlp.routed
+    assert routed.shape == (2, 19, 2) and len(routed.unique()) > 2  # tokens reach more than two experts
