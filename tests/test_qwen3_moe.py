@@ -60,3 +60,35 @@ def test_transformers_qwen3_moe_loads_our_directory_with_the_same_logits(moe_dir
     assert (got - expected).abs().max().item() < 1e-4
     routed = ours.model.layers[0].mlp.routed
     assert routed.shape == (2, 19, 2) and len(routed.unique()) > 2  # tokens reach more than two experts
+
+
+@pytest.fixture(scope="module")
+def moe_trainer(moe_dir):
+    from gyre.config.schema import TrainConfig
+    from gyre.train.megatron_trainer import MegatronTrainer
+
+    torch.set_num_threads(1)
+    tr = MegatronTrainer(TINY_MOE, TrainConfig(num_threads=1))
+    tr.load_hf_state_dict(load_hf_state(moe_dir)[1])
+    return tr
+
+
+@pytest.mark.unit
+def test_megatron_moe_weights_convert_exactly_and_logprobs_equal_transformers(moe_dir, moe_trainer):
+    from transformers import AutoModelForCausalLM
+
+    from gyre.model.weights import hf_to_megatron, megatron_to_hf
+
+    sd = {k: v for k, v in moe_trainer.model.state_dict().items() if not k.endswith("._extra_state")}
+    assert "decoder.layers.1.mlp.router.weight" in sd and "decoder.layers.0.mlp.linear_fc1.weight" not in sd
+    hf = moe_trainer.hf_state_dict()
+    assert all(torch.equal(hf[k], v) for k, v in load_hf_state(moe_dir)[1].items())  # loaded and saved in HF names
+    back = hf_to_megatron(hf, TINY_MOE)
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+    assert megatron_to_hf(back, TINY_MOE).keys() == hf.keys()
+    ref = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    tokens = torch.randint(0, TINY_MOE.vocab_size, (2, 23), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = torch.log_softmax(ref(tokens).logits[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
+        got = moe_trainer.token_logprobs(tokens)
+    assert (got - expected).abs().max().item() < 1e-5
