@@ -2,6 +2,10 @@
 Qwen3MoeForCausalLM, the independent reference for what a Qwen3-MoE checkpoint means."""
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +17,7 @@ from gyre.model.random_model import SHAPES, create_random_model
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.*")]
 
+ROOT = Path(__file__).resolve().parents[1]
 TINY_MOE = SHAPES["qwen3-moe-tiny"]
 
 
@@ -92,3 +97,26 @@ def test_megatron_moe_weights_convert_exactly_and_logprobs_equal_transformers(mo
         expected = torch.log_softmax(ref(tokens).logits[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
         got = moe_trainer.token_logprobs(tokens)
     assert (got - expected).abs().max().item() < 1e-5
+
+
+@pytest.mark.integration
+def test_a_random_qwen3_moe_directory_trains_an_rl_step(tmp_path: Path) -> None:
+    """`python -m gyre.model.random_model --shape qwen3-moe-tiny` then `python -m launch.run model.path=DIR`: rollouts
+    from the embedded engine's MoE model, one step of megatron's MoE layer, the checkpoint written."""
+    from gyre.metrics import read_metrics
+    from gyre.sched.controller.report import step_rows
+
+    model, out = tmp_path / "qwen3-moe", tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    made = subprocess.run([sys.executable, "-m", "gyre.model.random_model", str(model), "--shape", "qwen3-moe-tiny"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert made.returncode == 0, made.stderr[-2000:]
+    args = [f"model.path={model}", "scheduler=colocate", "steps=1", "rl.groups_per_step=1", "rl.group_size=2",
+            "harness.max_turns=1", "harness.max_tokens=16", "tasks.families=[write_value]", f"output_dir={out}",
+            f"hydra.run.dir={tmp_path / 'hydra'}", f"warm_start.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "launch.run", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = step_rows(read_metrics(out / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [0] and rows[0]["n_rollouts"] == 2
+    assert (out / "checkpoint" / "trainer" / ".metadata").exists()
