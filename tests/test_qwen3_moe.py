@@ -120,3 +120,66 @@ def test_a_random_qwen3_moe_directory_trains_an_rl_step(tmp_path: Path) -> None:
     rows = step_rows(read_metrics(out / "metrics.jsonl"))
     assert [r["step"] for r in rows] == [0] and rows[0]["n_rollouts"] == 2
     assert (out / "checkpoint" / "trainer" / ".metadata").exists()
+
+
+@pytest.mark.integration
+def test_expert_parallel_2_update_equals_the_one_process_update(tmp_path: Path) -> None:
+    """train.expert_parallel=2 over 2 gloo ranks (a cell's layout: both train every micro-batch): logprobs,
+    gradients, the clipped norm and the update equal one process's; the checkpoint loads into one process."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import expert_parallel_job as ep_job
+    import model_parallel_job as job
+
+    from gyre.train.megatron_trainer import MegatronTrainer
+
+    mpirun = Path(sys.executable).parent / "mpirun"
+    out = tmp_path / "step.pt"
+    proc = subprocess.run(
+        [str(mpirun), "-n", "2", sys.executable, "-m", "mpi4py", str(ROOT / "tests" / "expert_parallel_job.py"), str(out)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = torch.load(out, weights_only=False)
+    assert got["layout"] == {"ep": 2, "local_expert_weights": 2 * 2 * 2}  # 2 layers x 2 experts x (fc1, fc2)
+    trainer = MegatronTrainer(ep_job.CFG, ep_job.train_config())
+    trainer.load_hf_state_dict(ep_job.initial_weights())
+    batches = job.micro_batches()
+    with torch.no_grad():
+        torch.testing.assert_close(got["logprobs"], trainer.micro_batch_logprobs(batches[1]))
+    metrics, grads = job.one_step(trainer, batches)
+    assert metrics["grad_norm"] > ep_job.train_config().grad_clip  # clipping by the whole model's norm acted
+    assert got["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(got["grads"][name], g, msg=lambda m, n=name: f"gradient of {n}: {m}")
+    want = trainer.hf_state_dict()
+    for name, w in want.items():
+        assert float((got["weights"][name] - w).abs().max()) <= 0.05 * ep_job.train_config().lr, name
+    trainer.load(tmp_path / "trainer")  # the EP=2 checkpoint, experts under their global names, into one process
+    assert all(torch.equal(trainer.hf_state_dict()[k], v) for k, v in got["weights"].items())
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("model", "overrides", "key", "why"),
+    [
+        ("dense", ["train.expert_parallel=2"], "train.expert_parallel", "this model is dense"),
+        ("moe", ["train.expert_parallel=3"], "train.expert_parallel", "must divide model.num_experts=4"),
+        ("moe", ["train.tensor_parallel=2"], "train.tensor_parallel", "not split over tensor-parallel ranks"),
+        ("moe", ["train.transformer_engine=on"], "train.transformer_engine", "local spec"),
+        (
+            "moe",
+            ["scheduler=elastic", "train.expert_parallel=2"],
+            "cluster.core.tasks_per_node",
+            "x expert_parallel = 2",
+        ),
+    ],
+)
+def test_what_the_trainer_cannot_honour_of_experts_is_refused_naming_the_key(moe_dir, model, overrides, key, why):
+    from gyre.config.load import compose
+    from gyre.config.validate import ConfigValueError
+    from launch.run import check_before_start
+
+    path = [f"model.path={moe_dir}"] if model == "moe" else []
+    with pytest.raises(ConfigValueError, match=key) as err:
+        check_before_start(compose([*path, "scheduler=colocate", *overrides]))
+    assert why in str(err.value)

@@ -35,7 +35,7 @@ from gyre.train.megatron_gpt import build_gpt_model, parallel_state
 from gyre.train.model_parallel import clip_gradients, finish_gradients, init_model_parallel, needs_model_parallel
 from gyre.train.pipeline_schedule import pipeline_step
 from gyre.train.sampling_logprobs import sampled_token_logprobs
-from gyre.train.shard_weights import gather_shards, gather_state, shard_state
+from gyre.train.shard_weights import expert_parallel_rank_size, gather_shards, gather_state, shard_state
 from gyre.train.split_tree import split_forward_backward, split_logprobs
 from gyre.train.tree_attention_megatron import accepts_tree_plans
 from gyre.train.tree_pack import SplitTreeBatch, TreeMicroBatch
@@ -64,7 +64,7 @@ class MegatronTrainer:
         init_model_parallel(train_cfg, model_cfg)  # over the launcher's world, or a one-process one
         self.parallel = torch.distributed.get_world_size() > 1  # shards, stages or data-parallel replicas
         self.pipelined = parallel_state.get_pipeline_model_parallel_world_size() > 1
-        use_te = transformer_engine_enabled(train_cfg, self.device)
+        use_te = transformer_engine_enabled(train_cfg, self.device) and not model_cfg.num_experts  # local MoE spec
         self.model = build_gpt_model(model_cfg, transformer_engine=use_te).to(self.device)
         # CUDA: megatron's DDP and optimizer (distributed when train.distributed_optimizer); CPU: torch AdamW.
         self._mcore: MegatronOptimizerStep | None = None
@@ -289,7 +289,7 @@ class MegatronTrainer:
         """Load the whole model's HF-named weights; each rank keeps its shard. The optimizer state is left as it is."""
         local = hf_to_megatron(state, self.model_cfg)
         if self.parallel:
-            local = shard_state(local, self.model_cfg, *self.layout)
+            local = shard_state(local, self.model_cfg, *self.layout, *expert_parallel_rank_size())
         result = self.model.load_state_dict(local, strict=False)
         missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
         if missing or result.unexpected_keys:
