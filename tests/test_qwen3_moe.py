@@ -183,3 +183,102 @@ def test_what_the_trainer_cannot_honour_of_experts_is_refused_naming_the_key(moe
     with pytest.raises(ConfigValueError, match=key) as err:
         check_before_start(compose([*path, "scheduler=colocate", *overrides]))
     assert why in str(err.value)
+
+
+def engine_with_shifted_routing(moe_dir, seed: int = 3):
+    """The embedded engine's model of the directory whose routers choose with a small per-expert shift of their
+    probabilities (a stand-in for the engine's own numerics: its choice moves at near ties), weighting the chosen
+    experts by the unshifted probabilities."""
+    from gyre.model.llama import SparseMoE
+
+    model = load_llama(moe_dir)
+    gen = torch.Generator().manual_seed(seed)
+    for layer in model.modules():
+        if isinstance(layer, SparseMoE):
+            shift = 0.08 * torch.randn(TINY_MOE.num_experts, generator=gen)
+            layer.select = lambda probs, k=layer.top_k, s=shift: torch.topk(probs + s, k, dim=-1).indices
+    return model
+
+
+def engine_path(model, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence [T] through the engine's model: logprobs [T - 1] of tokens 1.., routed experts [T, L, k]."""
+    with torch.no_grad():
+        logits, _ = model(tokens[None], torch.arange(len(tokens))[None])
+    logp = torch.log_softmax(logits[0, :-1], -1).gather(-1, tokens[1:, None])[:, 0]
+    routed = torch.stack([layer.mlp.routed[0] for layer in model.model.layers], dim=1)
+    return logp, routed
+
+
+@dataclasses.dataclass
+class Padded:
+    tokens: torch.Tensor
+    routed_experts: torch.Tensor | None = None
+
+
+@pytest.mark.unit
+def test_replayed_routing_gives_the_engine_s_logprobs_where_its_router_chose_otherwise(moe_dir, moe_trainer):
+    """The engine's choice differs from the trainer's router at some tokens: without replay the trainer's logprobs
+    differ there (and after them), with megatron's RouterReplay fed the engine's experts they equal the engine's."""
+    tokens = torch.randint(0, TINY_MOE.vocab_size, (40,), generator=torch.Generator().manual_seed(7))
+    want, routed = engine_path(engine_with_shifted_routing(moe_dir), tokens)
+    _, own = engine_path(load_llama(moe_dir), tokens)
+    flipped = (routed.sort(-1).values != own.sort(-1).values).any(-1).any(-1)  # [T]: some layer chose otherwise
+    assert 3 <= int(flipped.sum()) < len(tokens)
+    with torch.no_grad():
+        plain = moe_trainer.micro_batch_logprobs(Padded(tokens[None]))[0]
+        replayed = moe_trainer.micro_batch_logprobs(Padded(tokens[None], routed[None]))[0]
+    # logprob j is read at token j: a flip there changes it (and the later ones, which attend to token j)
+    assert (plain - want)[flipped[:-1]].abs().max().item() > 1e-3
+    assert (replayed - want).abs().max().item() < 1e-5
+
+
+def replay_tree(moe_dir):
+    """A tree of two branches from a shared prompt, with the shifted engine's logprobs and routed experts."""
+    import numpy as np
+
+    from gyre.traj.tree import CONTEXT, TrajectoryTree
+
+    gen = torch.Generator().manual_seed(11)
+    prefix, a, b = (torch.randint(0, TINY_MOE.vocab_size, (n,), generator=gen) for n in (9, 7, 6))
+    engine = engine_with_shifted_routing(moe_dir)
+    logp_a, routed_a = engine_path(engine, torch.cat([prefix, a]))
+    logp_b, routed_b = engine_path(engine, torch.cat([prefix, b]))
+    n, p = 9 + 7 + 6, 9
+    parent = np.array([-1, *range(0, p + 6), p - 1, *range(p + 7, n - 1)], np.int32)
+    depth = np.array([*range(p + 7), *range(p, p + 6)], np.int32)
+    tokens = torch.cat([prefix, a, b]).numpy().astype(np.int32)
+    engine_logprob = np.concatenate([[0.0], logp_a.numpy(), logp_b[p - 1 :].numpy()]).astype(np.float32)
+    routed = torch.cat([routed_a, routed_b[p:]]).numpy().astype(np.int16)
+    policy = np.arange(n) >= p
+    call_id = np.where(policy, (np.arange(n) >= p + 7).astype(np.int64), CONTEXT)
+    tree = TrajectoryTree("r", tokens, parent, depth, policy, np.where(policy, engine_logprob, 0), call_id,
+                          np.zeros(n, np.uint8), routed_experts=routed)  # fmt: skip
+    tree.validate()
+    return tree, torch.from_numpy(engine_logprob)
+
+
+@pytest.mark.unit
+def test_replay_on_a_packed_and_a_split_tree_equals_the_engine_s_logprobs(moe_dir, moe_trainer):
+    """Replay composed with tree training: the packed tree's logprobs are the engine's on each branch, and the tree
+    trained in segments of 5 tokens gives the whole tree's logprobs and gradients."""
+    from gyre.train.tree_pack import pack_forest, split_tree
+
+    tree, engine_logprob = replay_tree(moe_dir)
+    whole = pack_forest([tree])
+    assert whole.routed_experts.shape == (tree.n_tokens, 2, 2)
+    parts = split_tree(tree, 5)
+    with torch.no_grad():
+        logp = moe_trainer.micro_batch_logprobs(whole)
+        split = moe_trainer.micro_batch_logprobs(parts)
+    want = engine_logprob[whole.source_index]
+    assert (logp - want)[whole.parent >= 0].abs().max().item() < 1e-5  # context and policy tokens alike
+    torch.testing.assert_close(split, logp, rtol=0, atol=1e-6)
+    grads = []
+    for mb in (whole, parts):
+        moe_trainer.zero_grad()
+        moe_trainer.forward_backward([mb], lambda lp, m: (-(lp * m.loss_weight).sum(), {}))
+        grads.append({n: p.grad.clone() for n, p in moe_trainer.model.named_parameters() if p.grad is not None})
+    moe_trainer.zero_grad()
+    assert grads[0].keys() == grads[1].keys() and any("router" in n for n in grads[0])
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")

@@ -131,7 +131,8 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         probs = torch.softmax(self.gate(flat), dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        experts = self.select(probs)
+        weights = probs.gather(-1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
@@ -141,6 +142,10 @@ class SparseMoE(nn.Module):
             out.index_add_(0, rows, self.experts[e](flat[rows]) * weights[rows, slot, None])
         self.routed = experts.view(*x.shape[:-1], self.top_k)
         return out.view_as(x)
+
+    def select(self, probs: torch.Tensor) -> torch.Tensor:
+        """The experts [tokens, top_k] each token is routed to: the most probable, in descending order."""
+        return torch.topk(probs, self.top_k, dim=-1).indices
 
 
 class DecoderLayer(nn.Module):

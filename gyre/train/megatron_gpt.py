@@ -69,7 +69,7 @@ def init_megatron_single_process() -> None:
         parallel_state.initialize_model_parallel(1, 1)
 
 
-def transformer_config(cfg: ModelConfig, routing_replay: bool = False) -> TransformerConfig:
+def transformer_config(cfg: ModelConfig) -> TransformerConfig:
     if not cfg.head_dim and cfg.hidden_size % cfg.num_attention_heads:
         raise ValueError(
             f"hidden_size {cfg.hidden_size} must be divisible by num_attention_heads {cfg.num_attention_heads}"
@@ -112,16 +112,16 @@ def transformer_config(cfg: ModelConfig, routing_replay: bool = False) -> Transf
         # megatron splits the layers over the stages by the config's sizes, not by its process groups
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        **moe_transformer_fields(cfg, routing_replay),
+        **moe_transformer_fields(cfg),
     )
 
 
-def moe_transformer_fields(cfg: ModelConfig, routing_replay: bool = False) -> dict[str, Any]:
+def moe_transformer_fields(cfg: ModelConfig) -> dict[str, Any]:
     """megatron's MoE layer with Qwen3-MoE's routing (transformers' Qwen3MoeTopKRouter): softmax over the router
     logits and the top-k kept; renormalised (norm_topk_prob) equals megatron's softmax over the top-k logits, not
     renormalised its pre-softmax top-k. Local experts one after another (SequentialMLP, no grouped GEMM), fp32
-    router, the load-balancing loss only when model.router_aux_loss_coef > 0. routing_replay builds each router's
-    megatron RouterReplay (gyre/train/routing_replay.py)."""
+    router, the load-balancing loss only when model.router_aux_loss_coef > 0. Each router has megatron's RouterReplay,
+    idle unless a forward replays the engine's routing (gyre/train/routing_replay.py)."""
     if not cfg.num_experts:
         return {}
     return {
@@ -138,11 +138,11 @@ def moe_transformer_fields(cfg: ModelConfig, routing_replay: bool = False) -> di
         # the all-to-all dispatcher makes CUDA streams; the all-gather one runs on gloo
         "moe_token_dispatcher_type": "alltoall" if torch.cuda.is_available() else "allgather",
         "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size(),
-        "moe_enable_routing_replay": routing_replay,
+        "moe_enable_routing_replay": True,
     }
 
 
-def build_gpt_model(cfg: ModelConfig, transformer_engine: bool = False, routing_replay: bool = False) -> GPTModel:
+def build_gpt_model(cfg: ModelConfig, transformer_engine: bool = False) -> GPTModel:
     """A fresh GPTModel on CPU for this rank's shard and stage, its weights drawn from cfg.seed. Without
     megatron's groups set up (gyre.train.model_parallel.init_model_parallel) it makes a one-process world.
 
@@ -164,7 +164,7 @@ def build_gpt_model(cfg: ModelConfig, transformer_engine: bool = False, routing_
             layer_spec = tree_layer_spec(
                 get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm)
             )
-    config = transformer_config(cfg, routing_replay)
+    config = transformer_config(cfg)
     if cfg.num_experts:
         layer_spec = _moe_block_spec(config, transformer_engine)
     return GPTModel(
