@@ -282,3 +282,35 @@ def test_replay_on_a_packed_and_a_split_tree_equals_the_engine_s_logprobs(moe_di
     assert grads[0].keys() == grads[1].keys() and any("router" in n for n in grads[0])
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.unit
+def test_the_embedded_engine_returns_every_token_s_routed_experts(moe_dir):
+    """`return_routed_experts` (SGLang's field and answer: base64 int32 of positions [0, prompt + output - 1)): the
+    experts the engine's MoE layers chose for the prompt and each fed-back output token, also when the prompt's
+    keys/values are in the prefix cache (such a request runs its whole prompt)."""
+    import asyncio
+
+    from gyre.engine.batcher import BatcherConfig
+    from gyre.engine.client import EngineClient, SamplingParams
+    from gyre.engine.server import EngineServer, running
+
+    prompt = torch.randint(0, TINY_MOE.vocab_size, (12,), generator=torch.Generator().manual_seed(4)).tolist()
+
+    async def generate() -> list:
+        server = EngineServer(str(moe_dir), BatcherConfig(max_context_tokens=256))
+        async with running(server) as url:
+            client = EngineClient(url, timeout_s=60)
+            try:
+                sampling = SamplingParams(temperature=1.0, max_new_tokens=6, seed=3)
+                return [await client.generate(prompt, sampling, routed_experts=True) for _ in range(2)]
+            finally:
+                await client.close()
+
+    outs = asyncio.run(asyncio.wait_for(generate(), 60))
+    seq = torch.tensor(prompt + outs[0].output_ids)
+    _, want = engine_path(load_llama(moe_dir), seq)
+    for out in outs:
+        assert out.output_ids == outs[0].output_ids  # seeded
+        got = torch.from_numpy(out.routed_experts.copy()).view(-1, 2, 2)
+        assert torch.equal(got, want[:-1])  # the last output token was never fed back
