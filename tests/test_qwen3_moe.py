@@ -314,3 +314,35 @@ def test_the_embedded_engine_returns_every_token_s_routed_experts(moe_dir):
         assert out.output_ids == outs[0].output_ids  # seeded
         got = torch.from_numpy(out.routed_experts.copy()).view(-1, 2, 2)
         assert torch.equal(got, want[:-1])  # the last output token was never fed back
+
+
+@pytest.mark.unit
+def test_routed_experts_round_trip_through_a_version_3_shard(moe_dir, tmp_path):
+    """A tree's routed experts stored in /tokens/routed_experts (a version-3 shard; without them version 2) come back
+    on the tree, and pack into the micro-batch the trainer replays."""
+    import h5py
+
+    from gyre.store.reader import read_shard
+    from gyre.store.schema import RolloutMeta, ShardError
+    from gyre.store.writer import write_shard
+    from gyre.train.tree_pack import pack_forest
+
+    tree, _ = replay_tree(moe_dir)
+    meta = RolloutMeta("g", "t", "f", "builtin", "ok", 1.0, 1.0, 0.5)
+    path = write_shard(tmp_path / "r.h5", [(tree, meta, tree.policy.astype("float32"))], run_id="r", step=0)
+    shard = read_shard(path)
+    assert shard.attrs["schema_version"] == 3
+    back = shard.rollout(0).tree
+    assert back.routed_experts.dtype == "int16" and (back.routed_experts == tree.routed_experts).all()
+    assert torch.equal(pack_forest([back]).routed_experts, pack_forest([tree]).routed_experts)
+    plain = dataclasses.replace(tree, routed_experts=None)
+    other = write_shard(tmp_path / "p.h5", [(plain, meta, tree.policy.astype("float32"))], run_id="r", step=0)
+    assert read_shard(other).attrs["schema_version"] == 2 and read_shard(other).rollout(0).tree.routed_experts is None
+    with h5py.File(other, "r+") as f:
+        f.attrs["schema_version"] = 3
+    with pytest.raises(ShardError, match="schema_version 3 without /tokens/routed_experts"):
+        read_shard(other)
+    with h5py.File(path, "r+") as f:
+        f["tokens/routed_experts"][0, 0, 0] += 1
+    with pytest.raises(ShardError, match="routed_experts: checksum mismatch"):
+        read_shard(path)

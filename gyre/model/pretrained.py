@@ -1,6 +1,6 @@
 """A run's starting model from a local HF-format directory (`model.path`), checked before any step.
 
-The directory is what transformers' save_pretrained writes for a Qwen3, Qwen2 (without attention biases) or
+The directory is what transformers' save_pretrained writes for a Qwen3, Qwen3-MoE, Qwen2 (without attention biases) or
 Llama decoder: config.json, model.safetensors or model.safetensors.index.json with its shards, and the
 tokenizer (tokenizer.json, tokenizer_config.json; the chat template in tokenizer_config.json or
 chat_template.jinja). Its config.json defines the architecture (the run's other model.* architecture keys
