@@ -78,9 +78,11 @@ def check_families(cfg: RunConfig) -> None:
 
 
 def start(cfg: RunConfig) -> None:
-    from gyre.sched.launch.local import run_cells  # heavy imports (torch, megatron) only once the config is valid
+    from gyre.sched.launch.local import local_plan  # heavy imports (torch, megatron) only once the config is valid
+    from launch.launchers import Via, launcher_for
 
-    run_cells(cfg)
+    plan = local_plan(cfg)
+    launcher_for(cfg, Via.local).launch(plan)
 
 
 def run_app(app: Callable[[], object]) -> None:

@@ -12,36 +12,23 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 from omegaconf import OmegaConf
 
 from gyre.config.load import check_overrides, compose
 from gyre.config.schema import CELL_SCHEDULERS, RunConfig
 from gyre.errors import reported, take_verbose_flag
+from gyre.sched.launch.launcher import LaunchPlan
 from gyre.sched.launch.local import POLICY_FILE, RANK_ERROR_FILE
-from launch.slurm.plan import cells, cluster_python, job_command, plan_step
+from launch.launchers import SLURM_VIAS, Via, launcher_for
+from launch.slurm.launchers import SbatchLauncher
+from launch.slurm.plan import cells, cluster_python
 from launch.slurm.preflight import SlurmPreflightError, check_addresses, check_request, read_inventory
-from launch.slurm.sbatch import ScriptLayout, render_sbatch
 
 
-def plain_script(cfg: RunConfig, config_path: str, log_dir: str) -> str:
-    """The sbatch script a user can submit with `sbatch`: the cell job over every component."""
-    step = plan_step(cfg, job_command(cfg, str(Path(config_path).parent)))
-    return render_sbatch(cfg, step, ScriptLayout(log_dir=log_dir, config_path=config_path, start_guard=True))
-
-
-def run_cell_job(run_dir: str) -> dict[str, Any]:
-    """What each task runs under submitit (imported there: importing MPI here would initialise it)."""
-    from gyre.sched.launch.job import submitit_main
-
-    return submitit_main(run_dir)
-
-
-def write_job_files(cfg: RunConfig, out_dir: Path) -> tuple[Path, Path, Path]:
+def write_job_files(cfg: RunConfig, out_dir: Path) -> LaunchPlan:
     """Resolved config, log folder and plain sbatch script under out_dir (absolute paths)."""
     out_dir = out_dir.resolve()
     cfg.output_dir = str(out_dir)
@@ -51,9 +38,9 @@ def write_job_files(cfg: RunConfig, out_dir: Path) -> tuple[Path, Path, Path]:
     config_path.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     (out_dir / POLICY_FILE).unlink(missing_ok=True)  # rank 0 writes it anew; the cells wait for it
     (out_dir / RANK_ERROR_FILE).unlink(missing_ok=True)  # an earlier job's failure is not this one's
-    script_path = out_dir / "gyre.sbatch"
-    script_path.write_text(plain_script(cfg, str(config_path), str(log_dir)))
-    return config_path, log_dir, script_path
+    plan = LaunchPlan(cfg, out_dir, config_path, log_dir)
+    (out_dir / "gyre.sbatch").write_text(SbatchLauncher().render(plan))
+    return plan
 
 
 def submit(cfg: RunConfig, out_dir: Path, via: str, dry_run: bool) -> str:
@@ -68,31 +55,22 @@ def submit(cfg: RunConfig, out_dir: Path, via: str, dry_run: bool) -> str:
             "launch.slurm.sbatch.render_main_job_sbatch)"
         )
     cfg.cluster.python = cluster_python(cfg)  # the resolved config names the interpreter the nodes run
-    config_path, log_dir, script_path = write_job_files(cfg, out_dir)
-    print(f"gyre: wrote {script_path} and {config_path}")
+    plan = write_job_files(cfg, out_dir)
+    print(f"gyre: wrote {plan.out / 'gyre.sbatch'} and {plan.config_path}")
     if dry_run:
         return ""
     inventory = read_inventory(os.environ)
     check_request(cells(cfg), inventory)
     check_addresses(cfg.comm.hostname, cfg.engine.host, cells(cfg), inventory)
-    if via == "sbatch":
-        proc = subprocess.run(["sbatch", "--parsable", str(script_path)], capture_output=True, text=True, timeout=60)
-        if proc.returncode != 0:
-            raise SlurmPreflightError(f"sbatch refused the job: {proc.stderr.strip()}")
-        job_id = proc.stdout.strip().split(";")[0]
-    else:
-        from launch.slurm.het_executor import HetSlurmExecutor
-
-        executor = HetSlurmExecutor(log_dir, cfg, config_path=str(config_path), start_guard=True)
-        job_id = executor.submit(run_cell_job, str(config_path.parent)).job_id
-    print(f"gyre: submitted job {job_id}; logs in {log_dir}")
+    job_id = str(launcher_for(cfg, Via(via)).launch(plan))
+    print(f"gyre: submitted job {job_id}; logs in {plan.log_dir}")
     return job_id
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m launch.submit", description=__doc__.split("\n\n")[1])
     parser.add_argument("--dry-run", action="store_true", help="write the script and resolved config, submit nothing")
-    parser.add_argument("--via", choices=("submitit", "sbatch"), default="submitit")
+    parser.add_argument("--via", choices=[str(v) for v in SLURM_VIAS], default=str(Via.submitit))
     parser.add_argument(
         "--out", type=Path, default=None, help="job directory (default: output_dir or outputs/slurm/<time>)"
     )

@@ -143,3 +143,29 @@ def calls_by_rollout(out: Path) -> Counter:
         except json.JSONDecodeError:
             continue
     return counts
+
+
+def _stat(pid: int) -> tuple[int, int, str] | None:
+    """(parent pid, start time in clock ticks, state letter) of a process; None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return int(fields[1]), int(fields[19]), fields[0]
+
+
+def process_tree(root: int) -> dict[int, int]:
+    """{pid: start time} of `root` and every process below it now (engines, MPI ranks, harnesses, checkers)."""
+    stats = {int(p.name): s for p in Path("/proc").iterdir() if p.name.isdigit() and (s := _stat(int(p.name)))}
+    tree, frontier = {root}, [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, (ppid, _, _) in stats.items() if ppid == parent and pid not in tree]
+        tree.update(children)
+        frontier += children
+    return {pid: stats[pid][1] for pid in tree if pid in stats}
+
+
+def still_running(procs: dict[int, int]) -> list[int]:
+    """Which of `procs` run yet: the same process (start time), not a zombie."""
+    return [pid for pid, start in procs.items() if (s := _stat(pid)) and s[1] == start and s[2] != "Z"]

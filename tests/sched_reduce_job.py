@@ -23,7 +23,7 @@ def main(out: Path) -> None:
     values = {r: torch.arange(NUMEL, dtype=torch.float32) * r + 0.25 for r in masks}
     if rank == 0:
         wall, cpu = time.monotonic(), time.process_time()
-        total, has = receive_gradients(cp.comm, [1, 2, 3], NUMEL, N_PARAMS, cp.wait_for, 60.0)
+        total, has = receive_gradients(cp, [1, 2, 3], NUMEL, N_PARAMS, 60.0)
         wall, cpu = time.monotonic() - wall, time.process_time() - cpu
         want = sum(values.values())
         out.write_text(
@@ -39,7 +39,7 @@ def main(out: Path) -> None:
         if rank == 3:
             time.sleep(1.0)
         has = torch.tensor(masks[rank], dtype=torch.uint8)
-        send_gradients(cp.comm, 0, values[rank], has, cp.wait_for, 60.0)
+        send_gradients(cp, 0, values[rank], has, 60.0)
     cp.comm.Barrier()
     cp.close()
 

@@ -7,6 +7,7 @@ import contextlib
 import json
 import math
 import shutil
+import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -467,7 +468,10 @@ def test_release_and_resume_memory(ckpts, tokenizer) -> None:
         async with engine(ckpts[0]) as (server, client):
             p = prompts(tokenizer)[1]
             before = await client.generate(p, GREEDY)
+            stashes = set(Path(tempfile.gettempdir()).glob("gyre-engine-weights-*"))
             await client.release_memory()
+            # the released weights wait in an unnamed file the kernel frees with the process (even on SIGKILL)
+            assert set(Path(tempfile.gettempdir()).glob("gyre-engine-weights-*")) == stashes
             info = await client.server_info()
             assert info["memory_released"] == ["kv_cache", "weights"] and info["cache"]["kv"]["bytes"] == 0
             assert all(t.numel() == 0 for t in server.batcher.model.parameters())
@@ -601,6 +605,9 @@ def test_launcher_runs_the_cli_and_reports_failures(ckpts, tokenizer, tmp_path) 
         run(main())
     finally:
         code = engine_proc.stop()
-    assert not engine_proc.alive() and code == 0, engine_proc.log_tail()  # SIGTERM is a clean shutdown
-    with pytest.raises(EngineStartError, match="not a checkpoint"):
+    assert not engine_proc.alive() and code == 0  # SIGTERM is a clean shutdown
+    assert not engine_proc.log_path.exists()  # a temp log of a clean run is not left behind in /tmp
+    with pytest.raises(EngineStartError, match="not a checkpoint") as err:
         start_engine(tmp_path / "missing", startup_timeout_s=60)
+    failed_log = Path(str(err.value).split("log ", 1)[1].split(":\n", 1)[0])
+    assert failed_log.exists()  # the log a failure names is kept

@@ -1,6 +1,7 @@
 """Preemption-safe resume: checkpoint atomicity, moving unfinished steps aside, the stop signal, and the
 main job stopped by SIGTERM mid-run and started again on the same output_dir."""
 
+import contextlib
 import json
 import os
 import random
@@ -25,8 +26,10 @@ from resume_job import (
     calls_by_rollout,
     in_flight_after_trained_step,
     mid_step_with_a_group_done,
+    process_tree,
     shard_ids_by_step,
     state,
+    still_running,
     tiny_args,
 )
 from resume_job import wait_until as wait_for
@@ -49,6 +52,7 @@ from gyre.train.megatron_trainer import MegatronTrainer
 from launch.slurm.sbatch import render_main_job_sbatch
 
 GOLDEN = Path(__file__).parent / "golden"
+ORPHAN_GRACE_S = 10.0  # a SIGTERMed engine exits in well under a second; a busy machine may take longer
 
 
 def _trainer() -> MegatronTrainer:
@@ -349,18 +353,29 @@ def test_main_job_stopped_by_sigterm_resumes_where_it_stopped(tmp_path, tmp_path
 
 def _kill_job(proc: subprocess.Popen, out: Path, scheduler: str) -> None:
     """SIGKILL the run's main process (the loop; under cells the controller, rank 0, which holds the step book), then
-    whatever of the job is left (mpirun and the cell ranks hold on without their controller): a crash, no clean-up."""
+    the launcher's process group (launch.run, mpirun): a crash, no clean-up. Within seconds nothing the run started
+    may be left: not its engines (each in a session of its own), MPI ranks, harnesses or checkers."""
+    run = process_tree(proc.pid)
     if scheduler != "colocate":
         os.kill(int((out / "controller.pid").read_text()), signal.SIGKILL)
         time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
-    cells = json.loads((out / "cells.json").read_text()) if scheduler != "colocate" else []
-    for pid in [p for c in cells for p in (c["pid"], c["engine_pid"]) if p > 0]:  # each rank has a process group
-        try:
+    deadline = time.monotonic() + ORPHAN_GRACE_S
+    while (left := still_running(run)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    described = [_describe(pid) for pid in left]
+    for pid in left:  # the run's own processes only: none of them may outlive the test
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    assert not left, f"processes of the killed run still running after {ORPHAN_GRACE_S:g} s: {described}"
+
+
+def _describe(pid: int) -> str:
+    try:
+        return f"{pid} {Path(f'/proc/{pid}/cmdline').read_bytes().replace(bytes(1), b' ')[:120].decode()}"
+    except OSError:
+        return str(pid)
 
 
 @pytest.mark.integration

@@ -163,11 +163,13 @@ def test_role_switch_and_distributed_weights_through_the_engine_interface(fake_s
 
 @pytest.mark.integration
 def test_without_sglangs_runtime_a_cell_fails_saying_what_to_install(tmp_path):
+    from gyre.engine.engine import EngineSetup
     from gyre.sched.cell.engine import CellEngine
 
     cfg = EngineConfig(backend="sglang", python=sys.executable)
+    setup = EngineSetup(ModelConfig(), tmp_path / "tok", tmp_path / "logs", tmp_path / "weights")
     with pytest.raises(SGLangUnavailable, match=r"missing sgl_kernel[\s\S]*pip install \"sglang\[all\]\""):
-        CellEngine(cfg, ModelConfig(), tmp_path / "ckpt", tmp_path / "tok", tmp_path / "logs", 1, {})
+        CellEngine(cfg, setup, tmp_path / "ckpt")
     assert not list((tmp_path / "logs").glob("sglang*.log"))  # failed before launching anything
 
 
@@ -184,4 +186,4 @@ def test_without_sglangs_runtime_the_colocate_run_fails_saying_what_to_install(t
     setup = EngineSetup(SHAPES["qwen3-tiny"], model, tmp_path, tmp_path / "weights")
     assert isinstance(make_engine(cfg.engine, setup), SGLangEngine)  # engine.backend selects it, through the factory
     with pytest.raises(SGLangUnavailable, match=r"missing sgl_kernel[\s\S]*engine.backend=embedded"):
-        CellEngine(cfg.engine, SHAPES["qwen3-tiny"], model, model, tmp_path / "logs", 1, {}, kv_transfer=False)
+        CellEngine(cfg.engine, setup, model, kv_transfer=False, keep_scratch=True)

@@ -35,12 +35,16 @@ ROOT = Path(__file__).resolve().parents[1]
 # micro-batches out the moment its shard is written, to the cells then training; under elastic the core trains
 # alone while the satellites still serve, and a micro-batch takes it a tenth of a second, so with two groups per
 # step the core drained the earlier group before a satellite was released (a fresh-clone run: core 6 + 3,
-# satellites none). With one group per step, the run's last group is complete only once no session is left,
+# satellites none). With one group per step, the step's group is complete only once none of its sessions is left,
 # and each pass of the controller's loop switches roles before it hands out work: every satellite is released
 # as surplus before that group's micro-batches go out, and idle cells take work satellites first
-# (gyre.sched.policy.ledger.hand_out), so each satellite trains as long as that step has two or more (512-token
-# micro-batches: a group of 16 gave 5 in every run here). Same 32 rollouts over 2 steps.
-EVERY_CELL_TRAINS = ["rl.groups_per_step=1", "rl.group_size=16", "train.micro_batch_tokens=512"]
+# (gyre.sched.policy.ledger.hand_out), so each cell trains as long as that step has three or more (512-token
+# micro-batches: a group of 16 gave 5 in every run here). Staleness 0: with the default 1 the next step's
+# sessions are admitted at once and keep the satellites serving through the first step, so only the last step
+# could train them, and a step whose 16 rollouts all earn the same reward trains nothing (about 1 in 36 at this
+# workload's rate, conftest.EVERY_STEP_TRAINS); now every step trains every cell, and the test fails only when
+# both steps train nothing (about 1 in 1,300). Same 32 rollouts over 2 steps.
+EVERY_CELL_TRAINS = ["rl.groups_per_step=1", "rl.group_size=16", "train.micro_batch_tokens=512", "sched.staleness=0"]
 
 
 def _wait_for_end(job_id: str, timeout_s: float) -> str:

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from gyre.config.load import compose
 from gyre.config.schema import CellResources, RunConfig
 from gyre.config.validate import check_cells
+from launch.slurm.launchers import plain_script
 from launch.slurm.plan import LayoutError, cells, component_layout, job_command, plan_step
 from launch.slurm.preflight import (
     SlurmPreflightError,
@@ -24,7 +25,6 @@ from launch.slurm.preflight import (
     require_slurm,
 )
 from launch.submit import main as submit_main
-from launch.submit import plain_script
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[1]
@@ -231,3 +231,26 @@ def test_engines_bound_to_every_interface_are_advertised_at_the_node_address(gpu
     assert gpu_cfg.engine.host == "0.0.0.0" and gpu_cfg.comm.hostname == "auto"
     assert advertised_url("http://0.0.0.0:30000", "10.1.2.3") == "http://10.1.2.3:30000"
     assert advertised_url("http://127.0.0.1:30000", "10.1.2.3") == "http://127.0.0.1:30000"  # one machine: as is
+
+
+def test_every_launcher_renders_what_it_would_start(tmp_path, gpu_cfg):
+    """One interface over mpirun, this process, sbatch and submitit, chosen in launch.launchers: the dry run of each
+    is the command or script its launch would start."""
+    from gyre.sched.launch.launcher import LaunchPlan
+    from gyre.sched.launch.local import InProcessLauncher, MpirunLauncher, local_plan
+    from launch.launchers import Via, launcher_for
+    from launch.slurm.launchers import SbatchLauncher, SubmititLauncher
+
+    plan = LaunchPlan(gpu_cfg, tmp_path, tmp_path / "config.yaml", tmp_path / "slurm")
+    sbatch, submitit = launcher_for(gpu_cfg, Via.sbatch), launcher_for(gpu_cfg, Via.submitit)
+    assert isinstance(sbatch, SbatchLauncher) and isinstance(submitit, SubmititLauncher)
+    assert sbatch.render(plan) == plain_script(gpu_cfg, str(plan.config_path), str(plan.log_dir))
+    het = submitit.render(plan)
+    assert het.count("#SBATCH hetjob") == 2 and "-m submitit.core._submit" in het and "_result.pkl" in het
+    local = [copy.deepcopy(gpu_cfg) for _ in range(2)]
+    for cfg, scheduler in zip(local, ("colocate", "elastic"), strict=True):
+        cfg.scheduler, cfg.output_dir = scheduler, str(tmp_path / scheduler)
+    plans = [local_plan(cfg) for cfg in local]  # the run directory and its config.yaml
+    assert [type(launcher_for(cfg, Via.local)) for cfg in local] == [InProcessLauncher, MpirunLauncher]
+    mpirun = launcher_for(local[1], Via.local).render(plans[1])
+    assert " -disable-auto-cleanup -n " in mpirun and mpirun.endswith(f"{sys.executable} {tmp_path / 'elastic'}")

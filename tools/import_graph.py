@@ -2,6 +2,7 @@
 
     python -m tools.import_graph                # the graph; exit 1 if a package imports one above it
     python -m tools.import_graph --long 60      # also every function over 60 lines (gyre/ and launch/)
+    python -m tools.import_graph --params 5     # also every function taking more than 5 parameters
 
 Imports are read from the source (ast), lazy ones inside functions included: a deferred import is still a
 dependency. A package is gyre's first-level name (gyre/sched/cell/worker.py -> sched, gyre/health.py -> health).
@@ -20,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Lowest first. A package may import its own layer and those below; an import of a higher layer is an arrow up.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "fsutil"),
+    ("errors", "fsutil", "lifetime"),
     ("config",),
     ("model",),
     ("store", "traj", "comm"),
@@ -90,9 +91,30 @@ def long_functions(limit: int, dirs: tuple[str, ...] = ("gyre", "launch")) -> li
     return sorted(found, reverse=True)
 
 
+def parameter_count(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Parameters a caller passes: positional and keyword-only, *args and **kwargs, not self or cls."""
+    a = node.args
+    named = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+    if named and named[0] in ("self", "cls"):
+        named = named[1:]
+    return len(named) + (a.vararg is not None) + (a.kwarg is not None)
+
+
+def many_parameters(limit: int, dirs: tuple[str, ...] = ("gyre", "launch")) -> list[tuple[int, str]]:
+    """(parameters, file:line name) of every function or method taking more than `limit`, most first."""
+    found = []
+    for path in sources(*dirs):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and (n := parameter_count(node)) > limit:
+                found.append((n, f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"))
+    return sorted(found, reverse=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--long", type=int, default=0, help="also list functions over this many lines")
+    parser.add_argument("--params", type=int, default=0, help="also list functions taking more parameters")
+    parser.add_argument("--under", default="", help="list long functions and parameters only under this path")
     args = parser.parse_args()
     edges, upward = import_graph()
     unlayered = sorted({p for e in edges for p in e} - set(LAYER_OF))
@@ -106,8 +128,13 @@ def main() -> int:
     for line in upward:
         print(f"  {line}")
     if args.long:
-        found = long_functions(args.long)
+        found = [f for f in long_functions(args.long) if f[1].startswith(args.under)]
         print(f"functions over {args.long} lines: {len(found)}")
+        for n, where in found:
+            print(f"  {n:4d} {where}")
+    if args.params:
+        found = [f for f in many_parameters(args.params) if f[1].startswith(args.under)]
+        print(f"functions over {args.params} parameters: {len(found)}")
         for n, where in found:
             print(f"  {n:4d} {where}")
     return 1 if upward or unlayered else 0

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import random
-import shutil
 import tempfile
 import threading
 import time
@@ -20,12 +19,11 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from pathlib import Path
 from queue import Empty, SimpleQueue
-from typing import Any
+from typing import IO, Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, save
 
 from gyre.engine.kv_cache import SlotKVCache, decode_slots, prefill_slot
 from gyre.engine.prefix_cache import PrefixCache
@@ -129,7 +127,7 @@ class Batcher:
         self.generated_tokens = 0
         self.last_step_time = 0.0
         self._params: BatchSamplingParams | None = None
-        self._stash: Path | None = None
+        self._stash: IO[bytes] | None = None
         self._commands: SimpleQueue[tuple[Callable[[], Any], Future]] = SimpleQueue()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="gyre-batcher", daemon=True)
@@ -436,10 +434,12 @@ class Batcher:
             self.prefix.clear()
             self.released.add("kv_cache")
         if "weights" in tags and "weights" not in self.released:
-            self._stash = Path(tempfile.mkdtemp(prefix="gyre-engine-weights-")) / "model.safetensors"
             # named_parameters lists tied weights once (safetensors refuses shared tensors); resume restores both
             params = {k: p.detach().cpu().contiguous() for k, p in self.model.named_parameters()}
-            save_file(params, str(self._stash))
+            # an unnamed file (unlinked at creation): the kernel frees it when the engine exits, even by SIGKILL
+            self._stash = tempfile.TemporaryFile(prefix="gyre-engine-weights-")
+            self._stash.write(save(params))
+            del params
             for p in self.model.parameters():
                 p.data = torch.empty(0, device=p.device, dtype=p.dtype)
             self.released.add("weights")
@@ -451,11 +451,12 @@ class Batcher:
         if bad := sorted(set(tags) - set(MEMORY_TAGS)):
             raise ValueError(f"unknown memory tags {bad}; use {list(MEMORY_TAGS)}")
         if "weights" in tags and "weights" in self.released and self._stash is not None:
-            state = load_file(str(self._stash))
+            self._stash.seek(0)
+            state = load(self._stash.read())
             params = dict(self.model.named_parameters())
             for name, tensor in state.items():
                 params[name].data = tensor.to(params[name].device)
-            shutil.rmtree(self._stash.parent, ignore_errors=True)
+            self._stash.close()
             self._stash = None
         self.released -= set(tags)
 

@@ -1,4 +1,5 @@
-"""Start and stop an embedded engine server as a subprocess in its own process group.
+"""Start and stop an embedded engine server as a subprocess in its own process group, tied to this process
+(gyre.lifetime: it dies with it).
 
 engine = start_engine(model_dir, num_threads=1)
 ... EngineClient(engine.url) ...
@@ -9,19 +10,18 @@ The cell runtime and the colocate loop reach it through gyre.engine.embedded.Emb
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gyre.config.schema import EngineConfig
 from gyre.engine.admin_key import key_pipe
+from gyre.lifetime import spawn_tied
 
 READY_PREFIX = "GYRE_ENGINE_READY"  # the server prints "GYRE_ENGINE_READY <url>" once it serves
 
@@ -37,14 +37,6 @@ def _tail(path: Path, lines: int = 40) -> str:
         return "(no log)"
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the process that started the engine dies, even by SIGKILL,
-    so an engine never outlives its run (Linux prctl PR_SET_PDEATHSIG; elsewhere nothing). Only for
-    engines started from the main thread: the signal fires when the forking *thread* exits."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-
 @dataclass
 class EngineProcess:
     proc: subprocess.Popen
@@ -52,6 +44,7 @@ class EngineProcess:
     log_path: Path
     model_path: str
     _log_file: object = field(default=None, repr=False)
+    temp_log: bool = False  # the log is a temp file of ours: removed after a clean stop, kept after a failure
 
     @property
     def pid(self) -> int:
@@ -77,6 +70,8 @@ class EngineProcess:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+        if self.temp_log and self.proc.returncode in (0, -signal.SIGTERM):
+            self.log_path.unlink(missing_ok=True)
         return self.proc.returncode
 
     def __enter__(self) -> EngineProcess:
@@ -120,12 +115,8 @@ def start_engine(
     `weights_dirs` (default: `model_path`). Output (stdout and stderr) goes to log_path (a temp file by default); on failure the error
     carries its tail.
     """
-    if log_path is None:
-        fd, name = tempfile.mkstemp(prefix="gyre-engine-", suffix=".log")
-        os.close(fd)
-        log_path = name
-    log_path = Path(log_path)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
+    temp_log = log_path is None
+    log_path = _log_path(log_path)
     cmd = [
         sys.executable,
         "-m",
@@ -144,39 +135,63 @@ def start_engine(
     cmd += list(extra_args or [])
     child_env = {**os.environ, **(env or {})}
     child_env.setdefault("OMP_NUM_THREADS", str(num_threads))
+    engine = _spawn_engine(cmd, child_env, log_path, str(model_path))
+    engine.temp_log = temp_log
+    return _wait_until_healthy(engine, startup_timeout_s)
+
+
+def _log_path(log_path: str | Path | None) -> Path:
+    """`log_path` with its directory made, or a fresh temp file."""
+    if log_path is None:
+        fd, name = tempfile.mkstemp(prefix="gyre-engine-", suffix=".log")
+        os.close(fd)
+        log_path = name
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    return log_path
+
+
+def _spawn_engine(cmd: list[str], env: dict[str, str], log_path: Path, model_path: str) -> EngineProcess:
+    """Start the server, its output to `log_path`, the run's admin key through a pipe (never in its environment or
+    command line); it dies with this process, even SIGKILLed: no engine outlives a crashed run."""
     log_file = open(log_path, "w")  # noqa: SIM115 - owned by the EngineProcess
-    key_fd = key_pipe()  # the admin key: in a pipe, never in the engine's environment or command line
+    key_fd = key_pipe()
     try:
-        proc = subprocess.Popen(
+        proc = spawn_tied(
             [*cmd, f"--admin-key-fd={key_fd}"],
             stdout=log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=child_env,
+            env=env,
             start_new_session=True,
             pass_fds=(key_fd,),
-            # the kernel ties PDEATHSIG to the thread that forks: only the main thread lives as long as the run
-            preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,
         )
     finally:
         os.close(key_fd)
-    engine = EngineProcess(proc, "", log_path, str(model_path), log_file)
-    deadline = time.monotonic() + startup_timeout_s
+    return EngineProcess(proc, "", log_path, model_path, log_file)
+
+
+def _wait_until_healthy(engine: EngineProcess, timeout_s: float) -> EngineProcess:
+    """The engine once it printed its URL and /health answers; stopped, with its log's tail in the error, if it
+    exits or is not healthy within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not engine.alive():
+            engine.temp_log = False  # the error names the log
             engine.stop()
             raise EngineStartError(
-                f"engine for {model_path} exited with code {proc.returncode} before it was ready; "
-                f"log {log_path}:\n{_tail(log_path)}"
+                f"engine for {engine.model_path} exited with code {engine.proc.returncode} before it was ready; "
+                f"log {engine.log_path}:\n{_tail(engine.log_path)}"
             )
-        engine.url = engine.url or (_ready_url(log_path) or "")
+        engine.url = engine.url or (_ready_url(engine.log_path) or "")
         if engine.url and _healthy(engine.url):
             return engine
         time.sleep(0.1)
+    engine.temp_log = False  # the error names the log
     engine.stop()
     raise EngineStartError(
-        f"engine for {model_path} not healthy after {startup_timeout_s:.0f}s (raise startup_timeout_s if the "
-        f"machine is busy); log {log_path}:\n{_tail(log_path)}"
+        f"engine for {engine.model_path} not healthy after {timeout_s:.0f}s (raise startup_timeout_s if the "
+        f"machine is busy); log {engine.log_path}:\n{_tail(engine.log_path)}"
     )
 
 

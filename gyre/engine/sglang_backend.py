@@ -27,6 +27,7 @@ from gyre.engine.client import SyncEngineClient
 from gyre.engine.engine import EngineServers, EngineSetup, EngineUnsupported, resolved_weight_sync, stop_processes
 from gyre.engine.launcher import EngineProcess, EngineStartError, _tail
 from gyre.errors import UserError
+from gyre.lifetime import spawn_tied
 
 if TYPE_CHECKING:
     import torch
@@ -160,12 +161,13 @@ def wait_until_serving(engine: EngineProcess, timeout_s: float, poll_s: float = 
 
 
 def start_sglang_process(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> EngineProcess:
-    """Start one SGLang process in its own process group (not waiting for it); output to log_path."""
+    """Start one SGLang process in its own process group (not waiting for it), dying with this process
+    (gyre.lifetime); output to log_path."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_file = open(log_path, "w")  # noqa: SIM115 - owned by the EngineProcess
     try:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=sglang_env(env), start_new_session=True)  # fmt: skip
+        proc = spawn_tied(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                          env=sglang_env(env), start_new_session=True)  # fmt: skip
     except OSError as e:
         log_file.close()
         raise EngineStartError(f"cannot run {cmd[0]!r} ({e}); set engine.python to an interpreter with sglang") from e

@@ -29,7 +29,8 @@ from typing import Any
 from gyre.config.schema import HarnessConfig, SandboxConfig, TaskConfig
 from gyre.harness.attribution import harness_failure
 from gyre.harness.endpoint import DEFAULT_MAX_CONNECTIONS, ProxyEndpoint
-from gyre.harness.kinds import HarnessLaunch, harness_spec
+from gyre.harness.kinds import HarnessLaunch, HarnessSpec, harness_spec
+from gyre.lifetime import tie_to_this_thread
 from gyre.proxy.keys import RolloutKeys
 from gyre.sandbox import Mount, Sandbox, SandboxJob, make_sandbox, place
 from gyre.sandbox.base import HARNESS_DIR, RELAY_PORT, WORKSPACE, code_mounts, host_env
@@ -164,6 +165,7 @@ async def _run_harness(
                 stdout=log_file,
                 stderr=log_file,
                 start_new_session=True,
+                preexec_fn=tie_to_this_thread(),  # this thread waits on it: it ends with the run, even SIGKILLed
                 pass_fds=(write_fd,) if write_fd >= 0 else (),
             )
     finally:
@@ -205,56 +207,21 @@ async def run_rollout(
     the proxy at `base_url`, then grade a copy of the workspace (`task_cfg` gives tool_delay_s and
     check_timeout_s). With `keys`, the harness gets a key for this rollout alone, revoked at the end.
     Cancelling this coroutine kills the harness's sandbox."""
-    task_cfg = task_cfg or TaskConfig()
     sandbox = sandbox or make_sandbox(SandboxConfig())
     kind = harness_spec(harness_cfg.kind)
-    workdir = Path(workdir).resolve()
-    workspace = workdir / "workspace"
-    if workspace.exists():
-        raise FileExistsError(f"{workspace} already exists; give each rollout its own workdir")
-    task.materialize(workspace)
-    harness_dir = workdir / "harness"
-    harness_dir.mkdir()
-    ws_mount, io_mount = Mount(workspace, WORKSPACE, writable=True), Mount(harness_dir, HARNESS_DIR, writable=True)
-    # a task's image may expect its files elsewhere (Harbor's WORKDIR, e.g. /app): the same workspace there too
-    also = [Mount(workspace, task.workdir, writable=True)] if task.workdir and sandbox.isolated else []
+    r = _Rollout(task, rollout_id, Path(workdir).resolve(), sandbox, task_cfg or TaskConfig(), harness_cfg, kind)
+    if r.workspace.exists():
+        raise FileExistsError(f"{r.workspace} already exists; give each rollout its own workdir")
+    task.materialize(r.workspace)
+    r.harness_dir.mkdir()
     key = keys.issue(rollout_id) if keys is not None else "none"
     sock_dir = Path(tempfile.mkdtemp(prefix="gyre-ep-")) if sandbox.isolated else None
     endpoint = ProxyEndpoint(base_url, sock_dir / "proxy.sock" if sock_dir else None, max_connections)
     await endpoint.start()
     try:
-        inside_io = place(sandbox, io_mount)
-        launch = HarnessLaunch(
-            base_url=f"http://127.0.0.1:{RELAY_PORT}/v1" if sandbox.isolated else openai_base_url(endpoint.url),
-            rollout_id=rollout_id,
-            workspace=Path(place(sandbox, ws_mount)),
-            task_file=Path(inside_io) / "task.json",
-            result_file=Path(inside_io) / "result.json",
-            max_turns=min(harness_cfg.max_turns, task.max_turns),
-            max_tokens=harness_cfg.max_tokens,
-            temperature=harness_cfg.temperature,
-            tool_delay=task_cfg.tool_delay_s,
-            tool_time=task_cfg.tool_time_s,
-            tool_time_sigma=task_cfg.tool_time_sigma,
-            python=kind.python(sandbox),
-            bare=harness_cfg.bare,
-            compact_tokens=harness_cfg.compact_tokens,
-            subagents=harness_cfg.subagents,
-            reply_retries=harness_cfg.reply_retries,
-        )
-        (harness_dir / "task.json").write_text(json.dumps(task.harness_view()))
-        job = SandboxJob(
-            argv=kind.command(launch),
-            cwd=str(launch.workspace),
-            env=kind.env(key, inside_io),
-            mounts=[*code_mounts(), ws_mount, *also, io_mount],
-            proxy_socket=endpoint.unix_path,
-            image=task.image,
-            overlay=agent_overlay(task, sandbox, workspace),  # a Harbor task's image root, writable, kept for grading
-        )
-        log_path = workdir / "harness.log"
+        job = _sandbox_job(r, endpoint, key)
         try:
-            run, pid = await _run_harness(sandbox, job, log_path, agent_timeout(harness_cfg, task), kill_grace_s)
+            run, pid = await _run_harness(sandbox, job, r.log_path, agent_timeout(harness_cfg, task), kill_grace_s)
         finally:
             if job.overlay is not None:
                 job.overlay.release()
@@ -264,14 +231,81 @@ async def run_rollout(
             keys.revoke(key)
         if sock_dir is not None:
             shutil.rmtree(sock_dir, ignore_errors=True)
+    return await _outcome(r, run, pid, endpoint)
 
-    kind.copy_out_trace(harness_dir)
-    result = _read_result(harness_dir / "result.json")
+
+@dataclass(frozen=True)
+class _Rollout:
+    """One rollout's task, directories and settings, as its steps (sandbox job, outcome) share them."""
+
+    task: Task
+    rollout_id: str
+    workdir: Path  # absolute
+    sandbox: Sandbox
+    task_cfg: TaskConfig
+    harness_cfg: HarnessConfig
+    kind: HarnessSpec
+
+    @property
+    def workspace(self) -> Path:
+        return self.workdir / "workspace"
+
+    @property
+    def harness_dir(self) -> Path:
+        return self.workdir / "harness"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "harness.log"
+
+
+def _sandbox_job(r: _Rollout, endpoint: ProxyEndpoint, key: str) -> SandboxJob:
+    """The harness's sandbox job: the workspace and its own I/O directory mounted, the proxy through `endpoint`."""
+    sandbox, task, harness_cfg, kind = r.sandbox, r.task, r.harness_cfg, r.kind
+    ws_mount, io_mount = Mount(r.workspace, WORKSPACE, writable=True), Mount(r.harness_dir, HARNESS_DIR, writable=True)
+    # a task's image may expect its files elsewhere (Harbor's WORKDIR, e.g. /app): the same workspace there too
+    also = [Mount(r.workspace, task.workdir, writable=True)] if task.workdir and sandbox.isolated else []
+    inside_io = place(sandbox, io_mount)
+    launch = HarnessLaunch(
+        base_url=f"http://127.0.0.1:{RELAY_PORT}/v1" if sandbox.isolated else openai_base_url(endpoint.url),
+        rollout_id=r.rollout_id,
+        workspace=Path(place(sandbox, ws_mount)),
+        task_file=Path(inside_io) / "task.json",
+        result_file=Path(inside_io) / "result.json",
+        max_turns=min(harness_cfg.max_turns, task.max_turns),
+        max_tokens=harness_cfg.max_tokens,
+        temperature=harness_cfg.temperature,
+        tool_delay=r.task_cfg.tool_delay_s,
+        tool_time=r.task_cfg.tool_time_s,
+        tool_time_sigma=r.task_cfg.tool_time_sigma,
+        python=kind.python(sandbox),
+        bare=harness_cfg.bare,
+        compact_tokens=harness_cfg.compact_tokens,
+        subagents=harness_cfg.subagents,
+        reply_retries=harness_cfg.reply_retries,
+    )
+    (r.harness_dir / "task.json").write_text(json.dumps(task.harness_view()))
+    return SandboxJob(
+        argv=kind.command(launch),
+        cwd=str(launch.workspace),
+        env=kind.env(key, inside_io),
+        mounts=[*code_mounts(), ws_mount, *also, io_mount],
+        proxy_socket=endpoint.unix_path,
+        image=task.image,
+        overlay=agent_overlay(task, sandbox, r.workspace),  # a Harbor task's image root, writable, kept for grading
+    )
+
+
+async def _outcome(r: _Rollout, run: _Harness, pid: int, endpoint: ProxyEndpoint) -> RolloutOutcome:
+    """What the harness left (its result file and trace), graded: a failure of the harness or its infrastructure
+    from what was seen (gyre.harness.attribution), else the workspace's copy graded in a fresh sandbox."""
+    r.kind.copy_out_trace(r.harness_dir)
+    result = _read_result(r.harness_dir / "result.json")
     stop_reason = "timeout" if run.timed_out else (result or {}).get("stop_reason", "no_result")
     if endpoint.context_overflows and not run.timed_out:
         stop_reason = "context_limit"
     errors = [str(e) for e in (result or {}).get("errors", [])] if isinstance(result, dict) else []
-    stderr_tail = _tail(log_path)
+    stderr_tail = _tail(r.log_path)
     grade = harness_failure(
         started=run.started, returncode=run.returncode, timed_out=run.timed_out, result=result,
         endpoint_failures=endpoint.failures, stderr_tail=stderr_tail, context_overflows=endpoint.context_overflows,
@@ -279,12 +313,12 @@ async def run_rollout(
     )  # fmt: skip
     if grade is None:
         grade = await asyncio.to_thread(
-            grade_workspace, task, workspace, timed_out=run.timed_out, check_timeout_s=task_cfg.check_timeout_s,
-            sandbox=sandbox,
+            grade_workspace, r.task, r.workspace, timed_out=run.timed_out, check_timeout_s=r.task_cfg.check_timeout_s,
+            sandbox=r.sandbox,
         )  # fmt: skip
     return RolloutOutcome(
-        rollout_id=rollout_id,
-        task=task,
+        rollout_id=r.rollout_id,
+        task=r.task,
         grade=grade,
         wall_s=run.wall_s,
         turns=_int((result or {}).get("turns")),
@@ -292,7 +326,7 @@ async def run_rollout(
         timed_out=run.timed_out,
         stderr_tail=stderr_tail,
         errors=errors,
-        workdir=workdir,
+        workdir=r.workdir,
         pid=pid,
     )
 

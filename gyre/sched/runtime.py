@@ -8,33 +8,48 @@ the cells start from (RUN_DIR/policy.json), then drives the run (gyre.sched.cont
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gyre.comm.control import ControlPlane
 from gyre.config.schema import CellResources, ModelConfig, RunConfig
 from gyre.errors import UserError
 
+if TYPE_CHECKING:  # the cell imports it once it runs
+    from gyre.sched.cell.engine import CellEngine
+
 POLICY_FILE = "policy.json"  # the warm start the cells load, written by the controller
 
 
-def run_controller(
-    cfg: RunConfig, cp: ControlPlane, out: Path, start_id: str, in_process: bool = False, point: Any = None
-) -> bool:
+@dataclass(frozen=True)
+class RunStart:
+    """One start of a run as the controller and every cell see it: its config, its directory, this start's id
+    (a policy.json an earlier start of the same directory left is not this one's), and whether the run is one
+    cell in the controller's process (gyre.sched.launch.in_process) rather than an MPI job of cells."""
+
+    cfg: RunConfig
+    out: Path
+    start_id: str
+    in_process: bool = False
+
+
+def run_controller(start: RunStart, cp: ControlPlane, point: Any = None) -> bool:
     """Pick the starting point (a checkpoint to resume, outputs of unfinished steps moved aside; `point`, a
     ResumePoint, given: that one, nothing moved), tell the cells through policy.json, run; returns whether
     the cells may MPI_Finalize. A stop signal checkpoints and raises Preempted."""
     from gyre.resume.recovery import prepare_resume
     from gyre.sched.controller.orchestrator import Controller, StopRequest
 
-    stop = StopRequest(in_process)  # a stop from here on is a checkpoint at the last completed step
+    cfg, out = start.cfg, start.out
+    stop = StopRequest(start.in_process)  # a stop from here on is a checkpoint at the last completed step
     point = point or prepare_resume(out, cfg.resume, log=print)
-    tokenizer_dir = write_policy(cfg, out, start_id, point.checkpoint, point.state.next_step)
-    controller = Controller(cfg, cp, tokenizer_dir, out, point, stop)
+    tokenizer_dir = write_policy(cfg, out, start.start_id, point.checkpoint, point.state.next_step)
+    controller = Controller(start, cp, tokenizer_dir, point, stop)
     try:
         controller.run()
     except BaseException:
@@ -104,21 +119,18 @@ def cell_resources(cfg: RunConfig, cell: int) -> CellResources:
     return sats[min(cell, len(sats)) - 1]
 
 
-def run_cell(cfg: RunConfig, cp: ControlPlane, out: Path, start_id: str, in_process: bool = False) -> bool:
-    """Import megatron and build the training replica in a thread while the engine starts in this one (the
-    thread it starts on owns it: see gyre.sched.cell.engine), then serve the controller. `in_process`: the
-    run's only cell, in the controller's process, with torch's threads as they are and the engine's own
-    (engine.num_threads) rather than sched.threads_per_cell, no Mooncake (nothing to send anywhere), and the
-    engine's synced weights kept in RUN_DIR/weights."""
-    from gyre.comm.mooncake_transport import resolve_hostname
-    from gyre.sched.cell.engine import CellEngine, cell_env, cell_nodes
-
+def run_cell(start: RunStart, cp: ControlPlane) -> bool:
+    """Import megatron and build the training replica in a thread while the engine starts in this one, then
+    serve the controller. In one process (start.in_process): the run's only cell, in the controller's process,
+    with torch's threads as they are and the engine's own (engine.num_threads) rather than
+    sched.threads_per_cell (and its engine as start_cell_engine says)."""
+    cfg, out, in_process = start.cfg, start.out, start.in_process
     if cp.cell_comm.Get_size() > 1:  # the cell's trainer world over its ranks (gloo), for megatron's layout
         from gyre.comm.gloo_transport import init_gloo_from_mpi
 
         init_gloo_from_mpi(cp.cell_comm, cfg.comm.hostname)
     if cp.cell_comm.Get_rank() > 0:
-        return run_follower(cfg, cp, out, start_id)
+        return run_follower(start, cp)
     got: dict[str, Any] = {}
     have_paths = threading.Event()
     threads = cfg.engine.num_threads if in_process else cfg.sched.threads_per_cell
@@ -134,33 +146,49 @@ def run_cell(cfg: RunConfig, cp: ControlPlane, out: Path, start_id: str, in_proc
     builder = threading.Thread(target=build, name="gyre-replica", daemon=True)
     builder.start()
     try:
-        got.update(policy_paths(out, cp, start_id))
+        got.update(policy_paths(out, cp, start.start_id))
     finally:
         have_paths.set()
-    env = cell_env(cfg.comm.hostname, cfg.cluster.mooncake.protocol, threads)
-    resources = cell_resources(cfg, cp.cell)
-    nodes = cell_nodes(cp.cell, os.environ) if cfg.engine.backend == "sglang" else []
-    engine = CellEngine(
-        cfg.engine, got["model_cfg"], got["ckpt"], got["tok"], out / "cells" / f"cell{cp.cell}", threads, env,
-        nodes=nodes, gpus_per_node=resources.gpus_per_node, trainer_address=resolve_hostname(cfg.comm.hostname),
-        kv_transfer=not in_process, scratch=out / "weights" if in_process else None,
-    )  # fmt: skip
+    engine = start_cell_engine(start, cp.cell, got, threads)
     builder.join()
     if "trainer" not in got:
         engine.stop()
         raise RuntimeError(f"cell {cp.cell}: building the training replica failed (its error is printed above)")
-    from gyre.sched.cell.worker import CellWorker
+    from gyre.sched.cell.worker import CellParts, CellWorker
 
-    return CellWorker(cfg, cp, got["policy"], engine, got["trainer"], got["version"]).serve()
+    return CellWorker(cfg, cp, CellParts(got["policy"], engine, got["trainer"], got["version"])).serve()
 
 
-def run_follower(cfg: RunConfig, cp: ControlPlane, out: Path, start_id: str) -> bool:
+def start_cell_engine(start: RunStart, cell: int, paths: dict[str, Any], threads: int) -> CellEngine:
+    """The cell's engine on the warm start's weights (`paths`: policy_paths'). In one process, the run's only
+    engine: no Mooncake (its keys/values never move), its synced weights kept in RUN_DIR/weights."""
+    from gyre.comm.mooncake_transport import resolve_hostname
+    from gyre.engine.engine import EngineSetup
+    from gyre.sched.cell.engine import CellEngine, cell_env, cell_nodes, cell_scratch
+
+    cfg, out = start.cfg, start.out
+    setup = EngineSetup(
+        paths["model_cfg"],
+        paths["tok"],
+        log_dir=out / "cells" / f"cell{cell}",
+        scratch=out / "weights" if start.in_process else cell_scratch(),
+        env=cell_env(cfg.comm.hostname, cfg.cluster.mooncake.protocol, threads),
+        nodes=cell_nodes(cell, os.environ) if cfg.engine.backend == "sglang" else [],
+        gpus_per_node=cell_resources(cfg, cell).gpus_per_node,
+        trainer_address=resolve_hostname(cfg.comm.hostname),
+    )
+    engine_cfg = dataclasses.replace(cfg.engine, num_threads=threads)
+    return CellEngine(engine_cfg, setup, paths["ckpt"], kv_transfer=not start.in_process, keep_scratch=start.in_process)
+
+
+def run_follower(start: RunStart, cp: ControlPlane) -> bool:
     """A cell rank after its first: its shard of the replica, run as the cell's leader tells it."""
     from gyre.sched.cell.ranks import CellFollower
     from gyre.sched.cell.worker import build_replica
     from gyre.warm_start import Policy
 
-    paths = policy_paths(out, cp, start_id)
+    cfg = start.cfg
+    paths = policy_paths(start.out, cp, start.start_id)
     policy = Policy(paths["model_cfg"], paths["tok"], paths["ckpt"])
     threads = cfg.sched.threads_per_cell
     return CellFollower(cfg, cp, build_replica(cfg, policy, paths["resume_from"], threads)).serve()

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.config.schema import SandboxConfig
+from gyre.lifetime import tie_to_this_thread
 from gyre.sandbox import Mount, Sandbox, SandboxJob, place
 from gyre.sandbox.backends import NoSandbox
 from gyre.sandbox.base import WORKSPACE, code_mounts, host_env
@@ -313,6 +314,7 @@ def _run_checker(
             text=True,
             env=host_env(sandbox, job),
             start_new_session=True,
+            preexec_fn=tie_to_this_thread(),  # this thread waits on it: it ends with the run, even SIGKILLed
         )
     except OSError:
         listener.finish(0.0)

@@ -101,25 +101,72 @@ def plan_from_parents(
     idx = np.arange(n)
     if np.any(parent >= idx) or np.any(parent < -1):
         raise ValueError("every parent must come before its child (and roots have parent -1)")
-    n_children = np.bincount(parent[parent >= 0], minlength=n)
-    # a chain segment continues while the previous token is the parent and has no other child
-    cont = np.zeros(n, dtype=bool)
-    cont[1:] = (parent[1:] == idx[:-1]) & (n_children[:-1] == 1)
-    seg_start = np.flatnonzero(~cont)
-    seg_end = np.append(seg_start[1:], n)
-    seg_of = np.cumsum(~cont) - 1
-    first_parent = parent[seg_start]
-    seg_parent = np.where(first_parent >= 0, seg_of[np.maximum(first_parent, 0)], -1)
+    seg = _Segments.from_parents(parent)
+    anc = _segment_ancestors(seg)
+    sub_end = seg.subtree_ends()
+    depth = seg.depths()
+    runs = _prefix_runs(parent, sub_end, seg.of, query_start) if query_start else []
+    if block_size is None:  # with given keys, a block's mask covers the computed keys only
+        deepest = int(depth.max()) + 1 if not query_start else n - query_start
+        block_size = int(np.clip(mask_budget // deepest, MIN_BLOCK, MAX_BLOCK))
+    return TreeAttentionPlan(
+        torch.from_numpy(depth[query_start:]),
+        torch.from_numpy(sub_end[seg.of]),
+        _blocks(seg, anc, depth, block_size, query_start),
+        query_start=query_start,
+        prefix_runs=runs,
+    )
 
-    # Walk the segments with the current root path on a stack; a segment whose parent is not on it
-    # means the order is not depth-first. `merged` holds the stack's token ranges, merged.
-    n_seg = len(seg_start)
-    anc: list[Ranges] = [()] * n_seg
+
+@dataclasses.dataclass(frozen=True)
+class _Segments:
+    """A tree batch cut into chain segments: runs of tokens each the only child of the one before."""
+
+    start: np.ndarray  # [S] first token of each segment
+    end: np.ndarray  # [S] one past its last token
+    of: np.ndarray  # [N] segment of each token
+    parent: np.ndarray  # [S] segment holding the first token's parent, -1 at a root
+
+    @classmethod
+    def from_parents(cls, parent: np.ndarray) -> _Segments:
+        n = int(parent.shape[0])
+        idx = np.arange(n)
+        n_children = np.bincount(parent[parent >= 0], minlength=n)
+        # a chain segment continues while the previous token is the parent and has no other child
+        cont = np.zeros(n, dtype=bool)
+        cont[1:] = (parent[1:] == idx[:-1]) & (n_children[:-1] == 1)
+        start = np.flatnonzero(~cont)
+        of = np.cumsum(~cont) - 1
+        first_parent = parent[start]
+        return cls(start, np.append(start[1:], n), of, np.where(first_parent >= 0, of[np.maximum(first_parent, 0)], -1))
+
+    def subtree_ends(self) -> np.ndarray:
+        """[S] one past the last token of each segment's subtree (children come after their parents)."""
+        sub_end = self.end.copy()
+        for s in range(len(self.start) - 1, -1, -1):
+            if self.parent[s] >= 0:
+                sub_end[self.parent[s]] = max(sub_end[self.parent[s]], sub_end[s])
+        return sub_end
+
+    def depths(self) -> np.ndarray:
+        """[N] each token's depth: its offset in its segment + the depth of the segment's first token."""
+        seg_depth = np.zeros(len(self.start), dtype=np.int64)
+        for s in range(len(self.start)):
+            if (p := self.parent[s]) >= 0:
+                seg_depth[s] = seg_depth[p] + (self.end[p] - self.start[p])
+        return seg_depth[self.of] + (np.arange(len(self.of)) - self.start[self.of])
+
+
+def _segment_ancestors(seg: _Segments) -> list[Ranges]:
+    """Each segment's ancestors' tokens as merged ranges. Walks the segments with the current root path on a
+    stack; a segment whose parent is not on it means the order is not depth-first. `merged` holds the stack's
+    token ranges, merged."""
+    anc: list[Ranges] = [()] * len(seg.start)
     stack: list[int] = []
     undo: list[tuple[int, tuple[int, int] | None]] = []  # per stack entry: len(merged) before, old last
     merged: list[tuple[int, int]] = []
-    for s in range(n_seg):
-        p = int(seg_parent[s])
+    for s in range(len(seg.start)):
+        p = int(seg.parent[s])
         while stack and stack[-1] != p:
             stack.pop()
             size, last = undo.pop()
@@ -128,11 +175,11 @@ def plan_from_parents(
                 merged[-1] = last
         if p >= 0 and not stack:
             raise ValueError(
-                f"token {seg_start[s]} does not follow its parent's subtree in depth-first order; "
+                f"token {seg.start[s]} does not follow its parent's subtree in depth-first order; "
                 "pack trees with gyre.train.tree_pack.pack_trees"
             )
         anc[s] = tuple(merged)
-        a, b = int(seg_start[s]), int(seg_end[s])
+        a, b = int(seg.start[s]), int(seg.end[s])
         if merged and merged[-1][1] == a:
             undo.append((len(merged), merged[-1]))
             merged[-1] = (merged[-1][0], b)
@@ -140,52 +187,44 @@ def plan_from_parents(
             undo.append((len(merged), None))
             merged.append((a, b))
         stack.append(s)
+    return anc
 
-    sub_end = seg_end.copy()
-    for s in range(n_seg - 1, -1, -1):
-        if seg_parent[s] >= 0:
-            sub_end[seg_parent[s]] = max(sub_end[seg_parent[s]], sub_end[s])
-    # depth = offset in segment + depth of the segment's first token; segments come parents-first
-    seg_depth = np.zeros(n_seg, dtype=np.int64)
-    for s in range(n_seg):
-        if seg_parent[s] >= 0:
-            seg_depth[s] = seg_depth[seg_parent[s]] + (seg_end[seg_parent[s]] - seg_start[seg_parent[s]])
-    depth = seg_depth[seg_of] + (idx - seg_start[seg_of])
 
-    runs: list[tuple[int, int, int]] = []
-    if query_start:
-        if not np.array_equal(parent[:query_start], np.arange(-1, query_start - 1)):
-            raise ValueError("the key-only tokens before query_start must be a chain (a root path, by depth)")
-        # the given chain's subtree ends shrink with depth: query q's given ancestors are the first m(q)
-        given_end = sub_end[seg_of[:query_start]]
-        m = np.searchsorted(-given_end, -idx[query_start:], side="left")
-        cut = np.flatnonzero(np.diff(m)) + 1
-        starts, ends = np.append(0, cut), np.append(cut, len(m))
-        runs = [(query_start + a, query_start + b, int(m[a])) for a, b in zip(starts, ends, strict=True) if m[a]]
-    if block_size is None:  # with given keys, a block's mask covers the computed keys only
-        deepest = int(depth.max()) + 1 if not query_start else n - query_start
-        block_size = int(np.clip(mask_budget // deepest, MIN_BLOCK, MAX_BLOCK))
-    # A block also starts where depth-first order jumps back up by more than half the depth (a new
-    # tree, or a branch off a shallow point after a deep one): queries there would not use the keys
-    # of the deep root path the block is charged for.
-    jumps = seg_start[1:][depth[seg_start[1:]] * 2 < depth[seg_start[1:] - 1] + 1]
+def _prefix_runs(
+    parent: np.ndarray, sub_end: np.ndarray, seg_of: np.ndarray, query_start: int
+) -> list[tuple[int, int, int]]:
+    """(qa, qb, m): queries [qa, qb) also attend to the given (key-only) tokens [0, m)."""
+    if not np.array_equal(parent[:query_start], np.arange(-1, query_start - 1)):
+        raise ValueError("the key-only tokens before query_start must be a chain (a root path, by depth)")
+    # the given chain's subtree ends shrink with depth: query q's given ancestors are the first m(q)
+    given_end = sub_end[seg_of[:query_start]]
+    m = np.searchsorted(-given_end, -np.arange(query_start, len(parent)), side="left")
+    cut = np.flatnonzero(np.diff(m)) + 1
+    starts, ends = np.append(0, cut), np.append(cut, len(m))
+    return [(query_start + a, query_start + b, int(m[a])) for a, b in zip(starts, ends, strict=True) if m[a]]
+
+
+def _blocks(
+    seg: _Segments, anc: list[Ranges], depth: np.ndarray, block_size: int, query_start: int
+) -> list[tuple[int, int, Ranges]]:
+    """Query blocks of at most `block_size` tokens, each with the key ranges its queries may attend to.
+
+    A block also starts where depth-first order jumps back up by more than half the depth (a new tree, or a
+    branch off a shallow point after a deep one): queries there would not use the keys of the deep root path
+    the block is charged for."""
+    n = len(seg.of)
+    jumps = seg.start[1:][depth[seg.start[1:]] * 2 < depth[seg.start[1:] - 1] + 1]
     blocks = []
     qa = query_start
     while qa < n:
         next_jump = jumps[np.searchsorted(jumps, qa, side="right")] if len(jumps) and jumps[-1] > qa else n
         qb = min(qa + block_size, int(next_jump))
-        s = int(seg_of[qa])
-        ranges = _merge([*anc[s], (int(seg_start[s]), qb)])
+        s = int(seg.of[qa])
+        ranges = _merge([*anc[s], (int(seg.start[s]), qb)])
         ranges = [(max(a, query_start), b) for a, b in ranges if b > query_start]  # given keys: prefix_runs
         blocks.append((qa, qb, tuple(ranges)))
         qa = qb
-    return TreeAttentionPlan(
-        torch.from_numpy(depth[query_start:]),
-        torch.from_numpy(sub_end[seg_of]),
-        blocks,
-        query_start=query_start,
-        prefix_runs=runs,
-    )
+    return blocks
 
 
 def _block_inputs(

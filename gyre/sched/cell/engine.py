@@ -1,8 +1,8 @@
 """A cell's rollout engine: whichever backend engine.backend names (gyre.engine.engine.make_engine),
 switched between roles by gyre.engine.switch, restarted when it died.
 
-Start it from the main thread: the embedded launcher ties the engine's life to the thread that started
-it (PR_SET_PDEATHSIG), so that an engine dies with its cell even when the cell is SIGKILLed.
+An engine dies with the process of its cell, even a SIGKILLed one (gyre.lifetime.spawn_tied), from
+whichever thread the cell starts it.
 
 Leaving rollout pauses (aborting stragglers back to the proxy) and releases memory; returning resumes
 memory, loads the newest weights if the engine is behind (engine.weight_sync: the embedded engine from a
@@ -12,7 +12,6 @@ continues generation. A dead engine is started again on return to rollout, from 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import socket
@@ -22,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gyre.config.schema import EngineConfig, ModelConfig
+from gyre.config.schema import EngineConfig
 from gyre.engine.engine import EngineSetup, RolloutEngine, make_engine
 from gyre.engine.switch import join_rollout, leave_rollout
 
@@ -30,34 +29,31 @@ if TYPE_CHECKING:  # torch loads in the cell while its engine starts
     import torch
 
 
+def cell_scratch() -> Path:
+    """A fresh directory for the weights a cell's engine restarts from, in memory (/dev/shm) where there is one."""
+    shm = Path("/dev/shm")
+    return Path(tempfile.mkdtemp(prefix="gyre-cell-weights-", dir=shm if shm.is_dir() else None))
+
+
 class CellEngine:
     def __init__(
         self,
         cfg: EngineConfig,
-        model_cfg: ModelConfig,
+        setup: EngineSetup,
         checkpoint_dir: Path,
-        tokenizer_dir: Path,
-        log_dir: Path,
-        threads: int,
-        env: dict[str, str],
-        nodes: list[str] | None = None,
-        gpus_per_node: int = 0,
-        trainer_address: str = "127.0.0.1",
         kv_transfer: bool = True,
-        scratch: Path | None = None,
+        keep_scratch: bool = False,
     ) -> None:
-        self.cfg = dataclasses.replace(cfg, num_threads=threads)
+        """`checkpoint_dir`: the weights it starts from before the cell writes any (setup.scratch: removed at stop
+        unless `keep_scratch`, the run's RUN_DIR/weights). `kv_transfer`: False for the run's only engine, whose
+        keys/values never move."""
+        self.cfg = cfg
         self.checkpoint_dir = checkpoint_dir
-        shm = Path("/dev/shm")
-        self.owns_scratch = scratch is None  # its own, removed at stop; given: the run's, kept (RUN_DIR/weights)
-        if scratch is None:
-            scratch = Path(tempfile.mkdtemp(prefix="gyre-cell-weights-", dir=shm if shm.is_dir() else None))
-        self.scratch = scratch
-        setup = EngineSetup(model_cfg, tokenizer_dir, log_dir, self.scratch, env, list(nodes or []), gpus_per_node,
-                            trainer_address)  # fmt: skip
+        self.owns_scratch = not keep_scratch
+        self.scratch = setup.scratch
         self.engine: RolloutEngine = make_engine(self.cfg, setup)
         self.setup = setup
-        self.kv_transfer = kv_transfer  # False: the run's only engine, whose keys/values never move
+        self.kv_transfer = kv_transfer
         self.starts = 0
         self.start()
 

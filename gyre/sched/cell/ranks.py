@@ -97,7 +97,7 @@ def reduce_shard(cp: ControlPlane, trainer: Trainer, msg: GradientReduce, timeou
     if cp.rank != core_rank:
         from gyre.sched.cell.grad_reduce import send_gradients  # MPI: a cell alone in its process sends nothing
 
-        send_gradients(cp.comm, core_rank, flat, has, cp.wait_for, timeout)
+        send_gradients(cp, core_rank, flat, has, timeout)
         trainer.zero_grad()
         return None
     others = [r for r in contributors if r != cp.rank]
@@ -105,7 +105,7 @@ def reduce_shard(cp: ControlPlane, trainer: Trainer, msg: GradientReduce, timeou
         from gyre.sched.cell.grad_reduce import receive_gradients
 
         numel, n_params = grad_numel(trainer.model)
-        total, any_has = receive_gradients(cp.comm, others, numel, n_params, cp.wait_for, timeout)
+        total, any_has = receive_gradients(cp, others, numel, n_params, timeout)
         if cp.rank in contributors:
             total, any_has = total + flat, any_has | has
     else:

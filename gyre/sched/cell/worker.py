@@ -13,6 +13,7 @@ import os
 import socket
 import time
 import urllib.parse
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,17 +69,21 @@ def build_replica(
     return trainer
 
 
+@dataclass(frozen=True)
+class CellParts:
+    """What a cell serves with: the warm start it began from, its engine, its training replica, and the weight
+    version the replica holds (the checkpoint's when the run resumed; 0 at the warm start)."""
+
+    policy: Policy
+    engine: CellEngine
+    trainer: Trainer
+    version: int = 0
+
+
 class CellWorker:
-    def __init__(
-        self,
-        cfg: RunConfig,
-        cp: ControlPlane,
-        policy: Policy,
-        engine: CellEngine,
-        trainer: Trainer,
-        version: int = 0,
-    ) -> None:
-        self.cfg, self.cp, self.policy, self.engine, self.trainer = cfg, cp, policy, engine, trainer
+    def __init__(self, cfg: RunConfig, cp: ControlPlane, parts: CellParts) -> None:
+        self.cfg, self.cp, self.policy, self.engine, self.trainer = cfg, cp, parts.policy, parts.engine, parts.trainer
+        version = parts.version
         self.cell = cp.cell
         self.is_core = self.cell == 0
         self.role: Role = "rollout"

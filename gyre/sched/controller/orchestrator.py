@@ -17,7 +17,7 @@ import signal
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
@@ -36,6 +36,7 @@ from gyre.resume.recovery import ResumePoint, checkpoint_due, describe_start, ta
 from gyre.resume.state import RunState
 from gyre.sandbox import make_sandbox
 from gyre.sched.controller.cell_table import Cell, CellDied, CellTable, Outbox, kill_pid, pid_alive
+from gyre.sched.controller.context import ControllerContext
 from gyre.sched.controller.evaluation import EvalRunner
 from gyre.sched.controller.faults import FaultInjector
 from gyre.sched.controller.report import progress, step_rows
@@ -48,6 +49,9 @@ from gyre.sched.controller.train_plane import TrainPlane
 from gyre.sched.liveness import LivenessWatch
 from gyre.sched.policy import Load, PolicyConfig, Switch, decide, initial_roles, may_start
 from gyre.tracking import open_trackers
+
+if TYPE_CHECKING:
+    from gyre.sched.runtime import RunStart
 
 # SIGTERM: Slurm preemption, `scontrol requeue`, the time-limit signal (the batch script forwards it through
 # srun). Not SIGUSR1 in a cell job: mpiexec uses it to tell survivors that a rank died; in one process it
@@ -90,13 +94,13 @@ def policy_config(cfg: RunConfig) -> PolicyConfig:
 class Controller:
     def __init__(
         self,
-        cfg: RunConfig,
+        start: RunStart,
         cp: ControlPlane,
         tokenizer_dir: Path,
-        out: Path,
         point: ResumePoint | None = None,
         stop: StopRequest | None = None,
     ) -> None:
+        cfg, out = start.cfg, start.out
         self.cfg, self.cp, self.out = cfg, cp, out
         self.stop_request = stop or StopRequest()
         self.pcfg = policy_config(cfg)
@@ -116,10 +120,9 @@ class Controller:
         point = point or ResumePoint(RunState(), None)
         self.book = StepBook(cfg, out, point.kept)
         self.evals = EvalRunner(cfg, out, self.book.pool) if cfg.eval.every else None
-        self.train = TrainPlane(cfg, self.table, self.outbox, self.book, self.faults, out, self.cells_died, self.log)
-        self.switcher = Switcher(
-            cfg, self.pcfg, self.table, self.outbox, self.proxy, self.driver, self.timeline, self.metrics
-        )
+        ctx = ControllerContext(cfg, out, self.pcfg, self.table, self.outbox, self.timeline, self.metrics)
+        self.train = TrainPlane(ctx, self.book, self.faults, self.cells_died, self.log)
+        self.switcher = Switcher(ctx, self.proxy, self.driver)
         self.state = point.state  # completed steps (their rollouts, trained ids, shards), starts of the job
         self.state.begin()
         self.metrics.rows = list(point.metrics_rows)

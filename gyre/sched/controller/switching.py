@@ -14,31 +14,20 @@ from collections.abc import Callable
 from typing import Any
 
 from gyre.comm.messages import Ack, RoleSwitch
-from gyre.config.schema import RunConfig
 from gyre.engine.client import EngineError
-from gyre.metrics import MetricsWriter
 from gyre.proxy.server import ProxyServer
-from gyre.sched.controller.cell_table import Cell, CellDied, CellTable, Outbox
+from gyre.sched.controller.cell_table import Cell, CellDied
+from gyre.sched.controller.context import ControllerContext
 from gyre.sched.controller.reroute import Migration, take_out_of_service
 from gyre.sched.controller.sessions import RolloutDriver
-from gyre.sched.controller.timeline import Timeline
-from gyre.sched.policy import PolicyConfig, Switch, session_capacity
+from gyre.sched.policy import Switch, session_capacity
 
 
 class Switcher:
-    def __init__(
-        self,
-        cfg: RunConfig,
-        policy: PolicyConfig,
-        table: CellTable,
-        outbox: Outbox,
-        proxy: ProxyServer,
-        driver: RolloutDriver,
-        timeline: Timeline,
-        metrics: MetricsWriter,
-    ) -> None:
-        self.cfg, self.policy, self.table, self.outbox = cfg, policy, table, outbox
-        self.proxy, self.driver, self.timeline, self.metrics = proxy, driver, timeline, metrics
+    def __init__(self, ctx: ControllerContext, proxy: ProxyServer, driver: RolloutDriver) -> None:
+        self.cfg, self.policy, self.table, self.outbox = ctx.cfg, ctx.policy, ctx.table, ctx.outbox
+        self.timeline, self.metrics = ctx.timeline, ctx.metrics
+        self.proxy, self.driver = proxy, driver
         self.latencies: dict[str, list[float]] = {"rollout->train": [], "train->rollout": []}
         self.migrated = {
             "migrated_sessions": 0,

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from gyre.comm.messages import Ack, GradientReduce, MicroBatchAssignment, WeightVersion
-from gyre.config.schema import RunConfig
-from gyre.sched.controller.cell_table import Cell, CellDied, CellTable, Outbox
+from gyre.sched.controller.cell_table import Cell, CellDied
+from gyre.sched.controller.context import ControllerContext
 from gyre.sched.controller.faults import FaultInjector
 from gyre.sched.controller.steps import StepBook
 from gyre.sched.policy.ledger import MicroBatchLedger, hand_out, step_ready, waiting_work
@@ -25,17 +24,14 @@ from gyre.sched.policy.ledger import MicroBatchLedger, hand_out, step_ready, wai
 class TrainPlane:
     def __init__(
         self,
-        cfg: RunConfig,
-        table: CellTable,
-        outbox: Outbox,
+        ctx: ControllerContext,
         book: StepBook,
         faults: FaultInjector,
-        out: Path,
         on_death: Callable[[list[int]], None],
         log: Callable[[dict[str, Any]], None] = lambda row: None,
     ) -> None:
-        self.cfg, self.table, self.outbox, self.book, self.faults = cfg, table, outbox, book, faults
-        self.out = out
+        self.cfg, self.table, self.outbox, self.out = ctx.cfg, ctx.table, ctx.outbox, ctx.out
+        self.book, self.faults = book, faults
         self.on_death = on_death
         self.log = log  # one row per micro-batch done (what the simulator calibrates training from)
         self.ledger = MicroBatchLedger()

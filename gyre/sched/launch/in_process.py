@@ -15,7 +15,7 @@ from gyre.comm.messages import Shutdown
 from gyre.config.schema import RunConfig
 from gyre.config.validate import cell_ranks
 from gyre.sandbox.limits import raise_open_file_limit
-from gyre.sched.runtime import POLICY_FILE, run_cell, run_controller
+from gyre.sched.runtime import POLICY_FILE, RunStart, run_cell, run_controller
 
 CELL_STOP_S = 60.0  # how long the cell may take to stop its engine once told to
 
@@ -30,19 +30,19 @@ def run_in_process(cfg: RunConfig, out: Path, point: Any = None) -> None:
     once checkpointed). `point` (a ResumePoint): start there instead of at the run's own checkpoint."""
     raise_open_file_limit()  # before anything opens: no rollout's connections may exhaust the trainer's
     controller_plane, cell_plane = local_control_planes(cfg.comm.idle_poll_max_s)
-    start_id = uuid.uuid4().hex
+    start = RunStart(cfg, out, uuid.uuid4().hex, in_process=True)
     (out / POLICY_FILE).unlink(missing_ok=True)
 
     def cell() -> None:
         try:
-            run_cell(cfg, cell_plane, out, start_id, in_process=True)
+            run_cell(start, cell_plane)
         except BaseException as e:  # the controller raises it
             fail_cell(cell_plane, e)
 
     thread = threading.Thread(target=cell, name="gyre-cell0", daemon=True)
     thread.start()
     try:
-        run_controller(cfg, controller_plane, out, start_id, in_process=True, point=point)
+        run_controller(start, controller_plane, point)
     finally:
         if thread.is_alive():  # told already after a finished run; after a failure, told here
             controller_plane.send(CELL_RANK, Shutdown("the controller stopped", finalize=False))

@@ -50,7 +50,7 @@ from gyre.sched.launch.slurm_env import (
     record_exit_status,
     start_attempt,
 )
-from gyre.sched.runtime import run_cell, run_controller
+from gyre.sched.runtime import RunStart, run_cell, run_controller
 
 
 def run(out: Path) -> tuple[bool, dict[str, Any], int]:
@@ -90,7 +90,7 @@ def run(out: Path) -> tuple[bool, dict[str, Any], int]:
     if cp.is_controller:
         (out / CONTROLLER_PID_FILE).write_text(str(os.getpid()))  # gyre.sched.launch.local passes stop signals here
         try:
-            finalize = run_controller(cfg, cp, out, start_id)
+            finalize = run_controller(RunStart(cfg, out, start_id), cp)
         except Preempted:
             finalize, code = True, PREEMPTED_EXIT_CODE
         report = json.loads((out / "summary.json").read_text())
@@ -100,7 +100,7 @@ def run(out: Path) -> tuple[bool, dict[str, Any], int]:
     else:
         for sig in (signal.SIGTERM, signal.SIGUSR2):  # they reach every rank: the controller stops the cells
             signal.signal(sig, signal.SIG_IGN)
-        finalize, report = run_cell(cfg, cp, out, start_id), {"cell": cp.cell}
+        finalize, report = run_cell(RunStart(cfg, out, start_id), cp), {"cell": cp.cell}
     if finalize:
         cp.close()
     if cp.is_controller:

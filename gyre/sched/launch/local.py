@@ -1,9 +1,9 @@
 """Starting a run on this machine: the run directory, then its cells, in this process or under `mpirun`.
 
-`run_cells(cfg)` writes RUN_DIR/config.yaml, then runs one local cell of one rank (scheduler=colocate, the
-embedded default) in this process (gyre.sched.launch.in_process), and any other layout as an MPI job: it re-executes
-under the venv's `mpirun -n 1+C` (gyre.sched.launch.job; its rank 0 builds or reuses the warm start while the
-cells start up). Each rank runs inside `sh -c` with
+`local_plan(cfg)` writes RUN_DIR/config.yaml; `local_launcher(cfg)` then runs one local cell of one rank
+(scheduler=colocate) in this process (gyre.sched.launch.in_process), and any other layout as an MPI job: it
+re-executes under the venv's `mpirun -n 1+C` (gyre.sched.launch.job; its rank 0 builds or reuses the warm start
+while the cells start up). Each rank runs inside `sh -c` with
 SIGUSR1 ignored and mpiexec's auto-cleanup off, so that a killed cell rank leaves the others running
 (MPICH otherwise tears the whole job down); the controller then carries on without it.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from gyre.config.schema import RunConfig, Scheduler
 from gyre.config.validate import cell_ranks, check_cells
 from gyre.errors import UserError
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted
+from gyre.sched.launch.launcher import Launcher, LaunchPlan
 from gyre.sched.runtime import POLICY_FILE
 
 CONTROLLER_PID_FILE = "controller.pid"  # rank 0's pid, for passing stop signals on
@@ -34,7 +36,7 @@ RANK_SHELL = 'trap "" USR1; "$0" -m mpi4py -m gyre.sched.launch.job "$1"; exit $
 # a rank that stops on an expected failure (gyre.errors.UserError) writes "<exit code>\n<message>" here; the
 # first one wins, so the user reads the message once however many ranks fail alike (gyre.sched.launch.job.fail_rank)
 RANK_ERROR_FILE = "rank_error.txt"
-LAUNCHER_REPORTS_ENV = "GYRE_LAUNCHER_REPORTS"  # set by run_cells: it prints that message, the ranks stay quiet
+LAUNCHER_REPORTS_ENV = "GYRE_LAUNCHER_REPORTS"  # set by MpirunLauncher: it prints that message, the ranks stay quiet
 
 
 class DeadCellsError(UserError, RuntimeError):
@@ -95,9 +97,8 @@ def check_supported(cfg: RunConfig) -> None:
             raise ValueError(f"{key}={value!r} is not available yet; supported: {', '.join(supported[key])}")
 
 
-def run_cells(cfg: RunConfig) -> Path:
-    """The run, in this process (one local cell of one rank) or as an MPI job of cells; returns its directory.
-    Raises Preempted once a stop signal's checkpoint is written."""
+def local_plan(cfg: RunConfig) -> LaunchPlan:
+    """The run directory, with the resolved config in it, for a run on this machine."""
     check_supported(cfg)
     if cfg.scheduler == "colocate":  # the core cell alone switches (colocate_cells switches satellites with it)
         cfg.cluster.satellites = []
@@ -106,13 +107,38 @@ def run_cells(cfg: RunConfig) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     cfg.output_dir = str(out)
     (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-    from gyre.sched.launch.in_process import run_in_process, runs_in_process
+    return LaunchPlan(cfg, out, out / "config.yaml", out)
 
-    if runs_in_process(cfg):
-        run_in_process(cfg, out)
-        return out
-    run_mpi_job(cfg, out)
-    return out
+
+def local_launcher(cfg: RunConfig) -> Launcher:
+    """In this process for one local cell of one rank that switches as a whole; mpirun for any other layout."""
+    from gyre.sched.launch.in_process import runs_in_process
+
+    return InProcessLauncher() if runs_in_process(cfg) else MpirunLauncher()
+
+
+class InProcessLauncher:
+    """The controller on this process's main thread, the one cell in a thread beside it (gyre.sched.launch.in_process)."""
+
+    def render(self, plan: LaunchPlan) -> str:
+        return f"in this process (pid {os.getpid()}): the controller and cell 0 of {plan.out}"
+
+    def launch(self, plan: LaunchPlan) -> int:
+        from gyre.sched.launch.in_process import run_in_process
+
+        run_in_process(plan.cfg, plan.out)
+        return 0
+
+
+class MpirunLauncher:
+    """The cells as an MPI job on this machine (gyre.sched.launch.job on every rank)."""
+
+    def render(self, plan: LaunchPlan) -> str:
+        return shlex.join(mpirun_command(plan.cfg, plan.out))
+
+    def launch(self, plan: LaunchPlan) -> int:
+        run_mpi_job(plan.cfg, plan.out)
+        return 0
 
 
 def run_mpi_job(cfg: RunConfig, out: Path) -> None:

@@ -1,0 +1,81 @@
+"""Child processes that die with the process that started them, even when it is SIGKILLed: a crashed run
+leaves no engine, proxy helper or harness behind holding ports, memory and GPUs.
+
+Linux's PR_SET_PDEATHSIG signals a child when its parent *thread* exits, not its parent process. So:
+- `spawn_tied` forks from one thread that lives as long as this process: for children that outlive the
+  thread that asked for them (an engine a cell's thread starts, restarted later from another thread);
+- `tie_to_this_thread` is a `preexec_fn` for children the forking thread waits on anyway (a harness, a
+  checker): the thread outlives them unless the process dies.
+Both arm the signal in the child before exec and kill the child at once if its parent already died
+(the race the kernel leaves open). Elsewhere than Linux both are plain Popen.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+PR_SET_PDEATHSIG = 1
+# resolved once, here: a preexec_fn runs between fork and exec, where loading a library could deadlock
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+
+
+def tie_to_this_thread(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A preexec_fn: the child gets `sig` when the calling thread (or this process) ends; None off Linux."""
+    if _prctl is None:
+        return None
+    parent = os.getpid()
+
+    def arm() -> None:
+        _prctl(PR_SET_PDEATHSIG, sig)
+        if os.getppid() != parent:  # the parent died between fork and prctl: no signal will come
+            os.kill(os.getpid(), sig)
+
+    return arm
+
+
+class _Forker:
+    """One daemon thread that forks every tied child and never exits before the process does."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        self._pid = 0  # the process whose thread it is (a forked child has none until it asks)
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        with self._lock:
+            if self._pid != os.getpid():
+                self._pid = os.getpid()
+                self._jobs = queue.SimpleQueue()
+                threading.Thread(target=self._serve, args=(self._jobs,), name="gyre-forker", daemon=True).start()
+            done: Future[Any] = Future()
+            self._jobs.put((fn, done))
+        return done.result()
+
+    @staticmethod
+    def _serve(jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]]) -> None:
+        while True:
+            fn, done = jobs.get()
+            try:
+                done.set_result(fn())
+            except BaseException as e:  # the caller raises it
+                done.set_exception(e)
+
+
+_FORKER = _Forker()
+
+
+def spawn_tied(argv: list[str], sig: int = signal.SIGTERM, **popen_kwargs: Any) -> subprocess.Popen:
+    """subprocess.Popen(argv, **popen_kwargs) whose child gets `sig` when this process ends, however it ends,
+    and not before, whichever thread calls this."""
+    if _prctl is None:
+        return subprocess.Popen(argv, **popen_kwargs)
+    return _FORKER.call(lambda: subprocess.Popen(argv, preexec_fn=tie_to_this_thread(sig), **popen_kwargs))
