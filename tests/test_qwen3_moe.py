@@ -99,10 +99,16 @@ def test_megatron_moe_weights_convert_exactly_and_logprobs_equal_transformers(mo
     assert (got - expected).abs().max().item() < 1e-5
 
 
+CELLS_OF_TWO_EP2 = ["scheduler=colocate_cells", "cluster.core.tasks_per_node=2", "cluster.satellites=[{tasks_per_node:2}]",
+                    "train.expert_parallel=2"]  # fmt: skip
+
+
 @pytest.mark.integration
-def test_a_random_qwen3_moe_directory_trains_an_rl_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", [["scheduler=colocate"], CELLS_OF_TWO_EP2], ids=["colocate", "cells_of_2_ep2"])
+def test_a_random_qwen3_moe_directory_trains_an_rl_step(tmp_path: Path, layout: list[str]) -> None:
     """`python -m gyre.model.random_model --shape qwen3-moe-tiny` then `python -m launch.run model.path=DIR`: rollouts
-    from the embedded engine's MoE model, one step of megatron's MoE layer, the checkpoint written."""
+    from the embedded engine's MoE model, one step of megatron's MoE layer (in colocate, or in cells of 2 ranks each
+    holding half the experts), the checkpoint written."""
     from gyre.metrics import read_metrics
     from gyre.sched.controller.report import step_rows
 
@@ -111,7 +117,7 @@ def test_a_random_qwen3_moe_directory_trains_an_rl_step(tmp_path: Path) -> None:
     made = subprocess.run([sys.executable, "-m", "gyre.model.random_model", str(model), "--shape", "qwen3-moe-tiny"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
     assert made.returncode == 0, made.stderr[-2000:]
-    args = [f"model.path={model}", "scheduler=colocate", "steps=1", "rl.groups_per_step=1", "rl.group_size=2",
+    args = [f"model.path={model}", *layout, "steps=1", "rl.groups_per_step=1", "rl.group_size=2",
             "harness.max_turns=1", "harness.max_tokens=16", "tasks.families=[write_value]", f"output_dir={out}",
             f"hydra.run.dir={tmp_path / 'hydra'}", f"warm_start.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
     proc = subprocess.run([sys.executable, "-m", "launch.run", *args], cwd=ROOT, capture_output=True, text=True,
