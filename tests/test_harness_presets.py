@@ -39,12 +39,12 @@ def claude_tokenizer() -> Tokenizer:
 
 @pytest.mark.unit
 def test_presets_compose():
-    for name in ("builtin", "claude_code", "mini_swe_agent"):
+    for name in ("builtin", "claude_code", "mini_swe_agent", "codex"):
         cfg = compose([f"harness={name}"])
         assert cfg.harness.kind == name
     cc = compose(["harness=claude_code"])
     assert cc.harness.bare and cc.proxy.max_output_tokens and cc.engine.max_context_tokens == 4096
-    assert compose(["harness=mini_swe_agent"]).harness.bare
+    assert compose(["harness=mini_swe_agent"]).harness.bare and compose(["harness=codex"]).harness.bare
     with pytest.raises(ConfigValueError, match="harness.bare"):
         compose(["harness=builtin", "harness.bare=true"])
 
@@ -80,6 +80,29 @@ def test_claude_code_demonstration_is_bash_tool_use_then_done(claude_tokenizer):
     assert render_text(*harness_spec("claude_code").first_request(task)) in render_text(
         *harness_spec("claude_code").demonstration(task)
     )
+
+
+@pytest.mark.unit
+def test_codex_demonstration_is_exec_command_calls_then_done_and_its_full_prompt_does_not_fit():
+    (task,) = sample_tasks(["echo_files"], 1, seed=5)
+    demo = harness_spec("codex").demonstration(task, bare=True)
+    writes = [c["arguments"] for c in task.solution if c["name"] == "write_file"]
+    assert [t["function"]["name"] for t in demo.tools] == ["exec_command", "write_stdin", "request_user_input"]
+    assert [m["role"] for m in demo.messages[:2]] == ["system", "user"] and demo.messages[1]["content"] == task.prompt
+    calls = [m["tool_calls"][0]["function"] for m in demo.messages if m.get("tool_calls")]
+    assert calls == [{"name": "exec_command", "arguments": json.dumps({"cmd": f"printf %s {a['content']} > {a['path']}"})}
+                     for a in writes]  # fmt: skip
+    assert demo.messages[3]["role"] == "tool" and "Process exited with code 0" in demo.messages[3]["content"]
+    assert demo.messages[-1] == {"role": "assistant", "content": "Done."}
+    first = harness_spec("codex").first_request(task, bare=True)
+    assert render_text(*first) in render_text(*demo)
+    full = harness_spec("codex").first_request(task, bare=False)  # Codex's ~17 KB of instructions and its context
+    assert len(full.messages[0]["content"]) > 10_000 and "<environment_context>" in full.messages[1]["content"]
+    cfg = compose(["harness=codex", *SMALL])
+    tok = Tokenizer.train(harness_corpus(cfg), 512)
+    assert check_harness_fits(cfg, [task], tok) < 400
+    with pytest.raises(ConfigValueError, match="harness.bare=true"):
+        check_harness_fits(dataclasses.replace(cfg, harness=dataclasses.replace(cfg.harness, bare=False)), [task], tok)
 
 
 @pytest.mark.unit
@@ -194,10 +217,11 @@ def test_mini_swe_agent_runs_under_its_own_venv(tmp_path):
 def test_each_harness_has_its_own_warm_start():
     from gyre.warm_start import cache_key
 
-    keys = {cache_key(compose([f"harness={name}"])) for name in ("builtin", "claude_code", "mini_swe_agent")}
+    keys = {cache_key(compose([f"harness={name}"])) for name in ("builtin", "claude_code", "mini_swe_agent", "codex")}
     keys.add(cache_key(compose(["harness=claude_code", "harness.bare=false"])))
     keys.add(cache_key(compose(["harness=mini_swe_agent", "harness.bare=false"])))
-    assert len(keys) == 5
+    keys.add(cache_key(compose(["harness=codex", "harness.bare=false"])))
+    assert len(keys) == 7
 
 
 @pytest.mark.unit
@@ -207,8 +231,8 @@ def test_every_configurable_harness_kind_is_one_object_in_the_registry():
 
     assert set(HARNESSES) == set(HarnessKind)
     assert all(spec.name == name for name, spec in HARNESSES.items())
-    assert {k for k, spec in HARNESSES.items() if spec.short_prompt} == {"claude_code", "mini_swe_agent"}
-    assert [k for k, spec in HARNESSES.items() if spec.own_max_tokens] == ["claude_code"]
+    assert {k for k, spec in HARNESSES.items() if spec.short_prompt} == {"claude_code", "mini_swe_agent", "codex"}
+    assert [k for k, spec in HARNESSES.items() if spec.own_max_tokens] == ["claude_code", "codex"]
     with pytest.raises(ValueError, match="unknown harness kind 'aider'"):
         harness_spec("aider")
     env = harness_spec("claude_code").env("k", "/h", {"CLAUDE_X": "1", "GYRE_CLAUDE_TRACE": "/t", "HOME": "/r"})

@@ -667,6 +667,25 @@ def test_context_limit_rejects_long_prompts_and_caps_max_tokens(tokenizer, engin
 
 
 @pytest.mark.integration
+def test_a_run_seed_makes_calls_without_a_seed_reproducible(tokenizer, engines):
+    """proxy.sampling_seed: Claude Code and Codex send no seed; with it the same rollout's same conversation samples
+    the same tokens (temperature 1), another rollout's its own; a seed the call sends still wins."""
+
+    def sample(server, rollout: str, **kw) -> list[int]:
+        client = client_for(server.url, default_headers={"X-Rollout-Id": rollout})
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Write the value 4"}],
+                                       max_tokens=24, temperature=1.0, **kw)  # fmt: skip
+        return server.call_log.for_rollout(rollout)[-1].output_ids
+
+    with running_proxy(tokenizer, [engines[0].url], sampling_seed=7) as seeded:
+        first, again, other = sample(seeded, "a"), sample(seeded, "a"), sample(seeded, "b")
+        assert first == again and first != other
+        assert sample(seeded, "a", seed=11) == sample(seeded, "c", seed=11)  # the call's own seed decides
+    with running_proxy(tokenizer, [engines[0].url], sampling_seed=7) as rerun:  # a rerun of the run samples the same
+        assert sample(rerun, "a") == first and sample(rerun, "b") == other
+
+
+@pytest.mark.integration
 def test_engine_down_gives_503_and_the_proxy_recovers(tokenizer, engines):
     dead = f"http://127.0.0.1:{free_port()}"
     msgs = [{"role": "user", "content": "hi"}]

@@ -71,10 +71,11 @@ def sdk_requests() -> list[tuple[str, dict[str, str], bytes]]:
         for kwargs in (
             dict(messages=[{"role": "user", "content": "hi"}], max_tokens=2),
             dict(messages=history, tools=[tool], tool_choice="auto", stream=True, stream_options={"include_usage": True}),
+            dict(messages=history, tools=[tool], tool_choice="none", max_tokens=2),
             dict(messages=history, tools=[tool], temperature=0.7, top_p=0.9, seed=3, stop=["\n\n"], logprobs=True,
-                 top_logprobs=2, max_completion_tokens=2, user="u", metadata={"a": "b"}, store=False,
+                 top_logprobs=0, max_completion_tokens=2, user="u", metadata={"a": "b"}, store=False,
                  parallel_tool_calls=True, reasoning_effort="low", service_tier="auto", n=1,
-                 response_format={"type": "text"}, presence_penalty=0.1, frequency_penalty=0.1, **new_params),
+                 response_format={"type": "text"}, presence_penalty=0, frequency_penalty=0, **new_params),
         ):  # fmt: skip
             with contextlib.suppress(openai.APIError):
                 client.chat.completions.create(model="gpt-5", **kwargs)
@@ -117,6 +118,7 @@ def sdk_requests() -> list[tuple[str, dict[str, str], bytes]]:
         client = openai.OpenAI(base_url="http://proxy/v1", api_key="x", http_client=http, max_retries=0)
         for kwargs in (
             dict(input="hi", max_output_tokens=2),
+            dict(input=r_history, tools=[r_tool], tool_choice="none", max_output_tokens=2, truncation="disabled"),
             dict(input=r_history, instructions="You are Codex.", tools=[r_tool], tool_choice="auto",
                  parallel_tool_calls=False, stream=True, store=False, include=["reasoning.encrypted_content"],
                  reasoning={"effort": "low", "summary": "auto"}, prompt_cache_key="k", max_output_tokens=2,
@@ -180,7 +182,9 @@ SAMPLING = {
     "max_completion_tokens": [0, -1],
     "n": [0, 2, 5, 1.0],
     "seed": [2**64, 1.5, "7"],
-    "top_logprobs": [-1, 21],
+    "top_logprobs": [-1, 21, 3],
+    "tool_choice": ["required", "none", {"type": "function", "function": {"name": "write_file"}}, {"type": "any"}],
+    "response_format": [{"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}],
     "presence_penalty": [3, -3],
     "frequency_penalty": [2.5],
     "logit_bias": [{"1": 101}, {"1": "x"}, []],

@@ -13,6 +13,7 @@ from test_proxy import MEMO_ARGS, MEMO_MESSAGES, TOOLS, engines, model_dir, runn
 
 from gyre.proxy.errors import ProxyError
 from gyre.proxy.responses_api import convert_input, output_items, parse_responses_request, sse_events
+from gyre.proxy.roles import CODEX_SUMMARY_MARKER, chat_call_role
 
 R_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
 INSTRUCTIONS = MEMO_MESSAGES[0]["content"]
@@ -80,6 +81,7 @@ def test_output_items_round_trip_into_the_same_assistant_message():
         ({"conversation": "conv_1"}, "conversation", "no conversation state"),
         ({"tools": [{"type": "web_search"}]}, "tools", "only tools of type function"),
         ({"tool_choice": "required"}, "tool_choice", "tool_choice"),
+        ({"tool_choice": {"type": "function", "name": "f"}}, "tool_choice", "tool_choice"),
         ({"top_logprobs": 3}, "top_logprobs", "top logprobs"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text", "format"),
         ({"input": [{"type": "image_generation_call"}]}, "input", "image_generation_call"),
@@ -91,6 +93,23 @@ def test_what_cannot_be_honoured_is_refused_by_name(extra, param, words):
     with pytest.raises(ProxyError) as e:
         parse_responses_request({"input": "hi", **extra}, "m")
     assert e.value.status == 400 and e.value.param == param and words in e.value.message
+
+
+@pytest.mark.unit
+def test_codex_turn_metadata_labels_compaction_and_subagent_calls():
+    """Codex 0.171.0's headers: request_kind "turn" / "compaction" (observed), agent_name "/root" for the main agent."""
+
+    def role(kind: str, agent: str, user: str = "Write 4 to a.txt", tools: bool = True) -> str:
+        meta = json.dumps({"request_kind": kind, "agent_name": agent, "window_number": 0})
+        messages = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": user}]
+        return chat_call_role({"X-Codex-Turn-Metadata": meta}, messages, tools)
+
+    assert role("turn", "/root") == "main"
+    assert (
+        role("compaction", "/root", f"{CODEX_SUMMARY_MARKER}. Create a handoff summary", tools=False) == "main_summary"
+    )
+    assert role("turn", "/root/worker") == "subagent" and role("compaction", "/root/worker") == "subagent_summary"
+    assert chat_call_role({"x-codex-turn-metadata": "not json"}, [{"role": "user", "content": "hi"}], True) == "main"
 
 
 @pytest.mark.unit

@@ -18,6 +18,7 @@ from gyre.config.schema import MismatchConfig, ModelConfig, RunConfig, TrainConf
 from gyre.harness.runner import RolloutOutcome
 from gyre.pipeline import FinishedRollout, tree_gspo_loss_fn, write_group_shard
 from gyre.proxy.synthetic import make_record
+from gyre.sched.controller.group_writer import GroupJob, GroupWriter
 from gyre.sched.policy.ledger import MicroBatchLedger
 from gyre.sched.replica import MicroBatchSource, core_step, flat_grads, plan_group
 from gyre.tasks.grading import Grade
@@ -171,3 +172,29 @@ def test_cells_train_trees_over_the_budget_in_segments_exactly(shards: tuple[Run
         trainer.forward_backward(batches, loss_fn)
         grads.append(flat_grads(trainer.model)[0])
     assert float((grads[1] - grads[0]).norm() / grads[0].norm()) < 1e-5
+
+
+@pytest.mark.unit
+def test_group_writer_writes_and_plans_off_the_callers_thread(tmp_path: Path) -> None:
+    """The controller hands a completed group over and goes on: the shard is written and planned on the
+    writer's thread (the same micro-batches as planning it inline), its workspaces removed; a failed write
+    is raised to the caller when it next looks, not lost on the thread."""
+    cfg = RunConfig(model=MODEL, train=TrainConfig(micro_batch_tokens=70))
+    members = [rollout(f"s0-g0-r{i}", 0, s, i) for i, s in enumerate([1.0, 0.0, 0.5, 0.25])]
+    workdirs = tmp_path / "rollouts"
+    for m in members:
+        (workdirs / m.outcome.rollout_id).mkdir(parents=True)
+    writer = GroupWriter(cfg, tmp_path)
+    try:
+        writer.submit(GroupJob(0, 0, members, {}, workdirs))
+        (written,) = writer.drain(timeout=30)
+        assert (written.step, written.group, written.shard.path.name) == (0, 0, "step00000-group0000.h5")
+        refs, trained, n_loss = plan_group(written.shard.path, cfg)
+        assert (written.refs, written.trained, written.loss_rollouts) == (refs, trained, n_loss) and refs
+        assert written.write_s > 0 and not any(workdirs.iterdir())
+        writer.submit(GroupJob(0, 1, members, {}, tmp_path / "none", handed_over=0.0))
+        writer.submit(GroupJob(0, 2, [], {}, tmp_path / "none"))  # no members: write_group_shard fails
+        with pytest.raises(RuntimeError, match="writing a group shard failed"):
+            writer.drain(timeout=30)
+    finally:
+        writer.close()

@@ -12,7 +12,15 @@ import yaml
 from gyre.harness.builtin import rollout_tool_factor
 from gyre.sched import policy
 from gyre.sim.bound import lower_bound, workload_bound
-from gyre.sim.calibrate import Calibration, RunRecord, calibrate, fit_rollouts, read_run
+from gyre.sim.calibrate import (
+    Calibration,
+    RunRecord,
+    calibrate,
+    calibrate_predictive,
+    fit_rollouts,
+    read_run,
+    split_session,
+)
 from gyre.sim.simulator import simulate
 from gyre.sim.workload import Call, CellModel, Rollout, RunShape, Trace, Workload, tool_factor
 
@@ -163,6 +171,10 @@ def test_calibration_reads_a_run(tmp_path: Path) -> None:
     assert simulate("elastic", again.cell, again.shape, again.trace()).wall_s == pytest.approx(
         simulate("elastic", cal.cell, cal.shape, cal.trace()).wall_s
     )
+    assert c.group_write_blocks and record.shape["tool_time_s"] == 0.0 and record.shape["cpus"] >= 1
+    metrics = tmp_path / "metrics.jsonl"  # a run with the writer thread: its group rows say the loop went on
+    metrics.write_text(metrics.read_text().replace('"seconds": 0.25}', '"seconds": 0.25, "blocked_s": 0.0}'))
+    assert not calibrate([read_run(tmp_path)]).cell.group_write_blocks
 
 
 # the cross-prediction of the recorded benchmark (tools/sim_data/bench17_runs.json.gz) before the trace was
@@ -213,3 +225,48 @@ def test_workload_bound_holds_for_every_recorded_run() -> None:
     for runs in load_records(None).values():
         bound = workload_bound(list(runs.values())).seconds
         assert all(r.wall_s >= bound for r in runs.values())
+
+
+def test_the_writer_thread_takes_group_writes_off_the_loop() -> None:
+    """Written by the loop, a group's 2 s shard holds every decision; on the writer's thread only its
+    micro-batches wait: the cells switch meanwhile, half a second saved here."""
+    blocking = replace(CELL, group_write_s=2.0)
+    writer = replace(blocking, group_write_blocks=False)
+    for scheduler in ("colocate_cells", "elastic"):
+        assert simulate(scheduler, blocking, SHAPE, two_rollouts()).wall_s == pytest.approx(7.0)
+        assert simulate(scheduler, writer, SHAPE, two_rollouts()).wall_s == pytest.approx(6.5)
+
+
+def test_shared_cpus_stretch_the_harness_engine_and_trainer() -> None:
+    """Two sessions with 1 s of their own CPU work each: on CPUs of their own (inf) as written; on one shared
+    CPU each piece of CPU work that meets another takes twice as long (the start-up, the second call, the
+    second micro-batch), and the run records what contention each met."""
+    trace = Trace({0: [Rollout(f"s0-g0-r{i}", 0, (Call(0, 0, 2.0),), 0.0, 1000, cpu_s=1.0) for i in range(2)]})
+    alone = simulate("colocate_cells", CELL, SHAPE, trace)
+    assert alone.wall_s == pytest.approx(6.0) and alone.train_slowdown == 1.0  # 1 s CPU, 1 s call, 2 s tools
+    shared = simulate("colocate_cells", replace(CELL, cpus=1), SHAPE, trace)
+    assert shared.wall_s == pytest.approx(9.0)  # start-up 2 s, calls 2 s, the second micro-batch 2 s
+    assert shared.cpu_jobs_at_start == {"s0-g0-r0": 2, "s0-g0-r1": 2}
+    assert shared.train_slowdown == pytest.approx(1.5)
+
+
+def test_a_session_splits_into_tool_sleeps_and_its_own_cpu_work() -> None:
+    """With the harness's tool sleep known, what is left between and after the calls, and outside the
+    harness, is the session's own CPU work; without it, the gaps stay as measured."""
+    sess = {"seconds": 9.5, "harness_s": 9.0, "calls": [[10, 5, 1.0, 2.05], [10, 5, 1.0, 4.02], [10, 5, 0.5, 0.3]]}
+    sleeps, cpu = split_session(sess, 2.0)
+    assert sleeps == [2.0, 4.0, 0.0] and cpu == pytest.approx(0.5 + 0.05 + 0.02 + 0.3)
+    assert split_session(sess, None) == ([2.05, 4.02, 0.3], pytest.approx(0.5))
+
+
+def test_a_predictive_calibration_reproduces_the_runs_it_was_fitted_on() -> None:
+    """Costs divided by the contention each session met, then simulated under the same scheduler: the wall
+    it was fitted on, within the replay's own error; the shared CPUs come from the runs' records."""
+    from tools.sim_schedulers import load_records
+
+    runs = load_records(None)["sigma0.5"]
+    elastic = [r for r in runs.values() if r.scheduler == "elastic"]
+    cal = calibrate_predictive(elastic)
+    assert cal.cell.cpus == 2 and all(r.cpu_s > 0 for r in cal.rollouts.values())
+    wall = simulate("elastic", cal.cell, cal.shape, cal.trace()).wall_s
+    assert wall == pytest.approx(elastic[0].wall_s, rel=0.05)

@@ -3,9 +3,14 @@
     python tools/bench_schedulers.py --steps 6 --repeats 2 [--out DIR] [key=value ...]
 
 Each scheduler runs as the real cell job (`python -m launch.run scheduler=...`: mpirun, controller + 3
-cells, same CPU mapping, same per-cell session capacity) on the same seeds, tasks and number of steps,
-in interleaved order (colocate, async, elastic, colocate, ...) so that the machine's background load
-hits all alike; figures are medians over the repeats. The workload has long-tail rollouts whose wall
+cells, each rank pinned to the same CPUs by `sched.cpu_sets`, same per-cell session capacity) on the same
+seeds, tasks and number of steps. A busy machine must not decide the ranking: the schedulers run
+interleaved, one of each per repeat, the order rotated each repeat (colocate, async, elastic; async,
+elastic, colocate; ...) so none always runs first or last; figures are medians with their range over the
+repeats, and speedups are paired (each repeat's runs side by side, then the median). Beside each wall,
+the CPU seconds each component used (controller with harnesses and tools, each cell's ranks, each
+engine: sampled from /proc) and the machine's load average while it ran, so that a wall inflated by
+other users' load shows as such. The workload has long-tail rollouts whose wall
 time is mostly harness tool time (tasks.tool_time_s, a per-rollout lognormal factor seeded by the
 rollout id, identical across schedulers). Reported: the controller's wall clock per run (startup
 excluded; the same for all), final scores, median switch latency each way, and prefill tokens
@@ -20,9 +25,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -60,9 +67,12 @@ def run_once(scheduler: str, steps: int, out: Path, extra: list[str]) -> dict[st
     args = [f"scheduler={scheduler}", f"steps={steps}", *WORKLOAD, *extra]
     args += [f"output_dir={out}", f"hydra.run.dir={out}/hydra"]
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "launch.run", *args], cwd=ROOT, capture_output=True, text=True)
+    cmd = [sys.executable, "-m", "launch.run", *args]
+    with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        with CpuSampler(proc.pid) as cpu:
+            stdout, stderr = proc.communicate()
     total = time.monotonic() - start
-    (out / "bench.log").write_text(proc.stdout + proc.stderr)
+    (out / "bench.log").write_text(stdout + stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"{scheduler} failed (exit {proc.returncode}); see {out / 'bench.log'}")
     summary = json.loads((out / "summary.json").read_text())
@@ -87,8 +97,119 @@ def run_once(scheduler: str, steps: int, out: Path, extra: list[str]) -> dict[st
         "rollout_wall_max_s": max(r["rollout_wall_max_s"] for r in steps_rows),
         "role_seconds": summary["role_seconds"],
         "bound_s": round(run_bound(out), 3),
+        "cpu_s": cpu.seconds(),
+        "load_avg": cpu.load_avg(),
         "out": str(out),
     }
+
+
+class CpuSampler:
+    """CPU seconds of a run's processes by component (`component_of`), read from /proc every `every_s` while
+    it runs. A process's last fraction of a poll before it exits is not seen (a lower bound: short-lived
+    harness tools lose the most); the 1-minute load average is sampled alongside."""
+
+    def __init__(self, root_pid: int, every_s: float = 0.5) -> None:
+        self.root_pid, self.every_s = root_pid, every_s
+        self.seen: dict[int, tuple[str, float]] = {}  # pid -> (component, CPU seconds of its own)
+        self.loads: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> CpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _poll(self) -> None:
+        tick = os.sysconf("SC_CLK_TCK")
+        while not self._stop.wait(self.every_s):
+            self.loads.append(os.getloadavg()[0])
+            for pid, (component, ticks) in process_tree(self.root_pid).items():
+                self.seen[pid] = (component, ticks / tick)
+
+    def seconds(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for component, secs in self.seen.values():
+            out[component] = out.get(component, 0.0) + secs
+        return {k: round(v, 1) for k, v in sorted(out.items())}
+
+    def load_avg(self) -> dict[str, float]:
+        return spread(self.loads) if self.loads else {}
+
+
+def process_tree(root: int) -> dict[int, tuple[str, int]]:
+    """pid -> (component, utime + stime ticks) of `root` and its descendants (gone ones skipped)."""
+    stats: dict[int, tuple[int, int, str, str]] = {}  # pid -> (ppid, ticks, MPI rank or "", cmdline)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            rank = _pmi_rank(entry)
+        except OSError:
+            continue
+        stats[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]), rank, cmdline)
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, *_) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    out: dict[int, tuple[str, int]] = {}
+    todo = [(root, "launcher")]
+    while todo:
+        pid, parent = todo.pop()
+        if pid in stats:
+            _, ticks, rank, cmdline = stats[pid]
+            label = component_of(cmdline, rank, parent)
+            out[pid] = (label, ticks)
+            todo += [(child, label) for child in children.get(pid, [])]
+    return out
+
+
+def _pmi_rank(proc_dir: Path) -> str:
+    for var in (proc_dir / "environ").read_bytes().split(b"\0"):
+        if var.startswith(b"PMI_RANK="):
+            return var.split(b"=", 1)[1].decode()
+    return ""
+
+
+def component_of(cmdline: str, rank: str, parent: str) -> str:
+    """A process's component from its command line, its MPI rank (PMI_RANK, "" when its environment has
+    none: a sandboxed harness) and its parent's component: a rank's own process is the controller (rank 0)
+    or a cell (cell@rank<r>), an engine is its rank's engine (engine@rank<r>), what the controller starts
+    (proxy helpers, harnesses, tools, graders) is "harnesses", anything else its parent's component
+    (mpirun and the launcher: "launcher")."""
+    if "gyre.engine.server" in cmdline or "sglang.launch_server" in cmdline:
+        return f"engine@rank{rank or parent.rpartition('rank')[2]}"
+    if rank and "gyre.sched.launch" in cmdline:
+        return "controller" if rank == "0" else f"cell@rank{rank}"
+    return "harnesses" if parent == "controller" else parent
+
+
+def run_order(schedulers: list[str], repeat: int) -> list[str]:
+    """Repeat r runs the schedulers rotated by r: each runs first, middle and last as often as the others."""
+    k = repeat % len(schedulers)
+    return schedulers[k:] + schedulers[:k]
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Median with its range: what a reader needs to see whether two schedulers' figures overlap."""
+    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
+
+
+def paired_speedups(results: dict[str, list[dict[str, Any]]], of: str = "elastic") -> dict[str, dict[str, float]]:
+    """other's wall / `of`'s wall per repeat (runs of one repeat ran side by side, under the same load),
+    then their spread; repeats where either is missing are skipped."""
+    out = {}
+    for other, runs in results.items():
+        if other == of or of not in results:
+            continue
+        ratios = [o["wall_s"] / e["wall_s"] for o, e in zip(runs, results[of], strict=False)]
+        if ratios:
+            out[other] = spread(ratios)
+    return out
 
 
 def run_bound(out: Path) -> float:
@@ -135,13 +256,16 @@ def report(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "migrated_idle_sessions": sum(r["migrated_idle_sessions"] for r in runs),
             "same_engine_followups": statistics.median(r["same_engine_followups"] for r in runs),
             "walls": [r["wall_s"] for r in runs],
+            "wall_spread_s": spread([r["wall_s"] for r in runs]),
+            "cpu_s": {
+                k: spread([r["cpu_s"].get(k, 0.0) for r in runs]) for k in sorted({k for r in runs for k in r["cpu_s"]})
+            },
             "bound_s": statistics.median(r["bound_s"] for r in runs),
         }
         table[sched]["over_bound"] = round(table[sched]["wall_s"] / table[sched]["bound_s"], 3)
-    e = table.get("elastic", {}).get("wall_s")
-    for other in ("colocate_cells", "async"):
-        if e and other in table:
-            table[f"elastic_speedup_vs_{other}"] = round(table[other]["wall_s"] / e, 3)
+    for other, ratios in paired_speedups(results).items():
+        table[f"elastic_speedup_vs_{other}"] = ratios["median"]
+        table[f"elastic_speedup_vs_{other}_spread"] = ratios
     return table
 
 
@@ -163,7 +287,7 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict[str, Any]]] = {s: [] for s in args.schedulers.split(",")}
     for rep in range(args.repeats):
-        for sched in results:
+        for sched in run_order(list(results), rep):
             res = run_once(sched, args.steps, root / f"{sched}-{rep}", extra)
             results[sched].append(res)
             print(f"{sched:15s} run {rep}: {res['wall_s']:7.1f} s  reward {res['final_reward']:.3f}", flush=True)

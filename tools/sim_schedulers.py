@@ -33,7 +33,7 @@ from typing import Any
 from gyre.config.schema import CELL_SCHEDULERS as SCHEDULERS
 from gyre.sched.policy import KEEP_TRAINING
 from gyre.sim.bound import alone_seconds, lower_bound, workload_bound
-from gyre.sim.calibrate import Calibration, RunRecord, calibrate, read_run
+from gyre.sim.calibrate import Calibration, RunRecord, calibrate, calibrate_predictive, read_run, workload_facts
 from gyre.sim.simulator import SimResult, simulate
 from gyre.sim.workload import CellModel, RunShape, Workload
 
@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tools" / "sim_data" / "bench17_runs.json.gz"
 WORKLOADS = {"sigma0.5": "tool-time tail sigma=0.5", "sigma1.0": "sigma=1.0", "trainheavy": "training ~ rollouts"}
 HOUR = 3600.0
+PREDICTIVE = "tool sleeps as the harness draws them; CPU work, engine and training costs with the source's contention divided out"
 
 # ----- the reference system's scale: assumptions, not measurements -----
 # 2.4T MoE: SGLang at 128 concurrent 700K-token sessions a cell: 40 tokens/s for one call alone, 3200 tokens/s
@@ -129,7 +130,25 @@ def load_records(bench: Path | None) -> dict[str, dict[str, RunRecord]]:
             if (bench / wl).is_dir()
         }
     data = json.loads(gzip.decompress(DATA.read_bytes()))
-    return {wl: {name: RunRecord.from_json(r) for name, r in d["runs"].items()} for wl, d in data.items()}
+    out = {wl: {name: RunRecord.from_json(r) for name, r in d["runs"].items()} for wl, d in data.items()}
+    for wl, runs in out.items():
+        facts = facts_of_bench_args(data[wl]["bench_args"])
+        for r in runs.values():
+            r.shape = {**facts, **r.shape}  # records from before they carried these (gyre.sim.calibrate.workload_facts)
+    return out
+
+
+def facts_of_bench_args(args: list[str]) -> dict[str, Any]:
+    """The tool sleep and shared CPUs of a stored benchmark's runs, from the arguments it ran with (over
+    tools/bench_schedulers.py's workload)."""
+    from tools.bench_schedulers import WORKLOAD
+
+    given = dict(a.split("=", 1) for a in [*WORKLOAD, *args])
+    cfg = {"sched": {"cpu_sets": given.get("sched.cpu_sets", "[]").strip("[]").split(",")},
+           "tasks": {"tool_time_s": float(given.get("tasks.tool_time_s", 0.0)),
+                     "tool_time_sigma": float(given.get("tasks.tool_time_sigma", 1.0))}}  # fmt: skip
+    cfg["sched"]["cpu_sets"] = [c for c in cfg["sched"]["cpu_sets"] if c]
+    return workload_facts(cfg)
 
 
 def save_records(bench: Path) -> None:
@@ -192,8 +211,10 @@ def print_validation(table: dict[str, Any]) -> None:
               f"measured runs: {runs}")  # fmt: skip
 
 
-def cross_predict(records: dict[str, dict[str, RunRecord]]) -> dict[str, Any]:
-    """Calibrate on one scheduler's runs of a workload alone and predict every scheduler's wall on it.
+def cross_predict(records: dict[str, dict[str, RunRecord]], predictive: bool = False) -> dict[str, Any]:
+    """Calibrate on one scheduler's runs of a workload alone and predict every scheduler's wall on it;
+    `predictive`: with gyre.sim.calibrate.calibrate_predictive (the source's contention divided out, the
+    target's simulated on the shared CPUs), else with each rollout replayed as the source measured it.
 
     The validation above replays each run from its own records, so it cannot tell a model that predicts
     from one that copies; here the off-diagonal cells (a scheduler the calibration never saw) are the test.
@@ -205,7 +226,8 @@ def cross_predict(records: dict[str, dict[str, RunRecord]]) -> dict[str, Any]:
         walls = {s: statistics.median(r.wall_s for r in runs.values() if r.scheduler == s) for s in SCHEDULERS}
         rows: dict[str, Any] = {}
         for src in SCHEDULERS:
-            cal = calibrate([r for r in runs.values() if r.scheduler == src])
+            mine = [r for r in runs.values() if r.scheduler == src]
+            cal = calibrate_predictive(mine) if predictive else calibrate(mine)
             rows[src] = {}
             for tgt in SCHEDULERS:
                 sim = simulate(tgt, cal.cell, cal.shape, cal.trace()).wall_s
@@ -239,9 +261,9 @@ def repeat_noise(records: dict[str, dict[str, RunRecord]]) -> dict[str, float] |
     return {"median_error": round(statistics.median(errors), 4), "worst_error": round(max(errors), 4), "n": len(errors)}
 
 
-def print_cross(cross: dict[str, Any]) -> None:
-    print("\n1b. Cross-prediction: calibrated on one scheduler's runs alone, each scheduler's wall predicted "
-          "(error against its measured median; the diagonal, in brackets, was fitted)")  # fmt: skip
+def print_cross(cross: dict[str, Any], title: str = "each rollout replayed as measured") -> None:
+    print(f"\n1b. Cross-prediction ({title}): calibrated on one scheduler's runs alone, each scheduler's wall "
+          "predicted (error against its measured median; the diagonal, in brackets, was fitted)")  # fmt: skip
     print(f"{'workload':24s} {'calibrated on':15s} " + " ".join(f"{s:>15s}" for s in SCHEDULERS))
     for wl, rows in cross["table"].items():
         for src in SCHEDULERS:
@@ -436,13 +458,16 @@ def main() -> None:
     t0 = time.monotonic()
     bench = Path(args.bench) if args.bench else None
     results: dict[str, Any] = {"cross": cross_predict(load_records(bench))}
+    results["cross_predictive"] = cross_predict(load_records(bench), predictive=True)
     if args.cross:
         print_cross(results["cross"])
-        (out / "cross.json").write_text(json.dumps(results["cross"], indent=1))
+        print_cross(results["cross_predictive"], PREDICTIVE)
+        (out / "cross.json").write_text(json.dumps({k: results[k] for k in ("cross", "cross_predictive")}, indent=1))
         return
     results["validation"] = validate(load_calibrations(bench))
     print_validation(results["validation"])
     print_cross(results["cross"])
+    print_cross(results["cross_predictive"], PREDICTIVE)
     results["workload_bounds"] = workload_bounds(load_records(bench))
     print_workload_bounds(results["workload_bounds"])
     settings = {

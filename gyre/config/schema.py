@@ -96,11 +96,13 @@ class HarnessKind(StrEnum):
     builtin = "builtin"
     claude_code = "claude_code"
     mini_swe_agent = "mini_swe_agent"
+    codex = "codex"
 
     @staticmethod
     def short_prompt_kinds() -> tuple[str, ...]:
-        """Kinds with a short prompt (harness.bare): Claude Code's --bare, mini-swe-agent's compact templates."""
-        return (HarnessKind.claude_code, HarnessKind.mini_swe_agent)
+        """Kinds with a short prompt (harness.bare): Claude Code's --bare, mini-swe-agent's compact templates,
+        Codex's one-line instructions."""
+        return (HarnessKind.claude_code, HarnessKind.mini_swe_agent, HarnessKind.codex)
 
 
 class SandboxBackend(StrEnum):
@@ -304,6 +306,9 @@ class ProxyConfig:
     # a body of 512 KB or more is measured in a helper process before it is parsed: over this many JSON values
     # (parsing holds the event loop ~0.3 us per value) it gets 413
     max_body_values: int = ranged(250_000, POSITIVE)
+    # a call that sends no seed (Claude Code, Codex, litellm send none) is seeded from this, its rollout id and
+    # its prompt's token ids: the same conversation samples the same tokens, in any order of arrival
+    sampling_seed: int | None = ranged(None, SEED, why="or null: calls without a seed sample unseeded")
 
     def __post_init__(self) -> None:
         from gyre.config.validate import check_proxy
@@ -351,9 +356,9 @@ class TaskConfig:
 
 @dataclass
 class HarnessConfig:
-    """The agent program each rollout runs (gyre/harness); presets: `harness=builtin|claude_code|mini_swe_agent`."""
+    """The agent program each rollout runs (gyre/harness); presets: `harness=builtin|claude_code|mini_swe_agent|codex`."""
 
-    kind: str = choice(HarnessKind.builtin, HarnessKind, "harness")  # builtin | claude_code | mini_swe_agent
+    kind: str = choice(HarnessKind.builtin, HarnessKind, "harness")  # builtin | claude_code | mini_swe_agent | codex
     max_turns: int = ranged(10, AT_LEAST_1)  # model calls of the main agent per rollout
     timeout_s: float = ranged(90.0, POSITIVE)  # wall-clock limit of a rollout (the workspace is graded as it stands)
     # builtin and mini_swe_agent; Claude Code sends its own
@@ -363,7 +368,8 @@ class HarnessConfig:
     concurrency: int = ranged(16, AT_LEAST_1)  # rollouts a cell runs at once
     keep_workspaces: bool = False  # keep each rollout's workspace under the output directory
     # the short prompt: claude_code `claude --bare` (a one-line system prompt, tools Bash/Edit/Read: ~300 tokens);
-    # mini_swe_agent compact system/instance templates (gyre/harness/mini_swe_agent.py: a first request of ~80 tokens, not ~850)
+    # mini_swe_agent compact system/instance templates (gyre/harness/mini_swe_agent.py: a first request of ~80 tokens, not ~850);
+    # codex one-line instructions, no environment context, no view_image (gyre/harness/codex.py)
     bare: bool = False
     # builtin only (Claude Code does all three itself): what real harnesses do besides the agent loop, each making
     # a rollout a tree of context paths. compact_tokens: compact a thread (a summary call, role main_summary or

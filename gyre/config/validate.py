@@ -71,7 +71,7 @@ def check_eval(cfg: RunConfig) -> None:
 def check_harness(h: HarnessConfig) -> None:
     check_fields(h, "harness.")
     if h.bare and h.kind not in HarnessKind.short_prompt_kinds():
-        _fail("harness.bare", h.bare, "a short prompt exists for harness.kind=claude_code|mini_swe_agent only")
+        _fail("harness.bare", h.bare, "a short prompt exists for harness.kind=claude_code|mini_swe_agent|codex only")
     if h.kind != HarnessKind.builtin:
         for key in ("compact_tokens", "subagents", "reply_retries"):
             if getattr(h, key):

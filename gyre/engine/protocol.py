@@ -76,13 +76,8 @@ def _token_list(ids: Any, vocab_size: int) -> list[int]:
     return ids
 
 
-def parse_generate(body: Any, tokenizer: Tokenizer | None, vocab_size: int, max_context_tokens: int) -> GenerateRequest:
-    """Validate a GenerateReqInput body; raises ProtocolError (HTTP 400) naming the problem."""
-    if not isinstance(body, dict):
-        raise ProtocolError("the request body must be a JSON object")
-    for name, allowed in _UNSUPPORTED.items():
-        if body.get(name) not in allowed:
-            raise ProtocolError(f"{name}={body[name]!r} is not supported by the embedded engine")
+def _prompts(body: dict[str, Any], tokenizer: Tokenizer | None, vocab_size: int) -> tuple[list[list[int]], bool]:
+    """(the prompts' token ids, whether the body is a batch), from input_ids or text (encoded here)."""
     ids, text = body.get("input_ids"), body.get("text")
     if ids is None and text is None:
         raise ProtocolError("provide input_ids (a list of token ids) or text")
@@ -90,15 +85,35 @@ def parse_generate(body: Any, tokenizer: Tokenizer | None, vocab_size: int, max_
         raise ProtocolError("provide either input_ids or text, not both")
     if ids is not None:
         is_batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
-        prompts = [_token_list(p, vocab_size) for p in (ids if is_batch else [ids])]
-    else:
-        if tokenizer is None:
-            raise ProtocolError("this engine has no tokenizer (none in the model directory); send input_ids")
-        is_batch = isinstance(text, list)
-        texts = text if is_batch else [text]
-        if not texts or not all(isinstance(t, str) and t for t in texts):
-            raise ProtocolError("text must be a non-empty string or a list of them")
-        prompts = [tokenizer.encode(t) for t in texts]
+        return [_token_list(p, vocab_size) for p in (ids if is_batch else [ids])], is_batch
+    if tokenizer is None:
+        raise ProtocolError("this engine has no tokenizer (none in the model directory); send input_ids")
+    is_batch = isinstance(text, list)
+    texts = text if is_batch else [text]
+    if not texts or not all(isinstance(t, str) and t for t in texts):
+        raise ProtocolError("text must be a non-empty string or a list of them")
+    return [tokenizer.encode(t) for t in texts], is_batch
+
+
+def _rids(rid: Any, n: int, is_batch: bool) -> list[str]:
+    """One request id per prompt: made up, the given one (suffixed by index in a batch), or the batch's list."""
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(n)]
+    if isinstance(rid, str) and rid:
+        return [f"{rid}_{i}" for i in range(n)] if is_batch else [rid]
+    if is_batch and isinstance(rid, list) and len(rid) == n and all(isinstance(r, str) and r for r in rid):
+        return list(rid)
+    raise ProtocolError(f"rid must be a non-empty string (or one per prompt in a batch), got {rid!r}")
+
+
+def parse_generate(body: Any, tokenizer: Tokenizer | None, vocab_size: int, max_context_tokens: int) -> GenerateRequest:
+    """Validate a GenerateReqInput body; raises ProtocolError (HTTP 400) naming the problem."""
+    if not isinstance(body, dict):
+        raise ProtocolError("the request body must be a JSON object")
+    for name, allowed in _UNSUPPORTED.items():
+        if body.get(name) not in allowed:
+            raise ProtocolError(f"{name}={body[name]!r} is not supported by the embedded engine")
+    prompts, is_batch = _prompts(body, tokenizer, vocab_size)
     n = len(prompts)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -106,15 +121,7 @@ def parse_generate(body: Any, tokenizer: Tokenizer | None, vocab_size: int, max_
     if stream and is_batch:
         raise ProtocolError("streaming a batch of prompts is not supported; send one request per prompt")
 
-    rid = body.get("rid")
-    if rid is None:
-        rids = [uuid.uuid4().hex for _ in range(n)]
-    elif isinstance(rid, str) and rid:
-        rids = [f"{rid}_{i}" for i in range(n)] if is_batch else [rid]
-    elif is_batch and isinstance(rid, list) and len(rid) == n and all(isinstance(r, str) and r for r in rid):
-        rids = list(rid)
-    else:
-        raise ProtocolError(f"rid must be a non-empty string (or one per prompt in a batch), got {rid!r}")
+    rids = _rids(body.get("rid"), n, is_batch)
 
     try:
         raw_params = _per_item(body.get("sampling_params"), n, "sampling_params", is_batch)

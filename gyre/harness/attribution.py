@@ -41,7 +41,7 @@ def harness_failure(
         return Grade.failed(
             f"context limit: the harness's first request is over the run's context ({(context_overflows or ['?'])[0]} "
             f"tokens); raise proxy.max_context_tokens, engine.max_context_tokens and model.max_position_embeddings "
-            f"or shrink the request (harness.bare=true for claude_code and mini_swe_agent)"
+            f"or shrink the request (harness.bare=true for claude_code, mini_swe_agent and codex)"
         )
     if timed_out:
         return None

@@ -8,7 +8,10 @@ blocks for Claude Code's Bash tool (the one tool `--bare` and the full tool set 
 file), and goes through the proxy's own request conversion (gyre/proxy/anthropic_api.py), so the
 warm start trains on the token ids the proxy renders for those requests. mini-swe-agent's chat requests
 are recorded the same way (mini_swe_agent.json: the stock config; mini_swe_agent_bare.json: harness.bare's
-compact templates); its replies are a THOUGHT and one bash block.
+compact templates); its replies are a THOUGHT and one bash block. Codex CLI's Responses API requests are
+recorded the same way (codex.json: its stock prompt; codex_bare.json: harness.bare's one-line instructions) and
+converted by the proxy's Responses conversion (gyre/proxy/responses_api.py); its replies are exec_command
+function calls answered with the output Codex sends back for a command without output, then a short message.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from typing import Any
 
 from gyre.harness.demos import Demonstration
 from gyre.proxy.anthropic_api import convert_messages, convert_tools
+from gyre.proxy.responses_api import convert_input
+from gyre.proxy.responses_api import convert_tools as convert_response_tools
 from gyre.sandbox.base import WORKSPACE
 from gyre.tasks.task import Task
 
@@ -32,6 +37,7 @@ MARKS = {"prompt": "@@GYRE_PROMPT@@", "home": "@@GYRE_HOME@@", "slug": "@@GYRE_C
          "date": "@@GYRE_DATE@@", "kernel_version": "@@GYRE_KERNEL_VERSION@@",
          "kernel_release": "@@GYRE_KERNEL_RELEASE@@"}  # fmt: skip
 CLAUDE_HOME = "/run/gyre/harness/claude-home"  # gyre.harness.claude_code: HOME beside the result file
+CODEX_HOME = "/run/gyre/harness/codex-home"  # gyre.harness.codex: CODEX_HOME beside the result file
 CLAUDE_DONE = "Done."
 
 
@@ -160,3 +166,43 @@ def mini_demonstration(task: Task, bare: bool = False) -> Demonstration:
         messages.append(dict(observation))
     messages.append({"role": "assistant", "content": submit})
     return Demonstration(messages, [])
+
+
+@functools.cache
+def codex_template(bare: bool) -> dict[str, Any]:
+    path = TEMPLATE_DIR / ("codex_bare.json" if bare else "codex.json")
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: run `python -m tools.record_harness_templates --only codex`")
+    return json.loads(path.read_text())
+
+
+def codex_body(task: Task, bare: bool, date: str | None = None, cwd: str = WORKSPACE) -> dict[str, Any]:
+    """The Responses API body of the task's first request, as the pinned CLI sends it."""
+    return fill(copy.deepcopy(codex_template(bare)["first"]), task.prompt, cwd, date, CODEX_HOME)
+
+
+def codex_first_request(task: Task, bare: bool) -> Demonstration:
+    body = codex_body(task, bare)
+    return Demonstration(
+        convert_input(body.get("instructions"), body["input"]), convert_response_tools(body["tools"]) or []
+    )
+
+
+def codex_demonstration(task: Task, bare: bool, date: str | None = None) -> Demonstration:
+    """The task's reference solution as a Codex session: one exec_command call per file written, each answered
+    with the output Codex sent back for a command without output, then a short message."""
+    template = codex_template(bare)
+    body = codex_body(task, bare, date)
+    output = template["after_command"]["input"][-1]
+    steps = [c for c in task.solution if c["name"] == "write_file"]
+    if not steps or any(c["name"] not in ("write_file", "finish", "run_checks") for c in task.solution):
+        raise ValueError(f"task {task.task_id} ({task.family}): Codex demonstrations cover tasks that only "
+                         f"write files (write_value, echo_files); set warm_start.families")  # fmt: skip
+    items = list(body["input"])
+    for i, call in enumerate(steps):
+        call_id = f"call_demo_{i}"
+        items.append({"type": "function_call", "call_id": call_id, "name": "exec_command",
+                      "arguments": json.dumps({"cmd": bash_command(call)})})  # fmt: skip
+        items.append({**output, "call_id": call_id})
+    items.append({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": CLAUDE_DONE}]})
+    return Demonstration(convert_input(body.get("instructions"), items), convert_response_tools(body["tools"]) or [])

@@ -21,6 +21,8 @@ from gyre.harness.demos import demonstration as builtin_demonstration
 from gyre.harness.formats import (
     claude_code_demonstration,
     claude_code_first_request,
+    codex_demonstration,
+    codex_first_request,
     mini_demonstration,
     mini_first_request,
 )
@@ -97,6 +99,11 @@ def mini_swe_agent_command(launch: HarnessLaunch) -> list[str]:
     ]  # fmt: skip
 
 
+def codex_command(launch: HarnessLaunch) -> list[str]:
+    """gyre.harness.codex; Codex sends no max_tokens or temperature: the proxy's defaults and caps apply."""
+    return [*harness_argv("gyre.harness.codex", launch), *(["--bare"] if launch.bare else [])]
+
+
 def sandbox_python(sandbox: Sandbox) -> str:
     return sandbox.python
 
@@ -142,6 +149,10 @@ def builtin_demo(task: Task, bare: bool, date: str | None) -> Demonstration:
 
 def mini_demo(task: Task, bare: bool, date: str | None) -> Demonstration:
     return mini_demonstration(task, bare)
+
+
+def codex_env(harness_dir: str, source: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in source.items() if k == "GYRE_CODEX_BIN"}
 
 
 def builtin_first_request(task: Task, bare: bool) -> Demonstration:
@@ -207,6 +218,14 @@ HARNESSES: dict[str, HarnessSpec] = {
         mini_demo,
         mini_first_request,
         python=mini_swe_agent_python,
+    ),
+    HarnessKind.codex: HarnessSpec(
+        HarnessKind.codex,
+        codex_command,
+        codex_demonstration,
+        codex_first_request,
+        extra_env=codex_env,
+        own_max_tokens=True,
     ),
 }
 

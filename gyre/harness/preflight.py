@@ -46,6 +46,6 @@ def check_harness_fits(cfg: RunConfig, tasks: list[Task], tokenizer: Tokenizer) 
             f"(engine.max_context_tokens={cfg.engine.max_context_tokens}, proxy.max_context_tokens="
             f"{cfg.proxy.max_context_tokens}, model.max_position_embeddings={cfg.model.max_position_embeddings}): "
             f"raise those, lower proxy.max_output_tokens{bare}, or pick a preset that fits "
-            f"(harness=builtin|claude_code|mini_swe_agent)"
+            f"(harness=builtin|claude_code|mini_swe_agent|codex)"
         )
     return prompt

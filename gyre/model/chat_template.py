@@ -159,6 +159,11 @@ def render_text(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | No
 _CALL_RE = re.compile(re.escape(TOOL_CALL_START) + r"(.*?)" + re.escape(TOOL_CALL_END), re.S)
 
 
+def reply_text(text: str) -> str:
+    """Generated text up to the end of the turn, tool-call markup kept as text (a reply that may call no tool)."""
+    return text.split(IM_END, 1)[0]
+
+
 def parse_assistant_text(text: str) -> tuple[str, list[dict[str, Any]]]:
     """Split generated text into (content, tool calls); malformed calls stay in the content."""
     text = text.split(IM_END, 1)[0]

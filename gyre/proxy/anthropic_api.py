@@ -147,6 +147,7 @@ def parse_messages_request(body: Any, default_model: str) -> MessagesRequest:
         top_p=1.0 if req.top_p is None else req.top_p,
         max_tokens=req.max_tokens,
         stop=list(req.stop_sequences or []),
+        tool_calls=req.tool_choice is None or req.tool_choice.type != "none",
     )
     tools = convert_tools(body.get("tools"))
     users = [m for m in body["messages"] if m["role"] == "user"]

@@ -3,15 +3,18 @@
 Strict types and the ranges the engines accept (top_p > 0). The blocks the proxy reads (text,
 thinking, tool_use, tool_result) are checked field by field; other block types (image, document,
 redacted_thinking, server tools, ...) only need a string `type`. Top-level fields the proxy has no use
-for (thinking, context_management, output_config, metadata, betas Claude Code sends) are accepted and
-ignored, as are unknown keys inside objects.
+for (thinking, context_management, output_config's effort, metadata, betas Claude Code sends) are accepted
+and ignored, as are unknown keys inside objects. What would change the reply but cannot be honoured is refused
+by name: `tool_choice` other than auto and none ("none" is honoured: the reply is text), or with
+`disable_parallel_tool_use` (not enforced), and a structured-output format (`output_format`,
+`output_config.format`: no constrained decoding to a JSON schema).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gyre.proxy.schema_util import NonEmpty, ObjectSchema, refusal, str_or_list, tagged
 
@@ -88,6 +91,25 @@ class Tool(_Obj):
     input_schema: ObjectSchema | None = None
 
 
+class ToolChoice(_Obj):
+    type: Literal["auto", "none"]  # "any" / "tool": no constrained decoding to force a call, so refused
+    disable_parallel_tool_use: Literal[False] | None = None  # true: not enforced, so refused
+
+
+NO_FORMAT = "structured outputs are not served (no constrained decoding to a JSON schema): leave it out"
+
+
+class OutputConfig(_Obj):
+    format: Any = None
+
+    @field_validator("format")
+    @classmethod
+    def _no_format(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError(NO_FORMAT)
+        return value
+
+
 class MessagesBody(_Obj):
     """POST /v1/messages and /v1/messages/count_tokens."""
 
@@ -101,3 +123,13 @@ class MessagesBody(_Obj):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
     tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    output_config: OutputConfig | None = None
+    output_format: Any = None
+
+    @field_validator("output_format")
+    @classmethod
+    def _no_output_format(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError(NO_FORMAT)
+        return value

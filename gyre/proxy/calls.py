@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
+from array import array
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +23,7 @@ from typing import Any, TypeVar
 
 from gyre.config.schema import ProxyConfig
 from gyre.engine.client import SamplingParams
-from gyre.model.chat_template import TemplateError, parse_assistant_text
+from gyre.model.chat_template import TemplateError, parse_assistant_text, reply_text
 from gyre.model.tokenizer import Tokenizer
 from gyre.proxy.body_check import LARGE_BODY_BYTES, BodyChecker
 from gyre.proxy.call_log import CallLog, CallRecord
@@ -47,6 +49,8 @@ class GenParams:
     seed: int | None = None
     top_k: int = -1
     min_p: float = 0.0
+    # False for tool_choice "none" (every API): the reply is text, tool-call markup included, never a tool call
+    tool_calls: bool = True
 
 
 def cut_at_stop(tokenizer: Tokenizer, output_ids: list[int], stops: list[str]) -> tuple[int, str] | None:
@@ -122,6 +126,15 @@ class CallRunner:
         self.spliced_turns = 0
         self.retokenized_turns = 0
         self._forced_limits: dict[str, int] = {}
+
+    def derived_seed(self, rollout_id: str, input_ids: list[int]) -> int | None:
+        """proxy.sampling_seed's seed for a call that sent none: a hash of the run's seed, the rollout and the
+        prompt's ids, so a rerun samples what the first run did whatever order the calls arrive in."""
+        if self.cfg.sampling_seed is None:
+            return None
+        digest = hashlib.blake2b(f"{self.cfg.sampling_seed}/{rollout_id}/".encode(), digest_size=4)
+        digest.update(array("q", input_ids).tobytes())
+        return int.from_bytes(digest.digest(), "little") >> 1
 
     def force_context_limit(self, rollout_id: str, limit: int | None) -> None:
         """Answer this rollout's prompts over `limit` tokens as too long (None lifts it); it only
@@ -226,7 +239,7 @@ class CallRunner:
             top_p=params.top_p,
             max_new_tokens=self.max_new_tokens(len(prompt.input_ids), params.max_tokens, rollout_id),
             stop_token_ids=[self.tokenizer.eos_id],
-            seed=params.seed,
+            seed=params.seed if params.seed is not None else self.derived_seed(rollout_id, prompt.input_ids),
             top_k=params.top_k,
             min_p=params.min_p,
             truncated_logprobs=self.truncated_logprobs,
@@ -240,7 +253,7 @@ class CallRunner:
             output_ids, logprobs, finish = output_ids[:n], logprobs[:n], "stop"
         else:
             text = self.tokenizer.decode(output_ids)
-        content, calls = parse_assistant_text(text)
+        content, calls = parse_assistant_text(text) if params.tool_calls else (reply_text(text), [])
         record = CallRecord(
             rollout_id=rollout_id,
             call_id=call_id,

@@ -34,6 +34,7 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
+    tool_calls: bool = True  # False: tool_choice "none"
 
     @property
     def tool_names(self) -> list[str]:
@@ -73,6 +74,7 @@ def parse_chat_request(body: Any, default_model: str) -> ChatRequest:
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         logprobs=bool(req.logprobs),
+        tool_calls=req.tool_choice != "none",
     )
 
 

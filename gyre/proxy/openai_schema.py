@@ -2,7 +2,10 @@
 tokenizing or engine work. Strict types (no "1" for 1, no 1.0 for an integer), ranges the engines accept
 (top_p > 0: SGLang and the embedded engine refuse 0), and every parameter of the current SDK known
 (tests compare with the installed `openai` package's CompletionCreateParams); parameters that mean
-nothing here are accepted and ignored. Unknown top-level fields are refused, as OpenAI does.
+nothing here are accepted and ignored. What would change the reply but cannot be honoured is refused by name:
+`tool_choice` other than "auto" and "none" (no constrained decoding to force a call), `top_logprobs` above 0
+(the engines return the sampled token's logprob only), a `response_format` other than text (no constrained
+decoding to a JSON schema), non-zero presence/frequency penalties and logit biases (the engines sample without them). Unknown top-level fields are refused, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -119,6 +122,14 @@ class StreamOptions(_Part):
     include_obfuscation: bool | None = None
 
 
+class TextFormat(_Part):
+    type: Literal["text"]
+
+
+NO_TOP_LOGPROBS = "top logprobs are not served (the engines return the sampled token's logprob only): use 0"
+NO_PENALTIES = "is not applied by the engines (training needs the logprobs of the distribution sampled): use 0"
+
+
 class ChatCompletionBody(BaseModel):
     """POST /v1/chat/completions."""
 
@@ -137,15 +148,15 @@ class ChatCompletionBody(BaseModel):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # above 0: refused (_no_top_logprobs)
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     logit_bias: dict[str, Annotated[int, Field(ge=-100, le=100)]] | None = None
     parallel_tool_calls: bool | None = None
     user: str | None = None
+    tool_choice: Literal["auto", "none"] | None = None  # "none": honoured (a text reply); others refused
+    response_format: TextFormat | None = None  # json_object / json_schema: refused
     # accepted and ignored: they change nothing on a policy served from one checkpoint
-    tool_choice: Any = None
-    response_format: Any = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     reasoning_effort: Any = None
@@ -168,6 +179,27 @@ class ChatCompletionBody(BaseModel):
     def _one_choice(cls, value: int | None) -> int | None:
         if value not in (None, 1):
             raise ValueError(f"only n=1 is supported, got n={value}")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, value: int | None) -> int | None:
+        if value:
+            raise ValueError(NO_TOP_LOGPROBS)
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None, info: Any) -> float | None:
+        if value:
+            raise ValueError(f"{info.field_name} {NO_PENALTIES}")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, int] | None) -> dict[str, int] | None:
+        if value and any(value.values()):
+            raise ValueError("logit_bias is not applied by the engines: send none (or only zero biases)")
         return value
 
     @field_validator("stop")

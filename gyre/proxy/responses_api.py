@@ -113,6 +113,7 @@ def parse_responses_request(body: Any, default_model: str) -> ResponsesRequest:
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         max_tokens=req.max_output_tokens,
+        tool_calls=req.tool_choice != "none",
     )
     echo = {
         "instructions": req.instructions,

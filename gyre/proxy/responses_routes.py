@@ -15,6 +15,7 @@ from aiohttp import web
 
 from gyre.proxy.calls import CallRunner
 from gyre.proxy.responses_api import output_items, parse_responses_request, response_body, sse_events, usage
+from gyre.proxy.roles import chat_call_role
 
 
 class ResponsesRoutes:
@@ -37,7 +38,10 @@ class ResponsesRoutes:
         rollout_id = self.rollout_of(request)
         body = await self.read_body(request)
         req = await self.runner.parse(rollout_id, parse_responses_request, body, self.model_name)
-        record = await self.runner.run(rollout_id, "responses", req.messages, req.tools, req.params, req.tool_names)
+        role = chat_call_role(request.headers, req.messages, bool(req.tools))  # Codex: x-codex-turn-metadata
+        record = await self.runner.run(
+            rollout_id, "responses", req.messages, req.tools, req.params, req.tool_names, role
+        )
         resp_id = f"resp_gyre{record.call_id}_{uuid.uuid4().hex[:12]}"
         items = output_items(record.call_id, record.content, record.tool_calls, record.tool_call_ids)
         use = usage(record.prompt_tokens, len(record.output_ids), record.cached_tokens)

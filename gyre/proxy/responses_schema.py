@@ -7,7 +7,10 @@ metadata, prompt_cache_key, reasoning, text verbosity, service_tier, ...) are ac
 fields the proxy cannot honour are refused by name: `previous_response_id` and `conversation` (the
 proxy keeps no conversation state: send the whole input, as Codex does with `store: false`),
 `background`, `top_logprobs`, a `text.format` other than plain text, `tool_choice` other than
-"auto". Unknown top-level fields are refused, as OpenAI does.
+"auto" and "none" ("none" is honoured: the reply is text), `include` of anything but
+`reasoning.encrypted_content` (the reasoning text comes back in full instead), `max_tool_calls` (not counted),
+`truncation: "auto"` (the proxy never drops input: an overlong input is a context error). Unknown top-level
+fields are refused, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -128,14 +131,14 @@ class ResponsesBody(BaseModel):
     input: Input
     instructions: str | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["auto"] | None = None  # "none"/"required"/a named tool: not enforced, so refused
+    tool_choice: Literal["auto", "none"] | None = None  # "required"/a named tool: not enforced, so refused
     parallel_tool_calls: bool | None = None
     stream: bool | None = None
     stream_options: dict[str, Any] | None = None
     store: bool | None = None
     include: list[str] | None = None
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_tool_calls: Annotated[int, Field(ge=1)] | None = None
+    max_tool_calls: Any = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     text: TextConfig | None = None
@@ -145,7 +148,7 @@ class ResponsesBody(BaseModel):
     prompt_cache_key: str | None = None
     prompt_cache_retention: Any = None
     service_tier: Any = None
-    truncation: Literal["auto", "disabled"] | None = None
+    truncation: Any = None
     user: str | None = None
     safety_identifier: str | None = None
     client_metadata: Any = None
@@ -174,6 +177,29 @@ class ResponsesBody(BaseModel):
     def _unsupported(cls, value: Any) -> Any:
         if value not in (None, False):
             raise ValueError("is not supported by this server")
+        return value
+
+    @field_validator("include")
+    @classmethod
+    def _only_encrypted_reasoning(cls, value: list[str] | None) -> list[str] | None:
+        other = [v for v in value or [] if v != "reasoning.encrypted_content"]
+        if other:
+            raise ValueError(f"{other} cannot be included: only reasoning.encrypted_content (the reasoning text "
+                             f"comes back in full) is served")  # fmt: skip
+        return value
+
+    @field_validator("max_tool_calls")
+    @classmethod
+    def _no_tool_call_cap(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("is not enforced by this server (a reply may hold several tool calls): leave it out")
+        return value
+
+    @field_validator("truncation")
+    @classmethod
+    def _no_truncation(cls, value: Any) -> Any:
+        if value not in (None, "disabled"):
+            raise ValueError('only "disabled": the proxy never drops input (an overlong input is a context error)')
         return value
 
     @field_validator("top_logprobs")

@@ -237,7 +237,12 @@ class ProxyServer:
 
 def _gen_params(req: ChatRequest) -> GenParams:
     return GenParams(
-        temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_tokens, stop=req.stop, seed=req.seed
+        temperature=req.temperature,
+        top_p=req.top_p,
+        max_tokens=req.max_tokens,
+        stop=req.stop,
+        seed=req.seed,
+        tool_calls=req.tool_calls,
     )
 
 

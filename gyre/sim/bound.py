@@ -36,7 +36,7 @@ class Bound:
 
 
 def alone_seconds(r: Rollout, cell: CellModel, timeout_s: float) -> float:
-    s = r.overhead_s + sum(cell.call_seconds(c, 1.0) + c.tool_s for c in r.calls)
+    s = r.overhead_s + r.cpu_s + sum(cell.call_seconds(c, 1.0) + c.tool_s for c in r.calls)
     return min(s, timeout_s)
 
 

@@ -12,15 +12,18 @@ tasks, the same per-rollout tool factor).
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from gyre.sim.workload import Call, CellModel, Rollout, RunShape, Trace
+from gyre.sched.launch.affinity import available_cpus, parse_cpu_list
+from gyre.sim.simulator import SimResult, simulate
+from gyre.sim.workload import Call, CellModel, Rollout, RunShape, Trace, tool_factor
 
 
 @dataclass
@@ -38,7 +41,8 @@ class RunRecord:
     sync_s: list[float]
     step_tokens: list[float]  # tree tokens trained per step
     calls: list[tuple[float, int, int, float]] = field(default_factory=list)  # (t_start, concurrency, decode, dur)
-    group_write_s: list[float] = field(default_factory=list)  # controller seconds per completed group's shard
+    group_write_s: list[float] = field(default_factory=list)  # seconds per completed group's shard
+    group_write_blocks: bool = True  # the controller's loop wrote them (runs from before the writer thread)
 
     def to_json(self) -> dict[str, Any]:
         return _rounded(asdict(self))
@@ -101,6 +105,7 @@ def read_run(run_dir: str | Path) -> RunRecord:
         "timeout_s": sched["timeout_s"],
         "async_rollout_cells": s["async_rollout_cells"],
         "capacity": s["capacity_per_cell"],
+        **workload_facts(cfg),
     }
     return RunRecord(
         cfg["scheduler"],
@@ -114,13 +119,26 @@ def read_run(run_dir: str | Path) -> RunRecord:
         [r["tree_tokens"] for r in steps],
         _concurrency(all_calls),
         _group_writes(rows, rl["group_size"]),
+        not any("blocked_s" in r for r in rows if r["event"] == "group"),
     )
 
 
+def workload_facts(cfg: dict[str, Any]) -> dict[str, Any]:
+    """What a run's config says about the parts of its sessions no scheduler changes, and the machine: the
+    built-in harness's tool sleep (tasks.tool_time_s x the rollout's factor, gyre.harness.builtin) and the
+    CPUs the controller's harnesses share with the cells (its CPU set; the machine's when none is given)."""
+    sets = cfg["sched"].get("cpu_sets") or []
+    cpus = len(parse_cpu_list(sets[0])) if sets else len(available_cpus())
+    tasks = cfg.get("tasks", {})
+    return {"tool_time_s": tasks.get("tool_time_s", 0.0), "tool_time_sigma": tasks.get("tool_time_sigma", 0.0),
+            "cpus": cpus}  # fmt: skip
+
+
 def _group_writes(rows: list[dict[str, Any]], group_size: int) -> list[float]:
-    """How long the controller's loop stood still writing and planning each completed group's shard: the
-    `group` events, or in a run from before they were logged, the time from the session row that completed
-    the group to the controller's next row (an upper bound: the loop may have waited for news)."""
+    """How long each completed group's shard took to write and plan: the `group` events (on the writer's
+    thread when they carry `blocked_s`, else in the controller's loop), or in a run from before they were
+    logged, the time from the session row that completed the group to the controller's next row (an upper
+    bound: the loop may have waited for news)."""
     if direct := [r["seconds"] for r in rows if r["event"] == "group"]:
         return direct
     seen: dict[tuple[int, str], int] = defaultdict(int)
@@ -186,7 +204,12 @@ class Calibration:
     def from_json(cls, d: dict[str, Any]) -> Calibration:
         rollouts = {
             k: Rollout(
-                v["rollout_id"], v["group"], tuple(_call(c) for c in v["calls"]), v["overhead_s"], v["train_tokens"]
+                v["rollout_id"],
+                v["group"],
+                tuple(_call(c) for c in v["calls"]),
+                v["overhead_s"],
+                v["train_tokens"],
+                v.get("cpu_s", 0.0),
             )
             for k, v in d["rollouts"].items()
         }
@@ -201,10 +224,14 @@ def _call(c: dict[str, Any] | list[Any]) -> Call:
 def calibrate(runs: list[RunRecord]) -> Calibration:
     if not runs:
         raise ValueError("calibration needs at least one run directory")
-    shape_d = dict(runs[0].shape)
-    capacity = shape_d.pop("capacity")
-    shape = RunShape(**shape_d)
+    shape = run_shape(runs[0])
+    capacity = runs[0].shape["capacity"]
     return Calibration(fit_cell(runs, capacity), shape, fit_rollouts(runs, shape), measured_walls(runs))
+
+
+def run_shape(run: RunRecord) -> RunShape:
+    known = {f for f in RunShape.__dataclass_fields__}
+    return RunShape(**{k: v for k, v in run.shape.items() if k in known})
 
 
 def measured_walls(runs: list[RunRecord]) -> dict[str, list[float]]:
@@ -235,6 +262,7 @@ def fit_cell(runs: list[RunRecord], capacity: int) -> CellModel:
         reduce_s=statistics.median(x for r in runs for x in r.reduce_s),
         sync_s=statistics.median(x for r in runs for x in r.sync_s),
         group_write_s=statistics.median(writes) if (writes := [x for r in runs for x in r.group_write_s]) else 0.0,
+        group_write_blocks=all(r.group_write_blocks for r in runs),
     )
 
 
@@ -276,3 +304,110 @@ def fit_rollouts(runs: list[RunRecord], shape: RunShape, least: bool = False) ->
 
 def calibrate_dirs(run_dirs: list[Path]) -> Calibration:
     return calibrate([read_run(d) for d in run_dirs])
+
+
+# ----- a calibration that predicts other schedulers -----
+# A measured session mixes what no scheduler changes (the harness's tool sleeps, its tokens, its own CPU work
+# alone) with what the scheduler it ran under did to it (engine calls slowed by other calls and by the CPUs
+# the harnesses, engines and trainers share). Replaying a run from its records carries the second into any
+# prediction. Here each run is replayed once from its own records to learn what contention each session
+# and call met; the costs are divided by it, and the simulator applies the target scheduler's contention.
+
+
+def calibrate_predictive(runs: list[RunRecord], rounds: int = 4) -> Calibration:
+    """A calibration from `runs` (one scheduler's, typically) of the uncontended costs: each rollout's tool
+    sleeps and own CPU seconds, the engine's per-call and per-token costs, the shared CPUs (cell.cpus).
+    The contention each session met comes from a replay: first of each run's own records, then (`rounds`
+    times) of the calibration itself under the runs' scheduler, so that it reproduces what it was fitted on."""
+    base = calibrate(runs)
+    cpus = float(runs[0].shape.get("cpus") or math.inf)
+    replays = []
+    for run in runs:
+        own = calibrate([run])
+        replays.append(simulate(run.scheduler, own.cell, own.shape, own.trace()))
+    cal = _fit_uncontended(runs, replays, base, cpus)
+    fits = []
+    for _ in range(rounds):  # a replay's order of events jumps with small changes: the fits are averaged
+        replays = [simulate(run.scheduler, cal.cell, cal.shape, cal.trace()) for run in runs]
+        fits.append(_fit_uncontended(runs, replays, base, cpus))
+        cal = _mean_calibration(fits)
+    return cal
+
+
+def _mean_calibration(cals: list[Calibration]) -> Calibration:
+    """The fitted costs averaged: engine and training rates, each rollout's own CPU seconds."""
+    first = cals[0]
+    mean = {
+        k: statistics.fmean(getattr(c.cell, k) for c in cals)
+        for k in ("call_s", "session_tps", "decode_tps", "train_tps")
+    }
+    rollouts = {
+        rid: replace(r, cpu_s=statistics.fmean(c.rollouts[rid].cpu_s for c in cals))
+        for rid, r in first.rollouts.items()
+    }
+    return Calibration(replace(first.cell, **mean), first.shape, rollouts, first.measured)
+
+
+def _fit_uncontended(runs: list[RunRecord], replays: list[SimResult], base: Calibration, cpus: float) -> Calibration:
+    """Each measured cost divided by the contention its replay met."""
+    seen: dict[str, list[tuple[dict[str, Any], float, float]]] = defaultdict(list)  # rid -> (session, w, harness)
+    engine_rows: list[tuple[float, float, float, float]] = []  # (slowdown, decode, calls per cell, seconds)
+    probe = replace(base.cell, cpus=cpus)
+    for run, replay in zip(runs, replays, strict=True):
+        sleep_of = _sleeps(run)
+        for rid, sess in run.sessions.items():
+            sleeps, cpu = split_session(sess, sleep_of(rid))
+            jobs = replay.cpu_jobs_at_start.get(rid, 1.0)
+            seen[rid].append(({**sess, "sleeps": sleeps}, cpu / probe.slowdown(jobs), sess["harness_s"]))
+            for i, (_, dec, dur, _) in enumerate(sess["calls"]):
+                per_cell, call_jobs = replay.call_contention.get((rid, i), (1.0, 1.0))
+                engine_rows.append((probe.slowdown(call_jobs), float(dec), per_cell, dur))
+    call_s, per_token, per_token_shared = _fit_contended_engine(engine_rows)
+    train_slowdown = statistics.fmean(r.train_slowdown for r in replays)
+    cell = replace(
+        base.cell,
+        cpus=cpus,
+        train_tps=base.cell.train_tps * train_slowdown,
+        call_s=call_s,
+        session_tps=1.0 / per_token if per_token > 0 else 1e9,
+        decode_tps=1.0 / per_token_shared if per_token_shared > 0 else 1e9,
+    )
+    rollouts = {}
+    for rid, items in seen.items():
+        sess, w, _ = sorted(items, key=lambda x: x[2])[len(items) // 2]
+        calls = tuple(Call(int(p), int(d), sl) for (p, d, _, _), sl in zip(sess["calls"], sess["sleeps"], strict=True))
+        old = base.rollouts[rid]
+        rollouts[rid] = Rollout(rid, old.group, calls, 0.0, old.train_tokens, cpu_s=w)
+    return Calibration(cell, base.shape, rollouts, base.measured)
+
+
+def _sleeps(run: RunRecord) -> Any:
+    """rollout id -> the harness's tool sleep per tool call (None when the run's records do not say)."""
+    tool_s, sigma = run.shape.get("tool_time_s"), run.shape.get("tool_time_sigma", 0.0)
+    return lambda rid: tool_s * tool_factor(rid, sigma) if tool_s else None
+
+
+def split_session(sess: dict[str, Any], sleep: float | None) -> tuple[list[float], float]:
+    """A session's tool sleeps after each call (no scheduler changes them) and the rest of its time outside
+    engine calls: its own CPU work (start-up, grading, between tools), which contention stretches."""
+    gaps = [c[3] for c in sess["calls"]]
+    outside = max(0.0, sess["seconds"] - sess["harness_s"])
+    if not sleep:  # the sleeps are not known: the gaps as measured, only the time outside the harness is CPU
+        return gaps, outside
+    sleeps = [max(0, round(g / sleep)) * sleep for g in gaps[:-1]]
+    sleeps.append(sleep if gaps[-1] >= sleep else 0.0)  # the last: the final tool call's sleep, if it had one
+    return sleeps, outside + sum(max(0.0, g - s) for g, s in zip(gaps, sleeps, strict=True))
+
+
+def _fit_contended_engine(rows: list[tuple[float, float, float, float]]) -> tuple[float, float, float]:
+    """Least squares of a call's seconds = slowdown x (fixed + decode x (per token + per token x other calls
+    on its cell)): (fixed seconds, seconds per token alone, seconds per token per other call), each >= 0."""
+    import numpy as np
+
+    if len(rows) < 3:
+        return 0.0, 0.0, 0.0
+    x = np.array([[s, s * dec, s * dec * max(0.0, n - 1)] for s, dec, n, _ in rows])
+    y = np.array([dur for *_, dur in rows])
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    a, b, c = (max(0.0, float(v)) for v in coef)
+    return a, b, c

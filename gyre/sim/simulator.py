@@ -37,6 +37,7 @@ class _Session:
     segment: int = 0
     calling: bool = False
     token: int = 0  # events of an earlier phase carry another token and are dropped
+    in_cpu: bool = False  # in its own CPU work (start-up, grading)
 
 
 @dataclass
@@ -53,6 +54,11 @@ class SimResult:
     capacity: int
     decisions: int = 0
     segments: list[tuple[int, str, float, float]] = field(default_factory=list)
+    # what contention each piece of work met (gyre.sim.calibrate fits the uncontended costs from a replay):
+    # rollout id -> CPU jobs when its own CPU work began; (rollout id, call) -> (calls per serving cell, CPU jobs)
+    cpu_jobs_at_start: dict[str, float] = field(default_factory=dict)
+    call_contention: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
+    train_slowdown: float = 1.0  # micro-batches' slowdown on the shared CPUs, weighted by their seconds
 
     @property
     def utilisation(self) -> float:
@@ -86,6 +92,11 @@ class Simulation:
         self.running: dict[str, _Session] = {}
         self.in_call = 0
         self.done_inbox: list[_Session] = []
+        self.in_cpu = 0  # sessions in their own CPU work
+        self.writer_free = 0.0  # when the writer's thread is done with the groups handed to it
+        self._train_alone = 0.0  # micro-batch seconds without contention
+        self.cpu_jobs_at_start: dict[str, float] = {}
+        self.call_contention: dict[tuple[str, int], tuple[float, float]] = {}
         # the controller's books
         self.ledger = ledger_rules.MicroBatchLedger()
         self.version = 0
@@ -146,13 +157,36 @@ class Simulation:
 
     # ----- sessions (gyre.sched.controller.sessions) -----
     def pump(self) -> None:
+        started = []
         while self.queue and len(self.running) < self.serving_capacity:
             s = self.queue.popleft()
             s.started = self.t
             self.running[s.rollout.rollout_id] = s
+            s.in_cpu = True
+            self.in_cpu += 1
+            started.append(s)
             if self.shape.timeout_s < math.inf:
                 self.at(self.t + self.shape.timeout_s, self._timeout(s, s.token))
-            self.at(self.t + s.rollout.overhead_s, self._next_call(s, s.token))
+        jobs = self.cpu_jobs()  # sessions started together start their CPU work together
+        for s in started:
+            self.cpu_jobs_at_start[s.rollout.rollout_id] = jobs
+            seconds = s.rollout.overhead_s + s.rollout.cpu_s * self.cell.slowdown(jobs)
+            self.at(self.t + seconds, self._cpu_done(s, s.token))
+
+    def cpu_jobs(self) -> float:
+        """Jobs on the shared CPUs now: sessions in their own CPU work, engines with calls in flight, training
+        cells with a micro-batch."""
+        return self.in_cpu + min(self.in_call, self._serving()) + len(self.training_now)
+
+    def _cpu_done(self, s: _Session, token: int) -> Callable[[], None]:
+        def fn() -> None:
+            if s.token != token:
+                return
+            s.in_cpu = False
+            self.in_cpu -= 1
+            self._next_call(s, token)()
+
+        return fn
 
     def _serving(self) -> int:
         return max(1, self.n_serving)
@@ -167,7 +201,9 @@ class Simulation:
             call = s.rollout.calls[s.segment]
             s.calling = True
             self.in_call += 1
-            seconds = self.cell.call_seconds(call, self.in_call / self._serving())
+            per_cell, jobs = self.in_call / self._serving(), self.cpu_jobs()
+            self.call_contention[(s.rollout.rollout_id, s.segment)] = (per_cell, jobs)
+            seconds = self.cell.call_seconds(call, per_cell) * self.cell.slowdown(jobs)
             self.at(self.t + seconds, self._call_done(s, token))
 
         return fn
@@ -191,6 +227,9 @@ class Simulation:
             self.timeouts += 1
             if s.calling:
                 self.in_call -= 1
+            if s.in_cpu:
+                s.in_cpu = False
+                self.in_cpu -= 1
             self.session_done(s)
 
         return fn
@@ -261,16 +300,32 @@ class Simulation:
         self.pump()
 
     def collect_sessions(self) -> int:
+        """Completed groups: written by the loop itself (returns how many, the loop blocks for them), or
+        handed to the writer's thread (gyre.sched.controller.group_writer: one at a time, the loop goes on)."""
         completed = 0
         for s in self.done_inbox:
             key = (s.step, s.rollout.group)
             self.group_left[key] -= 1
             if self.group_left[key] == 0:
-                self.ledger.add(s.step, self.plan_group(s.step, s.rollout.group))
-                self.groups_left[s.step] -= 1
-                completed += 1
+                if self.cell.group_write_blocks:
+                    self.group_written(s.step, s.rollout.group)
+                    completed += 1
+                else:
+                    self.writer_free = max(self.t, self.writer_free) + self.cell.group_write_s
+                    self.at(self.writer_free, self._written(s.step, s.rollout.group))
         self.done_inbox = []
         return completed
+
+    def group_written(self, step: int, group: int) -> None:
+        self.ledger.add(step, self.plan_group(step, group))
+        self.groups_left[step] -= 1
+
+    def _written(self, step: int, group: int) -> Callable[[], None]:
+        def fn() -> None:
+            self.group_written(step, group)
+            self.news()
+
+        return fn
 
     def plan_group(self, step: int, group: int) -> list[MicroBatchRef]:
         tokens = self.group_tokens.pop((step, group))
@@ -335,6 +390,9 @@ class Simulation:
         ref = self.train_queue[c].popleft()
         self.training_now.add(c)
         seconds = self.cell.micro_batch_seconds(ref.tokens) + self.cell.first_micro_batch_s * (c in self.fresh)
+        slowdown = self.cell.slowdown(self.cpu_jobs())
+        self._train_alone += seconds
+        seconds *= slowdown
         self.fresh.discard(c)
         self.train_busy += seconds
 
@@ -372,6 +430,9 @@ class Simulation:
             self.cell.capacity,
             self.decisions,
             self.segments,
+            self.cpu_jobs_at_start,
+            self.call_contention,
+            self.train_busy / self._train_alone if self._train_alone else 1.0,
         )
 
 

@@ -33,6 +33,7 @@ class Rollout:
     calls: tuple[Call, ...]
     overhead_s: float = 0.0  # harness start-up and grading: held capacity, no engine work
     train_tokens: int = 0  # tokens it adds to the step's training
+    cpu_s: float = 0.0  # the harness's own CPU work (start-up, grading) alone on a CPU: slowed by contention
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,17 @@ class CellModel:
     reduce_s: float  # gradient reduction and optimizer step at the end of a step
     sync_s: float  # weight sync to every cell after it
     kv_migration_s: float = 0.0  # added to a rollout->train switch per session it moves
-    group_write_s: float = 0.0  # controller time to write a completed group's shard and plan it
+    group_write_s: float = 0.0  # time to write a completed group's shard and plan it
+    group_write_blocks: bool = True  # written by the controller's loop (runs before the writer thread)
     first_micro_batch_s: float = 0.0  # extra time of a cell's first micro-batch after it began training
+    # CPUs the harnesses, engines and trainers share (one machine, a local benchmark): each CPU job (a session's
+    # own CPU work, an engine with calls in flight, a training cell's micro-batch) runs at cpus / jobs of a CPU
+    # when jobs outnumber them. inf: each has its own (a cluster, where a cell owns its GPUs)
+    cpus: float = math.inf
+
+    def slowdown(self, cpu_jobs: float) -> float:
+        """How much longer CPU work takes with `cpu_jobs` jobs (itself included) on the shared CPUs."""
+        return max(1.0, cpu_jobs / self.cpus)
 
     def call_seconds(self, call: Call, in_flight: float) -> float:
         """Engine time of `call` started with `in_flight` calls (itself included) on its cell."""

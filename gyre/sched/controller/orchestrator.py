@@ -39,6 +39,8 @@ from gyre.sched.controller.cell_table import Cell, CellDied, CellTable, Outbox, 
 from gyre.sched.controller.context import ControllerContext
 from gyre.sched.controller.evaluation import EvalRunner
 from gyre.sched.controller.faults import FaultInjector
+from gyre.sched.controller.group_writer import GroupWriter
+from gyre.sched.controller.loop_watch import LoopWatch
 from gyre.sched.controller.report import progress, step_rows
 from gyre.sched.controller.report import summary as summary_line
 from gyre.sched.controller.sessions import RolloutDriver, SessionDone
@@ -119,6 +121,8 @@ class Controller:
         self.faults = FaultInjector(cfg.sched.faults, self.pcfg.n_cells, self.timeline.now)
         point = point or ResumePoint(RunState(), None)
         self.book = StepBook(cfg, out, point.kept)
+        self.writer = GroupWriter(cfg, self.book.shard_dir)  # shards written and planned off the loop
+        self.watch = LoopWatch()
         self.evals = EvalRunner(cfg, out, self.book.pool) if cfg.eval.every else None
         ctx = ControllerContext(cfg, out, self.pcfg, self.table, self.outbox, self.timeline, self.metrics)
         self.train = TrainPlane(ctx, self.book, self.faults, self.cells_died, self.log)
@@ -183,16 +187,20 @@ class Controller:
             if self.stop_signal:
                 self.stop(time.monotonic() - start)
             self.admit()
-            self.collect_sessions()
+            with self.watch.phase("sessions"):  # completed groups go to the writer
+                self.collect_sessions()
+            with self.watch.phase("groups"):  # written and planned ones come back
+                self.collect_groups()
             self.collect_acks()
             self.check_health()
             if self.train.ready():
                 self.finish_step()
                 continue
-            self.cells_died(self.switcher.apply(decide(self.pcfg, self.states(), self.load()), self.train.on_ack))
+            self.decide_and_switch()
             self.train.assign()
             self.sample_level()
             self.cp.wait_for(lambda: True if self.has_news() else None, 0.25)
+            self.watch.wake()
         self.finish(time.monotonic() - start)
 
     @property
@@ -237,12 +245,29 @@ class Controller:
             if done.job.kind == "eval":
                 self.eval_finished(done, calls)
                 continue
-            t0 = time.monotonic()
             group = self.book.finished(done, calls, self.out / "rollouts" / f"step{done.job.step:04d}")
-            if group is not None:  # the loop was blocked while the shard was written and planned
-                self.train.ledger.add(done.job.step, group[1])
-                row = {"event": "group", "step": done.job.step, "group": done.job.group, "micro_batches": len(group[1])}
-                self.log(row | {"seconds": round(time.monotonic() - t0, 4)})
+            if group is not None:
+                self.writer.submit(group)
+
+    def collect_groups(self) -> None:
+        """Groups the writer has written and planned: their micro-batches join the ledger."""
+        for w in self.writer.done():
+            refs = self.book.add_written(w)
+            self.train.ledger.add(w.step, refs)
+            row = {"event": "group", "step": w.step, "group": w.group, "micro_batches": len(refs)}
+            # seconds: the writer's (scoring, writing, planning); waited_s: behind earlier groups
+            self.log(row | {"seconds": round(w.write_s, 4), "waited_s": round(w.waited_s, 4), "blocked_s": 0.0})
+
+    def decide_and_switch(self) -> None:
+        """Ask the policy, log a decision that moves cells with what it saw, and make its switches."""
+        with self.watch.phase("decide"):
+            t0 = time.monotonic()
+            states, load = self.states(), self.load()
+            switches = decide(self.pcfg, states, load)
+            if switches:
+                self.log(self.watch.decision_row(switches, states, load, time.monotonic() - t0))
+        with self.watch.phase("switch"):
+            self.cells_died(self.switcher.apply(switches, self.train.on_ack))
 
     def eval_finished(self, done: SessionDone, calls: list[CallRecord]) -> None:
         assert self.evals is not None
@@ -297,6 +322,7 @@ class Controller:
         """The run failed here: stop what would outlive the job (harness groups, every local engine)."""
         self.stop_watching()
         self.driver.close()
+        self.writer.close(wait_s=5.0)
         for c in self.table.cells:
             if c.local and c.engine_pid > 0:
                 kill_pid(c.engine_pid, signal.SIGKILL)
@@ -347,6 +373,7 @@ class Controller:
         row |= {"continued_recomputed_tokens": self.proxy.dispatcher.continued_recomputed_tokens}
         row |= {"routed_around": self.proxy.dispatcher.routed_around}
         row |= {"engine_failures": sum(self.proxy.dispatcher.engine_failures.values())}
+        row |= self.watch.take()  # the longest each phase of the loop held it during the step
         self.metrics.write(row)
         self.step_rows.append(row)
         self.run_rows.append(row)
@@ -398,7 +425,7 @@ class Controller:
         self.timeline.sample(queued, running, self.pcfg.capacity * len(self.table.serving()))
 
     def has_news(self) -> bool:
-        return not self.driver.events.empty() or self.outbox.has_mail()
+        return not self.driver.events.empty() or self.outbox.has_mail() or self.writer.has_news()
 
     # ----- the end -----
     def stop_watching(self) -> None:
@@ -409,6 +436,7 @@ class Controller:
     def finish(self, wall_s: float, stopped: str = "") -> None:
         self.stop_watching()
         self.driver.close()
+        self.writer.close()
         self.proxy.stop()
         alive = [c.rank for c in self.table.alive()]
         self.finalize = len(alive) == len(self.table.cells)

@@ -1,15 +1,15 @@
 """The controller's record of each step: its sessions as they finish, its group shards, its metrics.
 
 A group's shard is written the moment its last session is graded (gyre.pipeline.write_group_shard),
-and its micro-batches are planned from the shard at once, so training can start on it while the
-step's other groups still run. A resumed run's first step starts with the groups it kept from the
+and its micro-batches are planned from the shard at once, both on the writer's thread
+(gyre.sched.controller.group_writer), so training can start on it while the step's other groups still
+run and the controller's loop never waits for it. A resumed run's first step starts with the groups it kept from the
 interrupted start (gyre.resume.kept_groups): their shards are planned when the step opens, and only
 the other groups' sessions run.
 """
 
 from __future__ import annotations
 
-import shutil
 import statistics
 import time
 from collections import defaultdict
@@ -22,10 +22,11 @@ from gyre.config.schema import RunConfig
 from gyre.harness.runner import RolloutOutcome
 from gyre.health import count_reasons
 from gyre.metrics import mean
-from gyre.pipeline import FinishedRollout, GroupShard, write_group_shard
+from gyre.pipeline import FinishedRollout, GroupShard
 from gyre.proxy.call_log import CallRecord
 from gyre.resume.kept_groups import KeptGroup, restore_groups
 from gyre.sandbox.backends import check_task_images
+from gyre.sched.controller.group_writer import GroupJob, WrittenGroup
 from gyre.sched.controller.sessions import SessionDone, SessionJob
 from gyre.sched.replica import plan_group
 from gyre.tasks.suite import TaskPool
@@ -77,16 +78,14 @@ class StepBook:
         for g, restored in restore_groups(kept, tasks, self.out).items():
             rec.groups[g].extend(restored.members)
             rec.kept_groups.append(g)
-            batches.append(self._add_shard(rec, restored.shard)[1])
+            batches.append(self._add_shard(rec, restored.shard))
         if sum(len(m) for m in rec.groups.values()) == len(jobs):
             rec.rollouts_done_at = time.monotonic()
         return [j for j in jobs if j.group not in kept], batches
 
-    def finished(
-        self, done: SessionDone, calls: list[CallRecord], workdirs: Path
-    ) -> tuple[int, list[MicroBatchRef]] | None:
-        """Record a finished session; when it completes its group, write the shard and return
-        (trainable rollouts, micro-batches) of the group."""
+    def finished(self, done: SessionDone, calls: list[CallRecord], workdirs: Path) -> GroupJob | None:
+        """Record a finished session; when it completes its group, the group to write
+        (gyre.sched.controller.group_writer), its members sorted by rollout id."""
         if done.error or done.outcome is None:
             raise RuntimeError(f"rollout {done.job.rollout_id} could not run: {done.error}")
         rec = self.steps[done.job.step]
@@ -97,22 +96,24 @@ class StepBook:
         if len(members) < rec.group_size:
             return None
         members.sort(key=lambda r: r.outcome.rollout_id)
-        shard = write_group_shard(self.cfg, self.shard_dir, rec.step, done.job.group, members,
-                                  self.pool.skipped_causes())  # fmt: skip
-        if not self.cfg.harness.keep_workspaces:  # `workdirs`: where the step's sessions ran
-            for m in members:
-                shutil.rmtree(workdirs / m.outcome.rollout_id, ignore_errors=True)
-        return self._add_shard(rec, shard)
+        return GroupJob(rec.step, done.job.group, list(members), self.pool.skipped_causes(), workdirs)
 
-    def _add_shard(self, rec: StepRecord, shard: GroupShard) -> tuple[int, list[MicroBatchRef]]:
-        """Plan a completed group's micro-batches; returns (trainable rollouts, micro-batches)."""
+    def add_written(self, written: WrittenGroup) -> list[MicroBatchRef]:
+        """A group's shard is written and planned: count it in its step; returns its micro-batches."""
+        rec = self.steps[written.step]
+        return self._add_shard(rec, written.shard, (written.refs, written.trained, written.loss_rollouts))
+
+    def _add_shard(
+        self, rec: StepRecord, shard: GroupShard, plan: tuple[list[MicroBatchRef], list[str], int] | None = None
+    ) -> list[MicroBatchRef]:
+        """Count a completed group's shard and its micro-batches (planned here unless `plan`) in its step."""
         rec.shards.append(shard)
-        refs, trained, n_loss = plan_group(shard.path, self.cfg)
+        refs, trained, n_loss = plan or plan_group(shard.path, self.cfg)
         rec.trainable += len(trained)
         rec.loss_rollouts += n_loss
         rec.trained_ids += trained
         rec.micro_batches += len(refs)
-        return len(trained), refs
+        return refs
 
     def summary(self, step: int) -> dict[str, Any]:
         rec = self.steps[step]

@@ -1,0 +1,57 @@
+"""The scheduler benchmark's defences against a busy machine: rotated interleaving, medians with their
+range, paired speedups, CPU seconds per component."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tools.bench_schedulers import component_of, paired_speedups, process_tree, report, run_order, spread
+
+pytestmark = pytest.mark.unit
+
+
+def test_each_scheduler_runs_first_middle_and_last_equally_often() -> None:
+    scheds = ["colocate_cells", "async", "elastic"]
+    orders = [run_order(scheds, r) for r in range(3)]
+    assert orders[0] == scheds and all(sorted(o) == sorted(scheds) for o in orders)
+    for position in range(3):  # a Latin square: each scheduler once in each position
+        assert sorted(o[position] for o in orders) == sorted(scheds)
+
+
+def test_speedups_pair_the_runs_of_one_repeat() -> None:
+    """A load burst in repeat 1 slows every scheduler of that repeat alike: the paired ratios stay 1.5
+    where the ratio of medians would not."""
+    walls = {"elastic": [100.0, 300.0, 110.0], "async": [150.0, 450.0, 165.0]}
+    results = {s: [{"wall_s": w} for w in ws] for s, ws in walls.items()}
+    assert paired_speedups(results) == {"async": {"median": 1.5, "min": 1.5, "max": 1.5}}
+    assert spread([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0}
+
+
+def test_report_gives_medians_with_their_spread() -> None:
+    def run(wall: float) -> dict:
+        return {"wall_s": wall, "job_s": wall + 5, "final_reward": 0.5, "mean_reward": 0.4, "recomputed_tokens": 0,
+                "switch_s": {"rollout->train": [1.0], "train->rollout": []}, "would_recompute_tokens": 0,
+                "continued_calls": 0, "migrated_idle_sessions": 0, "same_engine_followups": 1.0, "bound_s": 50.0,
+                "cpu_s": {"controller": wall / 10, "cell1": 1.0}}  # fmt: skip
+
+    table = report({"elastic": [run(100), run(90), run(120)], "async": [run(200), run(150), run(180)]})
+    assert table["elastic"]["wall_spread_s"] == {"median": 100.0, "min": 90.0, "max": 120.0}
+    assert table["elastic"]["cpu_s"]["controller"] == {"median": 10.0, "min": 9.0, "max": 12.0}
+    assert table["elastic_speedup_vs_async"] == 1.667  # the median of 2.0, 1.667, 1.5
+    assert table["elastic_speedup_vs_async_spread"] == {"median": 1.667, "min": 1.5, "max": 2.0}
+
+
+def test_cpu_seconds_are_told_apart_by_component() -> None:
+    job = "python -m mpi4py -m gyre.sched.launch.job out"
+    assert component_of("mpirun -n 4", "", "launcher") == "launcher"
+    assert component_of(f"sh -c trap '' USR1; {job}", "0", "launcher") == "controller"  # the rank's shell
+    assert component_of(job, "0", "controller") == "controller"
+    assert component_of(job, "2", "cell@rank2") == "cell@rank2"
+    assert component_of("python -m gyre.engine.server --port 1", "2", "cell@rank2") == "engine@rank2"
+    assert component_of("python -m gyre.engine.server --port 1", "", "cell@rank2") == "engine@rank2"
+    assert component_of("bwrap -- python harness.py", "", "controller") == "harnesses"  # no PMI_RANK inside
+    assert component_of("python grade.py", "", "harnesses") == "harnesses"
+    tree = process_tree(os.getpid())  # this test's process, no MPI rank: the launcher
+    assert tree[os.getpid()][0] == "launcher" and tree[os.getpid()][1] > 0

@@ -1,0 +1,108 @@
+"""What the proxy accepts, it honours, in every dialect (Chat Completions, Anthropic Messages, Responses):
+`tool_choice: none` gives a text reply however the model answers; what would need constrained decoding or
+top-k logprobs (a forced tool call, a JSON schema, `top_logprobs`) is refused by name in the API's error shape."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from test_proxy import tokenizer  # noqa: F401
+
+from gyre.config.schema import ProxyConfig
+from gyre.engine.client import GenerateResult
+from gyre.model.chat_template import IM_END, TOOL_CALL_END, TOOL_CALL_START
+from gyre.proxy.anthropic_api import parse_messages_request
+from gyre.proxy.call_log import CallLog
+from gyre.proxy.calls import CallRunner, GenParams
+from gyre.proxy.errors import ProxyError, anthropic_status_and_body
+from gyre.proxy.openai_api import parse_chat_request
+from gyre.proxy.responses_api import parse_responses_request
+
+pytestmark = pytest.mark.unit
+TOOL = {"name": "write_file", "description": "Write a file.", "parameters": {"type": "object", "properties": {}}}
+BASES = {
+    "chat": {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": TOOL}]},
+    "anthropic": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                  "tools": [{"name": "write_file", "input_schema": {"type": "object"}}]},
+    "responses": {"input": "hi", "tools": [{"type": "function", **TOOL}]},
+}  # fmt: skip
+PARSERS = {"chat": parse_chat_request, "anthropic": parse_messages_request, "responses": parse_responses_request}
+NONE = {"chat": "none", "anthropic": {"type": "none"}, "responses": "none"}
+
+
+def params_of(api: str, body: dict[str, Any]) -> GenParams:
+    req = PARSERS[api](body, "m")
+    return req.params if api != "chat" else GenParams(tool_calls=req.tool_calls)
+
+
+@pytest.mark.parametrize("api", list(BASES))
+def test_tool_choice_none_turns_tool_calls_off_and_auto_keeps_them(api):
+    assert params_of(api, BASES[api]).tool_calls
+    assert not params_of(api, {**BASES[api], "tool_choice": NONE[api]}).tool_calls
+    auto = {"type": "auto"} if api == "anthropic" else "auto"
+    assert params_of(api, {**BASES[api], "tool_choice": auto}).tool_calls
+
+
+REFUSED = [
+    ("chat", {"tool_choice": "required"}, "tool_choice"),
+    ("chat", {"tool_choice": {"type": "function", "function": {"name": "write_file"}}}, "tool_choice"),
+    ("chat", {"logprobs": True, "top_logprobs": 3}, "top_logprobs"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("chat", {"frequency_penalty": -0.1}, "frequency_penalty"),
+    ("chat", {"logit_bias": {"17": 5}}, "logit_bias"),
+    ("anthropic", {"tool_choice": {"type": "any"}}, "tool_choice"),
+    ("anthropic", {"tool_choice": {"type": "tool", "name": "write_file"}}, "tool_choice"),
+    ("anthropic", {"tool_choice": {"type": "auto", "disable_parallel_tool_use": True}}, "tool_choice"),
+    ("anthropic", {"output_format": {"type": "json_schema", "schema": {}}}, "output_format"),
+    ("anthropic", {"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "output_config"),
+    ("responses", {"tool_choice": {"type": "function", "name": "write_file"}}, "tool_choice"),
+    ("responses", {"include": ["message.output_text.logprobs"]}, "include"),
+    ("responses", {"max_tool_calls": 1}, "max_tool_calls"),
+    ("responses", {"truncation": "auto"}, "truncation"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("api", "extra", "param"), REFUSED)
+def test_what_would_need_constrained_decoding_is_refused_in_the_apis_shape(api, extra, param):
+    with pytest.raises(ProxyError) as e:
+        PARSERS[api]({**BASES[api], **extra}, "m")
+    assert e.value.status == 400 and e.value.param is not None and e.value.param.startswith(param)
+    shape = anthropic_status_and_body(e.value)[1] if api == "anthropic" else e.value.body()
+    assert shape["error"]["message"] and shape["error"]["type"] == "invalid_request_error"
+
+
+def test_what_can_be_honoured_is_accepted():
+    parse_chat_request({**BASES["chat"], "response_format": {"type": "text"}, "logprobs": True, "top_logprobs": 0,
+                        "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {"17": 0}}, "m")  # fmt: skip
+    parse_messages_request({**BASES["anthropic"], "output_config": {"effort": "high"}}, "m")  # Claude Code sends it
+    parse_responses_request({**BASES["responses"], "include": ["reasoning.encrypted_content"],
+                             "truncation": "disabled", "text": {"format": {"type": "text"}}}, "m")  # fmt: skip
+
+
+class OneReply:
+    """The engine's side of one call: the given text's ids as the sampled output."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    async def generate(self, input_ids: list[int], sampling: Any, call_id: int, rollout_id: str) -> tuple[str, Any]:
+        result = GenerateResult("r", self.ids, [-0.1] * len(self.ids), "stop", len(input_ids), 0, "0")
+        return "http://engine", result
+
+
+def test_a_reply_under_tool_choice_none_is_text_even_when_the_model_writes_a_call(tokenizer, tmp_path):  # noqa: F811
+    text = f'{TOOL_CALL_START}{{"name": "write_file", "arguments": {{}}}}{TOOL_CALL_END}{IM_END}'
+    runner = CallRunner(tokenizer, CallLog(tmp_path / "calls.jsonl"), OneReply(tokenizer.encode(text)), ProxyConfig())
+    messages, tools = [{"role": "user", "content": "hi"}], [{"type": "function", "function": TOOL}]
+    try:
+        auto = asyncio.run(runner.run("r", "openai", messages, tools, GenParams()))
+        none = asyncio.run(runner.run("r2", "openai", messages, tools, GenParams(tool_calls=False)))
+    finally:
+        runner.pool.shutdown()
+    assert auto.tool_calls == [{"name": "write_file", "arguments": {}}] and auto.finish_reason == "tool_calls"
+    assert none.tool_calls == [] and none.finish_reason == "stop" and none.content == text.removesuffix(IM_END)
+    assert none.output_ids == auto.output_ids  # what is trained is what was sampled, either way
