@@ -172,8 +172,8 @@ def _spawn_engine(cmd: list[str], env: dict[str, str], log_path: Path, model_pat
 
 
 def _wait_until_healthy(engine: EngineProcess, timeout_s: float) -> EngineProcess:
-    """The engine once it printed its URL and /health answers; stopped, with its log's tail in the error, if it
-    exits or is not healthy within `timeout_s`."""
+    """The engine once it printed its URL and /health answers; stopped, with its log's tail in the error (the log
+    then kept), if it exits or is not healthy within `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not engine.alive():

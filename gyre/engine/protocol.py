@@ -7,6 +7,7 @@ whole text, output_ids and logprobs so far.
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -27,7 +28,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "token_ids_logprob": (None,),
     "logprob_start_len": (None, -1),
     "return_hidden_states": (None, False),
-    "return_routed_experts": (None, False),
     "custom_logit_processor": (None,),
     "session_params": (None,),
 }
@@ -47,6 +47,9 @@ class GenerateItem:
     return_logprob: bool
     return_text_in_logprobs: bool
     return_sampling_mask: bool = False  # SGLang's flag: also answer output_token_sampling_logprobs
+    # SGLang's flags: meta_info.routed_experts, base64 int32 [seqlen - 1 - start, MoE layers, top-k] (routing replay)
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
 
 @dataclass
@@ -73,13 +76,8 @@ def _token_list(ids: Any, vocab_size: int) -> list[int]:
     return ids
 
 
-def parse_generate(body: Any, tokenizer: Tokenizer | None, vocab_size: int, max_context_tokens: int) -> GenerateRequest:
-    """Validate a GenerateReqInput body; raises ProtocolError (HTTP 400) naming the problem."""
-    if not isinstance(body, dict):
-        raise ProtocolError("the request body must be a JSON object")
-    for name, allowed in _UNSUPPORTED.items():
-        if body.get(name) not in allowed:
-            raise ProtocolError(f"{name}={body[name]!r} is not supported by the embedded engine")
+def _prompts(body: dict[str, Any], tokenizer: Tokenizer | None, vocab_size: int) -> tuple[list[list[int]], bool]:
+    """(the prompts' token ids, whether the body is a batch), from input_ids or text (encoded here)."""
     ids, text = body.get("input_ids"), body.get("text")
     if ids is None and text is None:
         raise ProtocolError("provide input_ids (a list of token ids) or text")
@@ -87,15 +85,35 @@ def parse_generate(body: Any, tokenizer: Tokenizer | None, vocab_size: int, max_
         raise ProtocolError("provide either input_ids or text, not both")
     if ids is not None:
         is_batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
-        prompts = [_token_list(p, vocab_size) for p in (ids if is_batch else [ids])]
-    else:
-        if tokenizer is None:
-            raise ProtocolError("this engine has no tokenizer (none in the model directory); send input_ids")
-        is_batch = isinstance(text, list)
-        texts = text if is_batch else [text]
-        if not texts or not all(isinstance(t, str) and t for t in texts):
-            raise ProtocolError("text must be a non-empty string or a list of them")
-        prompts = [tokenizer.encode(t) for t in texts]
+        return [_token_list(p, vocab_size) for p in (ids if is_batch else [ids])], is_batch
+    if tokenizer is None:
+        raise ProtocolError("this engine has no tokenizer (none in the model directory); send input_ids")
+    is_batch = isinstance(text, list)
+    texts = text if is_batch else [text]
+    if not texts or not all(isinstance(t, str) and t for t in texts):
+        raise ProtocolError("text must be a non-empty string or a list of them")
+    return [tokenizer.encode(t) for t in texts], is_batch
+
+
+def _rids(rid: Any, n: int, is_batch: bool) -> list[str]:
+    """One request id per prompt: made up, the given one (suffixed by index in a batch), or the batch's list."""
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(n)]
+    if isinstance(rid, str) and rid:
+        return [f"{rid}_{i}" for i in range(n)] if is_batch else [rid]
+    if is_batch and isinstance(rid, list) and len(rid) == n and all(isinstance(r, str) and r for r in rid):
+        return list(rid)
+    raise ProtocolError(f"rid must be a non-empty string (or one per prompt in a batch), got {rid!r}")
+
+
+def parse_generate(body: Any, tokenizer: Tokenizer | None, vocab_size: int, max_context_tokens: int) -> GenerateRequest:
+    """Validate a GenerateReqInput body; raises ProtocolError (HTTP 400) naming the problem."""
+    if not isinstance(body, dict):
+        raise ProtocolError("the request body must be a JSON object")
+    for name, allowed in _UNSUPPORTED.items():
+        if body.get(name) not in allowed:
+            raise ProtocolError(f"{name}={body[name]!r} is not supported by the embedded engine")
+    prompts, is_batch = _prompts(body, tokenizer, vocab_size)
     n = len(prompts)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -103,15 +121,7 @@ def parse_generate(body: Any, tokenizer: Tokenizer | None, vocab_size: int, max_
     if stream and is_batch:
         raise ProtocolError("streaming a batch of prompts is not supported; send one request per prompt")
 
-    rid = body.get("rid")
-    if rid is None:
-        rids = [uuid.uuid4().hex for _ in range(n)]
-    elif isinstance(rid, str) and rid:
-        rids = [f"{rid}_{i}" for i in range(n)] if is_batch else [rid]
-    elif is_batch and isinstance(rid, list) and len(rid) == n and all(isinstance(r, str) and r for r in rid):
-        rids = list(rid)
-    else:
-        raise ProtocolError(f"rid must be a non-empty string (or one per prompt in a batch), got {rid!r}")
+    rids = _rids(body.get("rid"), n, is_batch)
 
     try:
         raw_params = _per_item(body.get("sampling_params"), n, "sampling_params", is_batch)
@@ -131,6 +141,7 @@ def parse_generate(body: Any, tokenizer: Tokenizer | None, vocab_size: int, max_
     if mode not in (None, "selected"):
         raise ProtocolError(f"sampling_logprobs_mode={mode!r} is not supported by the embedded engine; use 'selected'")
 
+    routed, routed_start = _routed_experts_flags(body)
     items = []
     for prompt, r, spec, lp, mask in zip(prompts, rids, specs, logprob_flags, mask_flags, strict=True):
         if len(prompt) + spec.max_new_tokens > max_context_tokens:
@@ -138,8 +149,17 @@ def parse_generate(body: Any, tokenizer: Tokenizer | None, vocab_size: int, max_
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({spec.max_new_tokens}) exceeds the context "
                 f"limit of {max_context_tokens} tokens; shorten the prompt or lower max_new_tokens"
             )
-        items.append(GenerateItem(r, prompt, spec, lp, text_in_lp, mask))
+        if not 0 <= routed_start <= len(prompt):
+            raise ProtocolError(f"routed_experts_start_len={routed_start} must be in [0, prompt tokens={len(prompt)}]")
+        items.append(GenerateItem(r, prompt, spec, lp, text_in_lp, mask, routed, routed_start))
     return GenerateRequest(items, is_batch, stream)
+
+
+def _routed_experts_flags(body: dict[str, Any]) -> tuple[bool, int]:
+    flag, start = body.get("return_routed_experts", False), body.get("routed_experts_start_len", 0)
+    if not isinstance(flag, bool) or isinstance(start, bool) or not isinstance(start, int):
+        raise ProtocolError("return_routed_experts must be true or false and routed_experts_start_len an integer")
+    return flag, start
 
 
 @dataclass
@@ -152,6 +172,7 @@ class RequestOutput:
     logprobs: list[float] = field(default_factory=list)
     truncated_logprobs: list[float] = field(default_factory=list)
     last: Delta | None = None
+    routed_experts: bytes = b""  # int32 rows, filled at the finish
 
     @property
     def finished(self) -> bool:
@@ -161,6 +182,7 @@ class RequestOutput:
         self.output_ids.extend(delta.output_ids)
         self.logprobs.extend(delta.logprobs)
         self.truncated_logprobs.extend(delta.truncated_logprobs)
+        self.routed_experts += delta.routed_experts
         self.last = delta
 
     def text(self, tokenizer: Tokenizer | None) -> str:
@@ -196,6 +218,8 @@ class RequestOutput:
             meta["output_token_logprobs_length"] = len(self.logprobs)
         if self.item.return_sampling_mask:  # SGLang's selected mode; the kept ids themselves are not sent
             meta["output_token_sampling_logprobs"] = list(self.truncated_logprobs)
+        if self.item.return_routed_experts and finish is not None:
+            meta["routed_experts"] = base64.b64encode(self.routed_experts).decode("ascii")
         if finish is not None:
             if last.weight_versions:
                 meta["weight_versions"] = last.weight_versions
