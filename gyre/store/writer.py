@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 import uuid
+import zlib
 from collections.abc import Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -28,6 +29,9 @@ from gyre.store.schema import (
     FILE_ATTRS,
     GRADE_CODE,
     LIBVER,
+    ROUTED_DTYPE,
+    ROUTED_EXPERTS,
+    ROUTED_VERSION,
     SCHEMA_NAME,
     SCHEMA_VERSION,
     SHARD_SUFFIX,
@@ -195,9 +199,10 @@ class ShardWriter:
         }
 
     def _write(self, f: h5py.File, tables: dict[str, dict[str, np.ndarray]]) -> None:
+        routed = self._routed_experts()
         attrs: dict[str, Any] = {
             "schema": SCHEMA_NAME,
-            "schema_version": np.int64(SCHEMA_VERSION),
+            "schema_version": np.int64(SCHEMA_VERSION if routed is None else ROUTED_VERSION),
             "description": "Gyre trajectory shard: prefix-shared token trees of agent rollouts; see docs/hdf5.md in the Gyre repository",
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "gyre_version": gyre_version(),
@@ -214,6 +219,22 @@ class ShardWriter:
             group.attrs["description"] = TABLE_DESCRIPTIONS[table]
             for column in columns:
                 _write_column(group, column, tables[table][column.name])
+        if routed is not None:
+            ds = f["tokens"].create_dataset(ROUTED_EXPERTS, data=routed)
+            ds.attrs["description"] = ("expert ids the engine routed each token to, [token, MoE layer, top-k]; -1 where "
+                                       "it ran no forward of the token (routing replay, rl.routing_replay)")  # fmt: skip
+            ds.attrs["crc32"] = np.uint32(zlib.crc32(routed.view(np.uint8)) & 0xFFFFFFFF)
+
+    def _routed_experts(self) -> np.ndarray | None:
+        """Every tree's routed experts, rows back to back (int16), or None when no tree carries them."""
+        routed = [t.routed_experts for t in self._trees]
+        if all(r is None for r in routed):
+            return None
+        shapes = {None if r is None else r.shape[1:] for r in routed}
+        if None in shapes or len(shapes) != 1:
+            raise ValueError(f"shard {self.path}: rollouts with and without routed experts, or of other shapes "
+                             f"({shapes}); one shard holds one run's rollouts")  # fmt: skip
+        return np.ascontiguousarray(np.concatenate(routed), dtype=ROUTED_DTYPE)
 
 
 def _write_column(group: h5py.Group, column: Column, values: np.ndarray) -> None:
