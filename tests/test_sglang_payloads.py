@@ -7,6 +7,7 @@ a key the class lacks fails here, where SGLang would silently drop it.
 """
 
 import asyncio
+import base64
 import dataclasses
 import inspect
 import json
@@ -15,6 +16,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from aiohttp import web
@@ -72,6 +74,8 @@ class Recorder:
                     "weight_version": "7", "output_token_logprobs": [[-0.5, 11, None], [-0.25, 12, None]]}  # fmt: skip
             if json.loads(raw).get("return_sampling_mask"):  # SGLang's selected mode: one logprob per token
                 meta |= {"output_token_sampling_mask": [[11], [12, 3]], "output_token_sampling_logprobs": [0.0, -0.1]}
+            if json.loads(raw).get("return_routed_experts"):  # SGLang's answer: base64 of int32 (routed_experts.py)
+                meta["routed_experts"] = base64.b64encode(np.arange(8, dtype=np.int32).tobytes()).decode()
             return web.json_response({"text": "", "output_ids": [11, 12], "meta_info": meta})
         if request.path == "/get_server_info":
             return web.json_response({"weight_version": "7"})
@@ -97,6 +101,8 @@ async def _drive_every_client_method(url: str, face: type = EngineClient) -> Non
         await call(client.generate([4, 5], SamplingParams()))
         truncated = SamplingParams(temperature=1.6, top_k=20, min_p=0.05, truncated_logprobs=True)
         assert (await call(client.generate([4, 5], truncated))).output_logprobs == [0.0, -0.1]
+        routed = await call(client.generate([4, 5], SamplingParams(), routed_experts=True))
+        assert routed.routed_experts.tolist() == list(range(8))
         await call(client.abort("call-1"))
         await call(client.abort(abort_all=True))
         for mode in ("in_place", "retract", "abort"):
@@ -185,6 +191,8 @@ def test_generate_payload_normalizes_and_its_sampling_params_verify(captured):
         params = SGLangSampling(**body["sampling_params"])  # unknown sampling keys raise TypeError
         params.normalize(None)
         params.verify(vocab_size=1000)
+    routed = [parse_like_sglang("/generate", b) for b in bodies if "return_routed_experts" in b]
+    assert len(routed) == 1 and routed[0].return_routed_experts is True and routed[0].routed_experts_start_len == 0
     masked = [parse_like_sglang("/generate", b) for b in bodies if b.get("return_sampling_mask")]
     assert len(masked) == 1 and masked[0].return_sampling_mask is True and masked[0].sampling_logprobs_mode is None
     assert (masked[0].sampling_params["top_k"], masked[0].sampling_params["min_p"]) == (20, 0.05)

@@ -372,10 +372,10 @@ def test_agent_failed_grade_round_trips_and_version_1_files_still_read(tmp_path)
 def test_unknown_schema_version_and_name(tmp_path):
     path = small_shard(tmp_path / "a.h5")
     with h5py.File(path, "r+") as f:
-        f.attrs["schema_version"] = np.int64(3)
-    with pytest.raises(ShardError, match=r"schema_version 3 is newer than this gyre reads \(1, 2\): upgrade gyre"):
+        f.attrs["schema_version"] = np.int64(4)
+    with pytest.raises(ShardError, match=r"schema_version 4 is newer than this gyre reads \(1, 2, 3\): upgrade gyre"):
         read_shard(path)
-    with pytest.raises(ShardError, match="schema_version 3"):
+    with pytest.raises(ShardError, match="schema_version 4"):
         read_header(path)
     with h5py.File(path, "r+") as f:
         f.attrs["schema_version"] = np.int64(0)

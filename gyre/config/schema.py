@@ -206,7 +206,16 @@ class ModelConfig:
     # 0: hidden_size // heads; Qwen3 decouples it (0.6B: hidden 1024, 16 heads of 128)
     head_dim: int = ranged(0, NON_NEGATIVE, why="0: hidden_size // num_attention_heads")
     qk_layernorm: bool = False  # Qwen3: RMSNorm over each query and key head before RoPE (HF q_norm/k_norm)
-    # a local HF-format Qwen3/Qwen2/Llama directory to start from (gyre/model/pretrained.py): its config.json
+    # Qwen3-MoE (gyre/model/llama.py SparseMoE, megatron's MoE layer): experts per MoE layer; 0: a dense model
+    num_experts: int = ranged(0, NON_NEGATIVE, why="0: dense")
+    num_experts_per_tok: int = ranged(2, AT_LEAST_1)  # top-k experts each token is routed to
+    moe_ffn_hidden_size: int = ranged(0, NON_NEGATIVE, why="0: ffn_hidden_size")  # each expert's SwiGLU width
+    norm_topk_prob: bool = True  # the top-k softmax probabilities renormalised to sum to one (Qwen3-MoE: true)
+    decoder_sparse_step: int = ranged(1, AT_LEAST_1)  # layer i is MoE when (i + 1) % step == 0 ...
+    mlp_only_layers: list[int] = field(default_factory=list)  # ... and i is not listed here (those are dense)
+    # the load-balancing loss's weight in training (HF: router_aux_loss_coef, applied with output_router_logits)
+    router_aux_loss_coef: float = ranged(0.0, NON_NEGATIVE, why="0: no auxiliary loss")
+    # a local HF-format Qwen3/Qwen3-MoE/Qwen2/Llama directory to start from (gyre/model/pretrained.py): its config.json
     # replaces the architecture keys above, its tokenizer the trained one; no warm start
     path: str = ""
     # with model.path: "directory" checks that the directory's chat template renders as gyre's proxy does (the
@@ -514,6 +523,8 @@ class TrainConfig:
     # spec); auto: on when CUDA and transformer_engine are importable; off: local spec everywhere
     transformer_engine: str = choice(TransformerEngine.off, TransformerEngine)
     distributed_optimizer: bool = True  # CUDA: megatron's DDP + distributed optimizer; CPU: torch AdamW
+    # MoE models: megatron expert parallel over a cell's ranks (each holds num_experts / expert_parallel experts)
+    expert_parallel: int = ranged(1, AT_LEAST_1)
 
 
 @dataclass

@@ -150,6 +150,8 @@ def check_model(m: ModelConfig) -> None:
               f"is not divisible by num_attention_heads={m.num_attention_heads}; set model.head_dim")  # fmt: skip
     if (m.head_dim or m.hidden_size // m.num_attention_heads) % 2:
         _fail("model.head_dim", m.head_dim, "RoPE needs an even head dimension")
+    if m.num_experts and m.num_experts_per_tok > m.num_experts:
+        _fail("model.num_experts_per_tok", m.num_experts_per_tok, f"exceeds model.num_experts={m.num_experts}")
 
 
 def check_train(t: TrainConfig, m: ModelConfig) -> None:
@@ -171,6 +173,33 @@ def check_train(t: TrainConfig, m: ModelConfig) -> None:
               "tied embeddings (model.tie_embeddings) across pipeline stages are not supported; set it to 1")  # fmt: skip
     if m.num_layers % t.pipeline_parallel:
         _fail("train.pipeline_parallel", t.pipeline_parallel, f"must divide model.num_layers={m.num_layers}")
+    check_experts(t, m)
+
+
+def check_experts(t: TrainConfig, m: ModelConfig) -> None:
+    """What the trainer can honour of a mixture-of-experts model and train.expert_parallel."""
+    if t.expert_parallel > 1 and not m.num_experts:
+        _fail("train.expert_parallel", t.expert_parallel,
+              "splits the experts of a mixture-of-experts model over ranks; this model is dense (model.num_experts=0): "
+              "set it to 1")  # fmt: skip
+    if not m.num_experts:
+        return
+    if m.num_experts % t.expert_parallel:
+        _fail("train.expert_parallel", t.expert_parallel,
+              f"must divide model.num_experts={m.num_experts} (each rank holds an equal share of the experts)")  # fmt: skip
+    if t.tensor_parallel > 1:
+        _fail("train.tensor_parallel", t.tensor_parallel,
+              "the experts of a mixture-of-experts model are not split over tensor-parallel ranks yet: set it to 1 "
+              "and split them with train.expert_parallel")  # fmt: skip
+    if t.transformer_engine == "on":
+        _fail("train.transformer_engine", "on",
+              "a mixture-of-experts model trains with megatron's local spec (SequentialMLP experts); the Transformer "
+              "Engine spec's grouped-GEMM expert weights are not converted to HF names yet: set it to off or auto")  # fmt: skip
+
+
+def trainer_ranks(t: TrainConfig) -> int:
+    """A cell's trainer world: its model-parallel layout; expert-parallel ranks train the same micro-batches."""
+    return t.tensor_parallel * t.pipeline_parallel * t.context_parallel * t.expert_parallel
 
 
 def cell_ranks(cfg: RunConfig) -> list[int]:
@@ -182,14 +211,15 @@ def check_cells(cfg: RunConfig) -> None:
     """What the cell runtime can honour: each cell one Megatron world of exactly its model-parallel layout
     (data parallel runs across cells, shard to shard), and its engines."""
     t = cfg.train
-    model_parallel = t.tensor_parallel * t.pipeline_parallel * t.context_parallel
+    model_parallel = trainer_ranks(t)
     for i, ranks in enumerate(cell_ranks(cfg)):
         key = "cluster.core" if i == 0 else f"cluster.satellites.{i - 1}"
         res = cfg.cluster.core if i == 0 else cfg.cluster.satellites[i - 1]
         if ranks != model_parallel:
             _fail(f"{key}.tasks_per_node", res.tasks_per_node,
                   f"cell {i} has {res.nodes} node(s) x {res.tasks_per_node} task(s) = {ranks} rank(s), but its trainer "
-                  f"is train.tensor_parallel x pipeline_parallel x context_parallel = {model_parallel} rank(s): make "
+                  f"is train.tensor_parallel x pipeline_parallel x context_parallel x expert_parallel = {model_parallel} "
+                  "rank(s): make "
                   "them equal (data parallelism runs across cells, not inside one)")  # fmt: skip
     if model_parallel > 1 and cfg.comm.transfer_backend == "gloo":
         _fail("comm.transfer_backend", "gloo",

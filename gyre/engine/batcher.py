@@ -28,7 +28,7 @@ from safetensors.torch import load, save
 from gyre.engine.kv_cache import SlotKVCache, decode_slots, prefill_slot
 from gyre.engine.prefix_cache import PrefixCache
 from gyre.engine.sampling import BatchSamplingParams, SamplingSpec, sample_tokens
-from gyre.model.llama import LlamaForCausalLM
+from gyre.model.llama import LlamaForCausalLM, SparseMoE
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ class Delta:
     finish: dict[str, Any] | None = None
     weight_versions: list[dict[str, Any]] | None = None
     truncated_logprobs: list[float] = field(default_factory=list)  # over the kept set, one per output id
+    routed_experts: bytes = b""  # at the finish, when asked: int32 [kv_len - routed_from, MoE layers, top-k]
 
 
 @dataclass(eq=False)
@@ -78,6 +79,9 @@ class Sequence:
     version_events: list[tuple[str, int]] = field(default_factory=list)
     stop_ids: frozenset[int] = frozenset()
     rng: random.Random = field(default_factory=random.Random)
+    # the first position whose routed experts are returned (SGLang's routed_experts_start_len); -1: none asked
+    routed_from: int = -1
+    routed: list[torch.Tensor] = field(default_factory=list)  # [n, MoE layers, top-k] per forward, in order
 
     def tokens(self) -> list[int]:
         return self.prompt + self.output_ids
@@ -192,7 +196,9 @@ class Batcher:
     def _prefill(self, seq: Sequence) -> None:
         tokens = torch.tensor(seq.tokens(), dtype=torch.long)
         n = tokens.shape[0]
-        cached, k, v = self.prefix.match(tokens, limit=n - 1)
+        # a request that wants its tokens' routed experts runs its whole prompt (a cached prefix has no routing)
+        cached, k, v = self.prefix.match(tokens, limit=n - 1) if seq.routed_from < 0 else (0, None, None)
+        seq.routed.clear()
         slot = len(self.running)
         self.cache.ensure(slot + 1, n)
         if cached:
@@ -201,6 +207,8 @@ class Batcher:
         logits = None
         for start in range(cached, n, chunk):
             logits = prefill_slot(self.model, self.cache, slot, tokens[start : start + chunk], start)
+            if seq.routed_from >= 0:
+                seq.routed.append(self._routed_rows()[0])
         if seq.cached_tokens < 0:
             seq.cached_tokens = cached
         seq.kv_len, seq.slot, seq.kv_epoch = n, slot, self.weights_epoch
@@ -218,12 +226,24 @@ class Batcher:
         last = torch.tensor([s.output_ids[-1] for s in self.running])
         self.cache.ensure(len(self.running), int(lengths.max()) + 1)
         logits = decode_slots(self.model, self.cache, last, lengths)
+        if any(s.routed_from >= 0 for s in self.running):
+            rows = self._routed_rows()  # [B, 1, L, k]
+            for i, s in enumerate(self.running):
+                if s.routed_from >= 0:
+                    s.routed.append(rows[i])
         for s in self.running:
             s.kv_len += 1
         self._sample_and_append(self.running, logits)
         self.steps += 1
         self.last_step_time = time.time()
         self._retire_finished()
+
+    def _routed_rows(self) -> torch.Tensor:
+        """The last forward's routed experts [B, T, MoE layers, top-k] (gyre/model/llama.py SparseMoE.routed)."""
+        moe = [layer.mlp.routed for layer in self.model.model.layers if isinstance(layer.mlp, SparseMoE)]
+        if not moe:
+            raise ValueError("return_routed_experts asks for routed experts; this model has no MoE layers")
+        return torch.stack(moe, dim=2).cpu()
 
     def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         if seqs is self.running:
@@ -304,6 +324,9 @@ class Batcher:
         seq.emitted = len(seq.output_ids)
         if seq.finish is not None:
             delta.finish = seq.finish
+            if seq.routed_from >= 0:  # positions [routed_from, kv_len): every token the engine ran (SGLang's range)
+                rows = torch.cat(seq.routed)[seq.routed_from : seq.kv_len]
+                delta.routed_experts = rows.to(torch.int32).numpy().tobytes()
             delta.weight_versions = weight_version_spans(seq.version_events, self.weight_version, len(seq.output_ids))
         try:
             seq.sink(delta)

@@ -8,6 +8,7 @@ runtime, the launcher's health checks, the switch sequence).
 
 from __future__ import annotations
 
+import base64
 import json
 import urllib.error
 import urllib.request
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import numpy as np
 
 from gyre.engine.admin_key import admin_headers
 
@@ -65,6 +67,9 @@ class GenerateResult:
     prompt_tokens: int
     cached_tokens: int
     weight_version: str
+    # with routed_experts=True: int32 expert ids of positions [0, prompt + output - 1), each [MoE layers, top-k]
+    # flattened (SGLang's meta_info.routed_experts, base64 of int32); reshape with the model's layers and top-k
+    routed_experts: np.ndarray | None = None
 
     @classmethod
     def from_response(cls, body: dict[str, Any]) -> GenerateResult:
@@ -85,7 +90,12 @@ class GenerateResult:
             prompt_tokens=int(meta.get("prompt_tokens", 0)),
             cached_tokens=int(meta.get("cached_tokens", 0)),
             weight_version=str(meta.get("weight_version", "")),
+            routed_experts=_routed_experts(meta.get("routed_experts")),
         )
+
+
+def _routed_experts(encoded: str | None) -> np.ndarray | None:
+    return None if encoded is None else np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
 
 
 def _check_success(body: Any) -> Any:
@@ -117,7 +127,9 @@ class _EngineAPI:
         """Any POST route (gyre's own /gyre/kv/* routes on the embedded engine)."""
         return self._send("POST", path, payload or {})
 
-    def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None) -> Any:
+    def generate(
+        self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None, routed_experts: bool = False
+    ) -> Any:
         payload: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": sampling.to_payload(),
@@ -128,6 +140,8 @@ class _EngineAPI:
             payload["return_sampling_mask"] = True
         if rid is not None:
             payload["rid"] = rid
+        if routed_experts:  # routing replay: every token's experts (SGLang needs --enable-return-routed-experts)
+            payload["return_routed_experts"] = True
         return self._send("POST", "/generate", payload, then=GenerateResult.from_response)
 
     def health(self) -> Any:

@@ -7,6 +7,7 @@ whole text, output_ids and logprobs so far.
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -27,7 +28,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "token_ids_logprob": (None,),
     "logprob_start_len": (None, -1),
     "return_hidden_states": (None, False),
-    "return_routed_experts": (None, False),
     "custom_logit_processor": (None,),
     "session_params": (None,),
 }
@@ -47,6 +47,9 @@ class GenerateItem:
     return_logprob: bool
     return_text_in_logprobs: bool
     return_sampling_mask: bool = False  # SGLang's flag: also answer output_token_sampling_logprobs
+    # SGLang's flags: meta_info.routed_experts, base64 int32 [seqlen - 1 - start, MoE layers, top-k] (routing replay)
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
 
 @dataclass
@@ -138,6 +141,7 @@ def parse_generate(body: Any, tokenizer: Tokenizer | None, vocab_size: int, max_
     if mode not in (None, "selected"):
         raise ProtocolError(f"sampling_logprobs_mode={mode!r} is not supported by the embedded engine; use 'selected'")
 
+    routed, routed_start = _routed_experts_flags(body)
     items = []
     for prompt, r, spec, lp, mask in zip(prompts, rids, specs, logprob_flags, mask_flags, strict=True):
         if len(prompt) + spec.max_new_tokens > max_context_tokens:
@@ -145,8 +149,17 @@ def parse_generate(body: Any, tokenizer: Tokenizer | None, vocab_size: int, max_
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({spec.max_new_tokens}) exceeds the context "
                 f"limit of {max_context_tokens} tokens; shorten the prompt or lower max_new_tokens"
             )
-        items.append(GenerateItem(r, prompt, spec, lp, text_in_lp, mask))
+        if not 0 <= routed_start <= len(prompt):
+            raise ProtocolError(f"routed_experts_start_len={routed_start} must be in [0, prompt tokens={len(prompt)}]")
+        items.append(GenerateItem(r, prompt, spec, lp, text_in_lp, mask, routed, routed_start))
     return GenerateRequest(items, is_batch, stream)
+
+
+def _routed_experts_flags(body: dict[str, Any]) -> tuple[bool, int]:
+    flag, start = body.get("return_routed_experts", False), body.get("routed_experts_start_len", 0)
+    if not isinstance(flag, bool) or isinstance(start, bool) or not isinstance(start, int):
+        raise ProtocolError("return_routed_experts must be true or false and routed_experts_start_len an integer")
+    return flag, start
 
 
 @dataclass
@@ -159,6 +172,7 @@ class RequestOutput:
     logprobs: list[float] = field(default_factory=list)
     truncated_logprobs: list[float] = field(default_factory=list)
     last: Delta | None = None
+    routed_experts: bytes = b""  # int32 rows, filled at the finish
 
     @property
     def finished(self) -> bool:
@@ -168,6 +182,7 @@ class RequestOutput:
         self.output_ids.extend(delta.output_ids)
         self.logprobs.extend(delta.logprobs)
         self.truncated_logprobs.extend(delta.truncated_logprobs)
+        self.routed_experts += delta.routed_experts
         self.last = delta
 
     def text(self, tokenizer: Tokenizer | None) -> str:
@@ -203,6 +218,8 @@ class RequestOutput:
             meta["output_token_logprobs_length"] = len(self.logprobs)
         if self.item.return_sampling_mask:  # SGLang's selected mode; the kept ids themselves are not sent
             meta["output_token_sampling_logprobs"] = list(self.truncated_logprobs)
+        if self.item.return_routed_experts and finish is not None:
+            meta["routed_experts"] = base64.b64encode(self.routed_experts).decode("ascii")
         if finish is not None:
             if last.weight_versions:
                 meta["weight_versions"] = last.weight_versions

@@ -182,6 +182,7 @@ class EngineServer:
             prompt=item.input_ids,
             spec=item.spec,
             stream=stream,
+            routed_from=item.routed_experts_start_len if item.return_routed_experts else -1,
             sink=partial(loop.call_soon_threadsafe, queue.put_nowait),
         )
         self.inflight[item.rid] = seq

@@ -1,4 +1,4 @@
-"""HF-format checkpoint directories: config.json (Qwen2 or Qwen3 style) + model.safetensors (+ tokenizer).
+"""HF-format checkpoint directories: config.json (Qwen2, Qwen3 or Qwen3-MoE style) + model.safetensors (+ tokenizer).
 
 This is what engines load on start and on `/update_weights_from_disk`, and what a production
 SGLang server would read from the same path.
@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from gyre.config.schema import ModelConfig
 from gyre.model.llama import LlamaForCausalLM, head_dim_of
+from gyre.model.moe import expert_ffn_size
 from gyre.model.pretrained import TOKENIZER_FILES, model_config_from_hf
 
 __all__ = ["hf_config", "load_hf_state", "load_llama", "model_config_from_hf", "save_hf_checkpoint"]
@@ -48,9 +49,29 @@ def hf_config(cfg: ModelConfig, torch_dtype: str = "float32", eos_token_id: int 
     if qwen3:  # fields transformers' and SGLang's Qwen3 configs read
         out |= {"attention_dropout": 0.0, "rope_scaling": None, "use_sliding_window": False, "sliding_window": None}
         out |= {"max_window_layers": cfg.num_layers, "initializer_range": cfg.init_std, "use_cache": True}
+    if cfg.num_experts:
+        out |= _qwen3_moe_fields(cfg)
     if eos_token_id is not None:
         out["eos_token_id"] = eos_token_id
     return out
+
+
+def _qwen3_moe_fields(cfg: ModelConfig) -> dict:
+    """transformers' Qwen3MoeConfig keys (Qwen3-MoE has Qwen3's attention: q/k norms, decoupled head_dim)."""
+    if not cfg.qk_layernorm:
+        raise ValueError("a mixture-of-experts model is written as Qwen3-MoE, which has q/k norms: set qk_layernorm")
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "moe_intermediate_size": expert_ffn_size(cfg),
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "decoder_sparse_step": cfg.decoder_sparse_step,
+        "mlp_only_layers": list(cfg.mlp_only_layers),
+        "router_aux_loss_coef": cfg.router_aux_loss_coef,
+        "output_router_logits": cfg.router_aux_loss_coef > 0,
+    }
 
 
 def save_hf_checkpoint(

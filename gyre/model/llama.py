@@ -1,4 +1,4 @@
-"""The serving-side model: a Llama/Qwen-style decoder in plain torch with HF parameter names.
+"""The serving-side model: a Llama/Qwen-style decoder (dense, or Qwen3-MoE) in plain torch with HF parameter names.
 
 Same numerics as the megatron-core GPTModel the trainer uses (see gyre/model/weights.py for the
 name and layout conversion). The caller owns the KV cache: `forward` takes the past keys/values
@@ -7,6 +7,7 @@ of each layer and returns the new ones for the tokens it was given.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gyre.config.schema import ModelConfig
+from gyre.model.moe import expert_ffn_size, is_moe_layer
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]  # each [B, kv_heads, S, head_dim]
 
@@ -111,13 +113,48 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DecoderLayer(nn.Module):
+class SparseMoE(nn.Module):
+    """Qwen3-MoE's sparse block (transformers' Qwen3MoeSparseMoeBlock): softmax over the router logits, the top-k
+    experts' probabilities (renormalised to sum to one when norm_topk_prob) weighting their SwiGLU outputs.
+
+    `routed` keeps the last forward's expert ids [..., top_k], which the engine returns for routing replay.
+    """
+
     def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        width = dataclasses.replace(cfg, ffn_hidden_size=expert_ffn_size(cfg))
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(width) for _ in range(cfg.num_experts))
+        self.routed: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        probs = torch.softmax(self.gate(flat), dim=-1, dtype=torch.float32)
+        experts = self.select(probs)
+        weights = probs.gather(-1, experts)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(flat)
+        for e in experts.unique().tolist():
+            rows, slot = torch.nonzero(experts == e, as_tuple=True)
+            out.index_add_(0, rows, self.experts[e](flat[rows]) * weights[rows, slot, None])
+        self.routed = experts.view(*x.shape[:-1], self.top_k)
+        return out.view_as(x)
+
+    def select(self, probs: torch.Tensor) -> torch.Tensor:
+        """The experts [tokens, top_k] each token is routed to: the most probable, in descending order."""
+        return torch.topk(probs, self.top_k, dim=-1).indices
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if is_moe_layer(cfg, index) else MLP(cfg)
 
     def forward(self, x, cos, sin, past, mask):  # noqa: ANN001, ANN201 - internal
         h, kv = self.self_attn(self.input_layernorm(x), cos, sin, past, mask)
@@ -129,7 +166,7 @@ class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
 

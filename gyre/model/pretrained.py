@@ -1,6 +1,6 @@
 """A run's starting model from a local HF-format directory (`model.path`), checked before any step.
 
-The directory is what transformers' save_pretrained writes for a Qwen3, Qwen2 (without attention biases) or
+The directory is what transformers' save_pretrained writes for a Qwen3, Qwen3-MoE, Qwen2 (without attention biases) or
 Llama decoder: config.json, model.safetensors or model.safetensors.index.json with its shards, and the
 tokenizer (tokenizer.json, tokenizer_config.json; the chat template in tokenizer_config.json or
 chat_template.jinja). Its config.json defines the architecture (the run's other model.* architecture keys
@@ -31,7 +31,12 @@ if TYPE_CHECKING:
     from gyre.model.tokenizer import Tokenizer
 
 # config.json's architectures -> model_type, for the decoders gyre's models implement
-ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+ARCHITECTURES = {
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2ForCausalLM": "qwen2",
+    "LlamaForCausalLM": "llama",
+}
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -64,13 +69,40 @@ def model_config_from_hf(config: dict) -> ModelConfig:
     """Qwen2/Qwen3/Llama-style config.json -> ModelConfig; refuses features the models here lack."""
     if config.get("attention_bias") or config.get("qkv_bias") or config.get("mlp_bias"):
         raise ValueError("config.json asks for attention biases (Qwen2.5 style) or MLP biases; gyre's models have none")
-    rope = config.get("rope_parameters") or {}  # transformers 5 moved rope_theta here
+    rope = _rope_parameters(config)
     if config.get("use_sliding_window") or config.get("rope_scaling") or rope.get("rope_type", "default") != "default":
         raise ValueError("config.json uses sliding-window attention or scaled RoPE, which gyre's models lack")
     if config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json has hidden_act={config['hidden_act']!r}; gyre's models use SwiGLU (silu)")
     heads = config["num_attention_heads"]
     head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+    return dataclasses.replace(_dense_config(config, heads, head_dim), **_moe_fields(config))
+
+
+def _moe_fields(config: dict) -> dict[str, Any]:
+    """Qwen3-MoE's routing keys (transformers' Qwen3MoeConfig); a dense config has none."""
+    if config.get("model_type") != "qwen3_moe":
+        return {}
+    if config.get("shared_expert_intermediate_size"):
+        raise ValueError("config.json has shared experts (shared_expert_intermediate_size), which Qwen3-MoE lacks")
+    aux = float(config.get("router_aux_loss_coef", 0.001)) if config.get("output_router_logits") else 0.0
+    return {
+        "num_experts": int(config["num_experts"]),
+        "num_experts_per_tok": int(config["num_experts_per_tok"]),
+        "moe_ffn_hidden_size": int(config["moe_intermediate_size"]),
+        "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+        "decoder_sparse_step": int(config.get("decoder_sparse_step", 1)),
+        "mlp_only_layers": [int(i) for i in config.get("mlp_only_layers") or []],
+        "router_aux_loss_coef": aux,  # transformers adds it to the loss only with output_router_logits
+    }
+
+
+def _rope_parameters(config: dict) -> dict:
+    return config.get("rope_parameters") or {}  # transformers 5 moved rope_theta here
+
+
+def _dense_config(config: dict, heads: int, head_dim: int) -> ModelConfig:
+    rope = _rope_parameters(config)
     return ModelConfig(
         vocab_size=config["vocab_size"],
         hidden_size=config["hidden_size"],
@@ -83,7 +115,7 @@ def model_config_from_hf(config: dict) -> ModelConfig:
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         head_dim=0 if head_dim * heads == config["hidden_size"] else head_dim,
-        qk_layernorm=config.get("model_type") == "qwen3",
+        qk_layernorm=config.get("model_type") in ("qwen3", "qwen3_moe"),
     )
 
 
@@ -112,9 +144,8 @@ def pretrained_model_config(model: ModelConfig) -> ModelConfig:
 def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF weight names and shapes of a model of cfg (lm_head included)."""
     head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
-    h, f, q, kv = (
+    h, q, kv = (
         cfg.hidden_size,
-        cfg.ffn_hidden_size,
         cfg.num_attention_heads * head_dim,
         cfg.num_query_groups * head_dim,
     )
@@ -128,9 +159,26 @@ def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
                    p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                   p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)}  # fmt: skip
+                   }  # fmt: skip
+        shapes |= _mlp_shapes(cfg, i)
         if cfg.qk_layernorm:
             shapes |= {p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,)}
+    return shapes
+
+
+def _mlp_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """A dense SwiGLU, or Qwen3-MoE's router (mlp.gate) and experts (mlp.experts.E.*) as transformers saves them."""
+    from gyre.model.moe import expert_ffn_size, is_moe_layer
+
+    p, h = f"model.layers.{layer}.mlp.", cfg.hidden_size
+    if not is_moe_layer(cfg, layer):
+        f = cfg.ffn_hidden_size
+        return {p + "gate_proj.weight": (f, h), p + "up_proj.weight": (f, h), p + "down_proj.weight": (h, f)}
+    f = expert_ffn_size(cfg)
+    shapes = {p + "gate.weight": (cfg.num_experts, h)}
+    for e in range(cfg.num_experts):
+        q = f"{p}experts.{e}."
+        shapes |= {q + "gate_proj.weight": (f, h), q + "up_proj.weight": (f, h), q + "down_proj.weight": (h, f)}
     return shapes
 
 

@@ -2,7 +2,7 @@
 
     python -m gyre.model.random_model OUT_DIR --shape qwen3-0.6b --dtype bfloat16
 
-writes config.json (Qwen3 style), model.safetensors and a tokenizer with gyre's chat template: a
+writes config.json (Qwen3 or, for the qwen3-moe-* shapes, Qwen3-MoE style), model.safetensors and a tokenizer with gyre's chat template: a
 directory the embedded engine, the Megatron trainer and an SGLang server all load.
 """
 
@@ -20,7 +20,7 @@ from gyre.model.hf_io import save_hf_checkpoint
 from gyre.model.llama import LlamaForCausalLM
 from gyre.model.tokenizer import Tokenizer
 
-# Qwen3 shapes (transformers' Qwen3 configs). Real checkpoints' other fields match hf_config's Qwen3 output.
+# Qwen3 and Qwen3-MoE shapes (transformers' configs). Real checkpoints' other fields match hf_config's Qwen3 output.
 SHAPES: dict[str, ModelConfig] = {
     "qwen3-0.6b": ModelConfig(
         vocab_size=151936,
@@ -64,6 +64,44 @@ SHAPES: dict[str, ModelConfig] = {
         norm_eps=1e-6,
         tie_embeddings=True,
         qk_layernorm=True,
+    ),
+    # Qwen3-30B-A3B's shape (its config.json): 128 experts of width 768, top-8, renormalised, every layer MoE.
+    "qwen3-moe-30b-a3b": ModelConfig(
+        vocab_size=151936,
+        hidden_size=2048,
+        num_layers=48,
+        num_attention_heads=32,
+        num_query_groups=4,
+        head_dim=128,
+        ffn_hidden_size=6144,
+        max_position_embeddings=40960,
+        rope_theta=1_000_000.0,
+        norm_eps=1e-6,
+        tie_embeddings=False,
+        qk_layernorm=True,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_ffn_hidden_size=768,
+        norm_topk_prob=True,
+    ),
+    # CI-sized Qwen3-MoE: 4 experts, top-2, both layers MoE.
+    "qwen3-moe-tiny": ModelConfig(
+        vocab_size=512,
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_query_groups=2,
+        head_dim=32,
+        ffn_hidden_size=128,
+        max_position_embeddings=4096,
+        rope_theta=1_000_000.0,
+        norm_eps=1e-6,
+        tie_embeddings=False,
+        qk_layernorm=True,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_ffn_hidden_size=64,
+        norm_topk_prob=True,
     ),
 }
 

@@ -19,6 +19,7 @@ import torch
 
 from gyre.config.schema import ModelConfig
 from gyre.model.llama import head_dim_of
+from gyre.model.moe import is_moe_layer
 from gyre.model.pretrained import expected_hf_shapes  # torch-free: also checks a directory before loading
 
 _MEGATRON_GLOBAL = {
@@ -46,6 +47,9 @@ _QK_NORMS = {
 }
 _QKV = "self_attention.linear_qkv.weight"
 _FC1 = "mlp.linear_fc1.weight"
+# a MoE layer (megatron's SequentialMLP): mlp.router.weight is HF's mlp.gate.weight, expert e's linear_fc1/fc2 are
+# its gate_proj over up_proj and its down_proj
+_EXPERTS = "mlp.experts.local_experts."
 
 
 def _megatron_globals(cfg: ModelConfig) -> dict[str, str]:
@@ -55,8 +59,21 @@ def _megatron_globals(cfg: ModelConfig) -> dict[str, str]:
     return _MEGATRON_GLOBAL
 
 
-def _layer_renames(cfg: ModelConfig) -> dict[str, str]:
-    return _MEGATRON_LAYER | _QK_NORMS if cfg.qk_layernorm else _MEGATRON_LAYER
+def _layer_renames(cfg: ModelConfig, layer: int) -> dict[str, str]:
+    renames = _MEGATRON_LAYER | _QK_NORMS if cfg.qk_layernorm else dict(_MEGATRON_LAYER)
+    if is_moe_layer(cfg, layer):
+        del renames["mlp.linear_fc2.weight"]
+        renames["mlp.router.weight"] = "mlp.gate.weight"
+        for e in range(cfg.num_experts):
+            renames[f"{_EXPERTS}{e}.linear_fc2.weight"] = f"mlp.experts.{e}.down_proj.weight"
+    return renames
+
+
+def _fc1_names(cfg: ModelConfig, layer: int) -> dict[str, str]:
+    """megatron's gate-over-up linear_fc1 weights of a layer -> the HF prefix of their gate_proj/up_proj."""
+    if not is_moe_layer(cfg, layer):
+        return {_FC1: "mlp."}
+    return {f"{_EXPERTS}{e}.linear_fc1.weight": f"mlp.experts.{e}." for e in range(cfg.num_experts)}
 
 
 def _head_dims(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -113,7 +130,7 @@ def megatron_to_hf(state: dict[str, torch.Tensor | None], cfg: ModelConfig) -> d
     globals_ = _megatron_globals(cfg)
     expected = set(globals_)
     for i in range(cfg.num_layers):
-        expected |= {f"decoder.layers.{i}.{s}" for s in [*_layer_renames(cfg), *norms, _QKV, _FC1]}
+        expected |= {f"decoder.layers.{i}.{s}" for s in [*_layer_renames(cfg, i), *norms, _QKV, *_fc1_names(cfg, i)]}
     _check_keys(
         "megatron",
         set(weights),
@@ -126,15 +143,16 @@ def megatron_to_hf(state: dict[str, torch.Tensor | None], cfg: ModelConfig) -> d
         out["lm_head.weight"] = out["model.embed_tokens.weight"].clone()
     for i in range(cfg.num_layers):
         src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
-        for mc, hf in (_layer_renames(cfg) | norms).items():
+        for mc, hf in (_layer_renames(cfg, i) | norms).items():
             out[dst + hf] = weights[src + mc]
         q, k, v = split_qkv(weights[src + _QKV], cfg)
         out[dst + "self_attn.q_proj.weight"] = q
         out[dst + "self_attn.k_proj.weight"] = k
         out[dst + "self_attn.v_proj.weight"] = v
-        gate, up = torch.chunk(weights[src + _FC1], 2, dim=0)
-        out[dst + "mlp.gate_proj.weight"] = gate
-        out[dst + "mlp.up_proj.weight"] = up
+        for mc, hf in _fc1_names(cfg, i).items():
+            gate, up = torch.chunk(weights[src + mc], 2, dim=0)
+            out[dst + hf + "gate_proj.weight"] = gate
+            out[dst + hf + "up_proj.weight"] = up
     out = {k: v.detach().contiguous() for k, v in out.items()}
     _check_shapes(out, expected_hf_shapes(cfg), "converted HF")
     return out
@@ -156,7 +174,7 @@ def hf_to_megatron(
     out = {mc: state[hf] for mc, hf in _megatron_globals(cfg).items()}
     for i in range(cfg.num_layers):
         src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for mc, hf in (_layer_renames(cfg) | norms).items():
+        for mc, hf in (_layer_renames(cfg, i) | norms).items():
             out[dst + mc] = state[src + hf]
         out[dst + _QKV] = merge_qkv(
             state[src + "self_attn.q_proj.weight"],
@@ -164,5 +182,6 @@ def hf_to_megatron(
             state[src + "self_attn.v_proj.weight"],
             cfg,
         )
-        out[dst + _FC1] = torch.cat([state[src + "mlp.gate_proj.weight"], state[src + "mlp.up_proj.weight"]], dim=0)
+        for mc, hf in _fc1_names(cfg, i).items():
+            out[dst + mc] = torch.cat([state[src + hf + "gate_proj.weight"], state[src + hf + "up_proj.weight"]], dim=0)
     return {k: v.detach().contiguous() for k, v in out.items()}

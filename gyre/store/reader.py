@@ -8,6 +8,7 @@ corrupt shard reaches training.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -20,8 +21,10 @@ from gyre.store.schema import (
     CALL_COLUMNS,
     CALL_FIELD_COLUMN,
     GRADE_STATUSES,
+    ROUTED_DTYPE,
+    ROUTED_EXPERTS,
+    ROUTED_VERSION,
     SCHEMA_NAME,
-    SCHEMA_VERSION,
     STR,
     SUPPORTED_VERSIONS,
     TABLE_LENGTH_ATTR,
@@ -65,6 +68,7 @@ class Shard:
     tokens: Table
     calls: Table
     rollouts: Table
+    routed_experts: np.ndarray | None = None  # [n_tokens, MoE layers, top-k] (version 3), None without
 
     @property
     def n_rollouts(self) -> int:
@@ -114,6 +118,7 @@ class Shard:
             call_id=t["call_id"][ts],
             role=t["role"][ts],
             calls=calls,
+            routed_experts=None if self.routed_experts is None else self.routed_experts[ts],
         )
         return ShardRollout(tree=tree, loss_weight=t["loss_weight"][ts], meta=self.meta(i), shard=str(self.path))
 
@@ -138,12 +143,32 @@ def read_shard(path: str | Path, *, verify_checksums: bool = True) -> Shard:
         with f:
             attrs = _check_header(path, f)
             tables = {name: _read_table(path, f, name, attrs, verify_checksums) for name in TABLES}
+            routed = _read_routed_experts(path, f, attrs, verify_checksums)
     except ShardError:
         raise
     except Exception as e:  # damage deeper in the file surfaces from h5py with any exception type
         raise ShardError(path, f"unreadable ({type(e).__name__}: {e})") from e
     _check_consistency(path, tables)
-    return Shard(path=path, attrs=attrs, tokens=tables["tokens"], calls=tables["calls"], rollouts=tables["rollouts"])
+    return Shard(path=path, attrs=attrs, tokens=tables["tokens"], calls=tables["calls"], rollouts=tables["rollouts"],
+                 routed_experts=routed)  # fmt: skip
+
+
+def _read_routed_experts(path: Path, f: h5py.File, attrs: dict[str, Any], verify: bool) -> np.ndarray | None:
+    """/tokens/routed_experts: required in a version-3 shard, absent before."""
+    ds = f["tokens"].get(ROUTED_EXPERTS)
+    version, n = int(attrs["schema_version"]), int(attrs["n_tokens"])
+    if (ds is None) != (version < ROUTED_VERSION):
+        raise ShardError(path, f"schema_version {version} with{'out' if ds is None else ''} /tokens/{ROUTED_EXPERTS}")
+    if ds is None:
+        return None
+    if ds.ndim != 3 or ds.shape[0] != n or ds.dtype != np.dtype(ROUTED_DTYPE):
+        raise ShardError(
+            path, f"/tokens/{ROUTED_EXPERTS} is {ds.dtype} {ds.shape}, expected int16 ({n}, layers, top-k)"
+        )
+    values = np.ascontiguousarray(ds[()], dtype=ROUTED_DTYPE)
+    if verify and int(ds.attrs.get("crc32", -1)) != zlib.crc32(values.view(np.uint8)) & 0xFFFFFFFF:
+        raise ShardError(path, f"/tokens/{ROUTED_EXPERTS}: checksum mismatch")
+    return values
 
 
 def read_header(path: str | Path) -> dict[str, Any]:
@@ -168,7 +193,7 @@ def _check_header(path: Path, f: h5py.File) -> dict[str, Any]:
     supported = ", ".join(map(str, SUPPORTED_VERSIONS))
     if not isinstance(version, (int, np.integer)):
         raise ShardError(path, f"schema_version is {version!r}, not an integer: not a valid gyre shard")
-    if int(version) > SCHEMA_VERSION:
+    if int(version) > max(SUPPORTED_VERSIONS):
         raise ShardError(path, f"schema_version {version} is newer than this gyre reads ({supported}): upgrade gyre")
     if int(version) not in SUPPORTED_VERSIONS:
         raise ShardError(

@@ -34,7 +34,10 @@ SCHEMA_NAME = "gyre.trajectory_shard"
 # the raw logits, which is that distribution; grade_reason ""); a version-1 reader refuses version 2 rather than
 # train it untempered or misread the new enum code.
 SCHEMA_VERSION = 2
-SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2)
+# 3: /tokens/routed_experts (routing replay), written only by shards that carry it; a version-2 reader would train
+# such a shard without replaying its routing, so it refuses it. A shard without it stays version 2.
+ROUTED_VERSION = 3
+SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2, 3)
 SHARD_SUFFIX = ".h5"  # only complete shards carry it; writers' temp files end in ".tmp"
 LIBVER = ("v110", "v110")  # HDF5 1.10 file format: metadata checksums, readable by HDF5 >= 1.10 tools
 GRADE_STATUSES: tuple[str, ...] = ("ok", "timeout", "failed", "agent_failed")
@@ -149,6 +152,11 @@ ROLLOUT_COLUMNS: tuple[Column, ...] = (
     Column("call_offset", "<i8", "first row of the rollout in /calls", "rows"),
     Column("n_calls", "<i8", "calls", "rows of /calls"),
 )
+
+# /tokens/routed_experts: int16 [n_tokens, moe_layers, top_k], the expert ids the engine routed each token to in each
+# MoE layer (-1 where it ran no forward of the token); its attributes: description, crc32 of its little-endian bytes
+ROUTED_EXPERTS = "routed_experts"
+ROUTED_DTYPE = "<i2"
 
 TABLES: dict[str, tuple[Column, ...]] = {"rollouts": ROLLOUT_COLUMNS, "tokens": TOKEN_COLUMNS, "calls": CALL_COLUMNS}
 TABLE_DESCRIPTIONS: dict[str, str] = {

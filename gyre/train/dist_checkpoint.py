@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 
 from gyre.config.schema import ModelConfig
-from gyre.train.shard_weights import GLU, split_dim, stage_layers
+from gyre.train.shard_weights import GLU, expert_parallel_rank_size, expert_to_global, split_dim, stage_layers
 
 METADATA = ".metadata"
 META = "trainer.meta"
@@ -92,7 +92,8 @@ def _named_parameters(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, tor
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     offset = stage_layers(cfg, pp_rank, pp_size).start
-    return {_global_name(n, offset): p for n, p in model.named_parameters()}
+    ep_rank, ep_size = expert_parallel_rank_size()
+    return {expert_to_global(_global_name(n, offset), cfg, ep_rank, ep_size): p for n, p in model.named_parameters()}
 
 
 def _state_items(

@@ -4,20 +4,23 @@ Built for this rank's place in megatron's model-parallel layout (gyre/train/mode
 tensor-parallel shard of each layer, and with pipeline parallelism only its stage's layers (the
 embedding on the first stage, the output layer on the last).
 
-RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases, untied embeddings, fp32, megatron's
-local layer spec (no Transformer Engine) with tree-aware attention modules (see
+RoPE, RMSNorm, SwiGLU (or megatron's MoE layer for Qwen3-MoE models), grouped-query attention, no biases,
+untied embeddings, fp32, megatron's local layer spec (no Transformer Engine) with tree-aware attention modules (see
 gyre/train/tree_attention_megatron.py). On a machine without CUDA the CPU shim is applied first.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from gyre.config.schema import ModelConfig
 from gyre.model.llama import head_dim_of
+from gyre.model.moe import expert_ffn_size, is_moe_layer
 from gyre.train.cpu_shim import apply_cpu_shim
 from gyre.train.tree_attention_megatron import tree_layer_spec
 
@@ -28,9 +31,24 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=_NO_APEX_TE)
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+if not moe_utils.HAVE_TE:  # megatron-core 0.16's router GEMM reads te_general_gemm unguarded when TE is missing
+    moe_utils.te_general_gemm = None
+
+
+def _moe_block_spec(config: TransformerConfig, transformer_engine: bool) -> TransformerBlockSubmodules:
+    """megatron's block spec of dense and MoE layers (config.moe_layer_freq) for this stage, each layer tree-aware."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_APEX_TE)
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=transformer_engine, normalization="RMSNorm")
+    if transformer_engine:
+        return block
+    return dataclasses.replace(block, layer_specs=[tree_layer_spec(spec) for spec in block.layer_specs])
 
 
 def init_megatron_single_process() -> None:
@@ -96,7 +114,34 @@ def transformer_config(cfg: ModelConfig) -> TransformerConfig:
         # megatron splits the layers over the stages by the config's sizes, not by its process groups
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        **moe_transformer_fields(cfg),
     )
+
+
+def moe_transformer_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """megatron's MoE layer with Qwen3-MoE's routing (transformers' Qwen3MoeTopKRouter): softmax over the router
+    logits and the top-k kept; renormalised (norm_topk_prob) equals megatron's softmax over the top-k logits, not
+    renormalised its pre-softmax top-k. Local experts one after another (SequentialMLP, no grouped GEMM), fp32
+    router, the load-balancing loss only when model.router_aux_loss_coef > 0. Each router has megatron's RouterReplay,
+    idle unless a forward replays the engine's routing (gyre/train/routing_replay.py)."""
+    if not cfg.num_experts:
+        return {}
+    return {
+        "num_moe_experts": cfg.num_experts,
+        "moe_router_topk": cfg.num_experts_per_tok,
+        "moe_ffn_hidden_size": expert_ffn_size(cfg),
+        "moe_router_pre_softmax": not cfg.norm_topk_prob,
+        "moe_router_score_function": "softmax",
+        "moe_router_dtype": "fp32",
+        "moe_router_load_balancing_type": "aux_loss" if cfg.router_aux_loss_coef > 0 else "none",
+        "moe_aux_loss_coeff": cfg.router_aux_loss_coef,
+        "moe_layer_freq": [int(is_moe_layer(cfg, i)) for i in range(cfg.num_layers)],
+        "moe_grouped_gemm": False,
+        # the all-to-all dispatcher makes CUDA streams; the all-gather one runs on gloo
+        "moe_token_dispatcher_type": "alltoall" if torch.cuda.is_available() else "allgather",
+        "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size(),
+        "moe_enable_routing_replay": True,
+    }
 
 
 def build_gpt_model(cfg: ModelConfig, transformer_engine: bool = False) -> GPTModel:
@@ -121,8 +166,11 @@ def build_gpt_model(cfg: ModelConfig, transformer_engine: bool = False) -> GPTMo
             layer_spec = tree_layer_spec(
                 get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm)
             )
+    config = transformer_config(cfg)
+    if cfg.num_experts:
+        layer_spec = _moe_block_spec(config, transformer_engine)
     return GPTModel(
-        config=transformer_config(cfg),
+        config=config,
         transformer_layer_spec=layer_spec,
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,

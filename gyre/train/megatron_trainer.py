@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from gyre.config.schema import ModelConfig, TrainConfig
+from gyre.model.moe import moe_layer_indices
 from gyre.model.weights import hf_to_megatron, megatron_to_hf
 from gyre.train.chunked_logprobs import TargetLogprobs, hidden_states
 from gyre.train.dist_checkpoint import (
@@ -34,8 +35,15 @@ from gyre.train.megatron_cuda import MegatronOptimizerStep, transformer_engine_e
 from gyre.train.megatron_gpt import build_gpt_model, parallel_state
 from gyre.train.model_parallel import clip_gradients, finish_gradients, init_model_parallel, needs_model_parallel
 from gyre.train.pipeline_schedule import pipeline_step
+from gyre.train.routing_replay import padded_order, replaying
 from gyre.train.sampling_logprobs import sampled_token_logprobs
-from gyre.train.shard_weights import gather_shards, gather_state, shard_state
+from gyre.train.shard_weights import (
+    expert_parallel_rank_size,
+    gather_shards,
+    gather_state,
+    shard_state,
+    stage_layers,
+)
 from gyre.train.split_tree import split_forward_backward, split_logprobs
 from gyre.train.tree_attention_megatron import accepts_tree_plans
 from gyre.train.tree_pack import SplitTreeBatch, TreeMicroBatch
@@ -64,7 +72,7 @@ class MegatronTrainer:
         init_model_parallel(train_cfg, model_cfg)  # over the launcher's world, or a one-process one
         self.parallel = torch.distributed.get_world_size() > 1  # shards, stages or data-parallel replicas
         self.pipelined = parallel_state.get_pipeline_model_parallel_world_size() > 1
-        use_te = transformer_engine_enabled(train_cfg, self.device)
+        use_te = transformer_engine_enabled(train_cfg, self.device) and not model_cfg.num_experts  # local MoE spec
         self.model = build_gpt_model(model_cfg, transformer_engine=use_te).to(self.device)
         # CUDA: megatron's DDP and optimizer (distributed when train.distributed_optimizer); CPU: torch AdamW.
         self._mcore: MegatronOptimizerStep | None = None
@@ -117,13 +125,23 @@ class MegatronTrainer:
         tree = getattr(mb, "batch", mb)
         if isinstance(tree, TreeMicroBatch):
             self._check_tree_spec()
-            return self.model(tree.tokens.to(self.device), None, tree.attention.to(self.device))
+            with replaying(self.model, self._stage_routing(tree.routed_experts)):
+                return self.model(tree.tokens.to(self.device), None, tree.attention.to(self.device))
         tokens = mb.tokens
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
         mask = getattr(mb, "attention_mask", None)
         mask = causal_mask(tokens.shape[1]) if mask is None else mask
-        return self.model(tokens.to(self.device), None, mask.to(self.device))
+        routed = getattr(mb, "routed_experts", None)  # [B, T, L, k]
+        with replaying(self.model, None if routed is None else self._stage_routing(padded_order(routed))):
+            return self.model(tokens.to(self.device), None, mask.to(self.device))
+
+    def _stage_routing(self, routed: torch.Tensor | None) -> torch.Tensor | None:
+        """The replayed experts [N, L, k] of this pipeline stage's MoE layers (all of them without stages)."""
+        if routed is None or not self.pipelined:
+            return routed
+        layers = stage_layers(self.model_cfg, *self.layout[2:])
+        return routed[:, [j for j, i in enumerate(moe_layer_indices(self.model_cfg)) if i in layers]]
 
     def _logprobs_of(self, logits: torch.Tensor, mb: Any) -> torch.Tensor:
         tree = getattr(mb, "batch", mb)
@@ -289,7 +307,7 @@ class MegatronTrainer:
         """Load the whole model's HF-named weights; each rank keeps its shard. The optimizer state is left as it is."""
         local = hf_to_megatron(state, self.model_cfg)
         if self.parallel:
-            local = shard_state(local, self.model_cfg, *self.layout)
+            local = shard_state(local, self.model_cfg, *self.layout, *expert_parallel_rank_size())
         result = self.model.load_state_dict(local, strict=False)
         missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
         if missing or result.unexpected_keys:

@@ -26,7 +26,13 @@ from gyre.train.megatron_gpt import parallel_state
 
 
 def needs_model_parallel(train_cfg: TrainConfig) -> bool:
-    return max(train_cfg.tensor_parallel, train_cfg.pipeline_parallel, train_cfg.context_parallel) > 1
+    sizes = (
+        train_cfg.tensor_parallel,
+        train_cfg.pipeline_parallel,
+        train_cfg.context_parallel,
+        train_cfg.expert_parallel,
+    )
+    return max(sizes) > 1
 
 
 def trainer_backend(device: torch.device | None = None) -> str:
@@ -72,11 +78,18 @@ def init_model_parallel(train_cfg: TrainConfig, model_cfg: ModelConfig) -> None:
             f"the trainer's world has {world} ranks, not a multiple of train.tensor_parallel x pipeline_parallel x "
             f"context_parallel = {model_parallel}: give the cell a multiple of that many tasks"
         )
+    if train_cfg.expert_parallel > 1 and world != model_parallel * train_cfg.expert_parallel:
+        raise RuntimeError(
+            f"train.expert_parallel={train_cfg.expert_parallel}: the trainer's world has {world} ranks; expert "
+            f"parallel needs exactly tensor_parallel x pipeline_parallel x expert_parallel = "
+            f"{model_parallel * train_cfg.expert_parallel} (its ranks train the same micro-batches, as a cell's do)"
+        )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=train_cfg.tensor_parallel,
             pipeline_model_parallel_size=train_cfg.pipeline_parallel,
             context_parallel_size=train_cfg.context_parallel,
+            expert_model_parallel_size=train_cfg.expert_parallel,
         )
         return
     have = (
@@ -108,16 +121,31 @@ def _flat_all_reduce(grads: Sequence[torch.Tensor], group: dist.ProcessGroup) ->
         offset += g.numel()
 
 
+def is_expert(name: str) -> bool:
+    """A parameter of one expert-parallel rank's own experts (the router and attention are replicated)."""
+    return ".mlp.experts." in name
+
+
 def finish_gradients(model: torch.nn.Module) -> None:
     """Make every rank's gradients those of the whole step: data-parallel sum, tensor-parallel sum of the
-    query/key norms. A parameter without a gradient on this replica gets zeros (another may have one)."""
+    query/key norms. A parameter without a gradient on this replica gets zeros (another may have one).
+
+    Under expert parallelism the ranks of an expert-parallel group train the same micro-batches (megatron sees them
+    as data-parallel): the replicated parameters' gradients are averaged over them (equal up to summation order),
+    and each expert, which saw every rank's copy of its tokens (the all-gather dispatcher), is divided by EP."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     for _, p in named:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         _flat_all_reduce([p.grad for n, p in named if _is_qk_norm(n)], parallel_state.get_tensor_model_parallel_group())
-    if parallel_state.get_data_parallel_world_size() > 1:
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    if ep > 1:
+        dense = [p.grad for n, p in named if not is_expert(n)]
+        _flat_all_reduce(dense, parallel_state.get_data_parallel_group())
+        for g in [*dense, *(p.grad for n, p in named if is_expert(n))]:
+            g.div_(ep)
+    elif parallel_state.get_data_parallel_world_size() > 1:
         _flat_all_reduce([p.grad for _, p in named], parallel_state.get_data_parallel_group())
 
 
@@ -126,11 +154,16 @@ def clip_gradients(model: torch.nn.Module, max_norm: float) -> float:
     tensor-parallel ranks counted once), and, when it exceeds max_norm, every gradient scaled to it."""
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-    params = [p for p in model.parameters() if p.grad is not None]
+    named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+    params = [p for _, p in named]
     square = torch.zeros((), dtype=torch.float64)
-    for p in params:
+    experts = torch.zeros((), dtype=torch.float64)  # each expert-parallel rank's own experts, summed over them
+    for name, p in named:
         if param_is_not_tensor_parallel_duplicate(p):
-            square += p.grad.double().pow(2).sum()
+            (experts if is_expert(name) else square).add_(p.grad.double().pow(2).sum())
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        dist.all_reduce(experts, group=parallel_state.get_expert_model_parallel_group())
+    square += experts
     group = parallel_state.get_model_parallel_group()
     if dist.get_world_size(group) > 1:
         dist.all_reduce(square, group=group)

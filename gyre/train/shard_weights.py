@@ -8,7 +8,8 @@ hf_to_megatron). A rank's shard:
   embedding and output layer, the query groups of linear_qkv, whose rows are already grouped), column
   block r of the row-parallel ones (linear_proj, linear_fc2), and of linear_fc1 row block r of the gate
   stacked over row block r of the up projection (megatron's GLU chunks each shard's output in two);
-  norms are whole on every rank.
+  norms are whole on every rank;
+- expert-parallel rank e of EP holds experts [e E/EP, (e+1) E/EP) of each MoE layer as its local_experts.0...
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from gyre.config.schema import ModelConfig
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
 _ROWS = ("embedding.word_embeddings.weight", "output_layer.weight", "self_attention.linear_qkv.weight")
 _COLUMNS = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
 GLU = "mlp.linear_fc1.weight"
@@ -62,14 +64,39 @@ def stage_layers(cfg: ModelConfig, pp_rank: int, pp_size: int) -> range:
     return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
 
 
+def expert_to_global(name: str, cfg: ModelConfig, ep_rank: int, ep_size: int) -> str:
+    """An expert-parallel rank's local expert j (local_experts.j) is the model's expert ep_rank * E / EP + j."""
+    if ep_size == 1 or not (m := _EXPERT.match(name)):
+        return name
+    return f"{m.group(1)}{ep_rank * (cfg.num_experts // ep_size) + int(m.group(2))}{m.group(3)}"
+
+
+def expert_to_local(name: str, cfg: ModelConfig, ep_rank: int, ep_size: int) -> str | None:
+    """The inverse of expert_to_global: the local name, or None for another rank's expert."""
+    if ep_size == 1 or not (m := _EXPERT.match(name)):
+        return name
+    per_rank = cfg.num_experts // ep_size
+    owner, local = divmod(int(m.group(2)), per_rank)
+    return f"{m.group(1)}{local}{m.group(3)}" if owner == ep_rank else None
+
+
 def shard_state(
-    full: dict[str, torch.Tensor], cfg: ModelConfig, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int
+    full: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    tp_rank: int,
+    tp_size: int,
+    pp_rank: int,
+    pp_size: int,
+    ep_rank: int = 0,
+    ep_size: int = 1,
 ) -> dict[str, torch.Tensor]:
-    """The part of a whole-model megatron state_dict that (tp_rank, pp_rank) holds, in its local names."""
+    """The part of a whole-model megatron state_dict that (tp_rank, pp_rank, ep_rank) holds, in its local names."""
     layers = stage_layers(cfg, pp_rank, pp_size)
     out = {}
     for name, tensor in full.items():
-        if m := _LAYER.match(name):
+        if (local_expert := expert_to_local(name, cfg, ep_rank, ep_size)) is None:
+            continue
+        if m := _LAYER.match(local_expert):
             layer = int(m.group(1))
             if layer not in layers:
                 continue
@@ -118,6 +145,7 @@ def gather_shards(local: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
         parallel_state.get_pipeline_model_parallel_world_size(),
     )
     stage = _global_names(local, stage_layers(cfg, pp_rank, pp_size).start)
+    stage = _gather_experts(stage, cfg)
     if pp_size == 1:
         return {k: v.clone() for k, v in stage.items()}
     parts: list[dict[str, torch.Tensor] | None] = [None] * pp_size
@@ -125,3 +153,23 @@ def gather_shards(local: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
         parts, {k: v.cpu() for k, v in stage.items()}, group=parallel_state.get_pipeline_model_parallel_group()
     )
     return {k: v for part in parts for k, v in (part or {}).items()}
+
+
+def _gather_experts(stage: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """This stage's tensors with every expert-parallel rank's experts under their global names."""
+    from gyre.train.megatron_gpt import parallel_state
+
+    ep_rank, ep_size = expert_parallel_rank_size()
+    if ep_size == 1:
+        return stage
+    mine = {expert_to_global(k, cfg, ep_rank, ep_size): v for k, v in stage.items()}
+    parts: list[dict[str, torch.Tensor] | None] = [None] * ep_size
+    experts = {k: v.cpu() for k, v in mine.items() if _EXPERT.match(k)}
+    dist.all_gather_object(parts, experts, group=parallel_state.get_expert_model_parallel_group())
+    return mine | {k: v for part in parts for k, v in (part or {}).items()}
+
+
+def expert_parallel_rank_size() -> tuple[int, int]:
+    from gyre.train.megatron_gpt import parallel_state
+
+    return parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_world_size()

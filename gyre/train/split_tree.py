@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from gyre.train.chunked_logprobs import TargetLogprobs, hidden_states
+from gyre.train.routing_replay import replaying
 from gyre.train.tree_attention import Prefix, plan_from_parents
 from gyre.train.tree_pack import SplitTreeBatch
 
@@ -135,16 +136,22 @@ def _forward(
     path: PathKV,
     depth: int,
     grad: bool,
+    routed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, SegmentKV]:
     """Final hidden states [n, H] of the tokens after the first `depth` of local_parent, which come from the
-    path (no logits: a segment's logprobs are made in row chunks, gyre/train/chunked_logprobs.py)."""
+    path (no logits: a segment's logprobs are made in row chunks, gyre/train/chunked_logprobs.py). routed [n, L, k]:
+    the tokens' replayed experts (gyre/train/routing_replay.py)."""
     ctx = SegmentKV(path, depth, grad)
     plan = plan_from_parents(local_parent, query_start=depth)
     lo, hi = int(plan.positions.min()), int(plan.positions.max()) + 1
     rope = model.rotary_pos_emb.get_emb(hi - lo, lo)  # the rows of this forward's depths (megatron's, uncached)
     plan = dataclasses.replace(plan, prefix=ctx, rope_table=rope, rope_offset=lo).to(tokens.device)
-    with hidden_states(model):
+    with hidden_states(model), replaying(model, routed):
         return model(tokens[None], None, plan)[:, 0], ctx
+
+
+def _rows(routed: torch.Tensor | None, rows: slice | torch.Tensor) -> torch.Tensor | None:
+    return None if routed is None else routed[rows]
 
 
 def _logprobs_pass(model: torch.nn.Module, batch: SplitTreeBatch, lay: _Layout, device: torch.device) -> torch.Tensor:
@@ -157,7 +164,8 @@ def _logprobs_pass(model: torch.nn.Module, batch: SplitTreeBatch, lay: _Layout, 
     with torch.no_grad():
         for j, (a, b) in enumerate(lay.segments):
             d = int(lay.depth[a])
-            hidden, ctx = _forward(model, tokens[a:b], lay.segment_parents(a, b, d), path, d, False)
+            routed = _rows(batch.routed_experts, slice(a, b))
+            hidden, ctx = _forward(model, tokens[a:b], lay.segment_parents(a, b, d), path, d, False, routed)
             t = torch.from_numpy(lay.targets[j]).to(device)
             logp[t] = head(hidden, parent[t] - a, tokens[t], sampling.take(t))
             if b < batch.n_tokens:
@@ -232,9 +240,10 @@ def _backward_pass(
         for i in path.gk:  # slots from `shared` on get tokens no later segment attended to
             path.gk[i][:, shared:].zero_()
             path.gv[i][:, shared:].zero_()
-        _recompute_path(model, tokens, here, shared, size, path)
+        _recompute_path(model, tokens, here, shared, size, path, batch.routed_experts)
         d = int(lay.depth[a])
-        hidden, ctx = _forward(model, tokens[a:b], lay.segment_parents(a, b, d), path, d, True)
+        routed = _rows(batch.routed_experts, slice(a, b))
+        hidden, ctx = _forward(model, tokens[a:b], lay.segment_parents(a, b, d), path, d, True, routed)
         t = torch.from_numpy(lay.targets[j]).to(device)
         logp_t = head(hidden, parent[t] - a, tokens[t], sampling.take(t))
         logp[t] = logp_t.detach()
@@ -256,11 +265,13 @@ def _recompute_path(
     start: int,
     size: int,
     path: PathKV,
+    routed: torch.Tensor | None = None,
 ) -> None:
     """Keys/values of path_nodes[start:] (a chain below the slots already held) into the path, no gradient."""
     with torch.no_grad():
         for d0 in range(start, len(path_nodes), size):
             d1 = min(d0 + size, len(path_nodes))
             nodes = torch.from_numpy(path_nodes[d0:d1]).to(tokens.device)
-            _, ctx = _forward(model, tokens[nodes], np.arange(-1, d1 - 1), path, d0, False)
+            rows = _rows(routed, nodes.cpu())
+            _, ctx = _forward(model, tokens[nodes], np.arange(-1, d1 - 1), path, d0, False, rows)
             ctx.write(np.arange(d0, d1), np.arange(d1 - d0))

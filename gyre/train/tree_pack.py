@@ -33,6 +33,8 @@ class TreeMicroBatch:
     rollout_ids: list[str]
     attention: TreeAttentionPlan
     sampling: TokenSampling  # [N] sampling parameters of each token's call: what its logprobs describe
+    # [N, MoE layers, top-k] the engine's experts of each token, replayed in training (rl.routing_replay); None: none
+    routed_experts: torch.Tensor | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -116,6 +118,7 @@ class SplitTreeBatch:
     rollout_ids: list[str]
     segment_tokens: int
     sampling: TokenSampling  # [N] sampling parameters of each token's call: what its logprobs describe
+    routed_experts: torch.Tensor | None = None  # [N, MoE layers, top-k], as TreeMicroBatch's
 
     @property
     def n_tokens(self) -> int:
@@ -144,7 +147,20 @@ def split_tree(tree: TrajectoryTree, segment_tokens: int, weight: np.ndarray | N
         rollout_ids=[tree.rollout_id],
         segment_tokens=segment_tokens,
         sampling=TokenSampling.from_table(c["samp"]),
+        routed_experts=_packed_routing([tree], c["src"]),
     )
+
+
+def _packed_routing(trees: Sequence[TrajectoryTree], source_index: np.ndarray) -> torch.Tensor | None:
+    """The trees' routed experts in packed order, or None when no tree carries them (rl.routing_replay=false)."""
+    routed = [t.routed_experts for t in trees]
+    if all(r is None for r in routed):
+        return None
+    if any(r is None for r in routed):
+        raise ValueError("some trees of a micro-batch carry routed experts and some do not; replay needs all of them")
+    starts = np.cumsum([0] + [t.n_tokens for t in trees[:-1]])
+    rows = [r[source_index[a : a + t.n_tokens]] for r, t, a in zip(routed, trees, starts, strict=True)]
+    return torch.from_numpy(np.concatenate(rows).astype(np.int64))
 
 
 def _packed_columns(trees: Sequence[TrajectoryTree], weights: Sequence[np.ndarray | None]) -> dict[str, np.ndarray]:
@@ -192,6 +208,7 @@ def pack_forest(
         rollout_ids=[t.rollout_id for t in trees],
         attention=plan,
         sampling=TokenSampling.from_table(c["samp"]),
+        routed_experts=_packed_routing(trees, c["src"]),
     )
 
 

@@ -36,6 +36,9 @@ class TrajectoryTree:
     # Per call, in call order: the call's leaf (its last output token, or last input token when it
     # produced nothing) identifies its whole conditioning context plus output.
     calls: list[CallInfo] = field(default_factory=list)
+    # [N, MoE layers, top-k] int16: the experts the engine routed each token to (rl.routing_replay), -1 where it ran
+    # no forward of the token (a leaf's last token); None without replay
+    routed_experts: np.ndarray | None = None
 
     @property
     def n_tokens(self) -> int:
