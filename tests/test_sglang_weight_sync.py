@@ -33,6 +33,7 @@ from gyre.train.shard_weights import _global_names, _tp_merge, shard_state, stag
 
 pytestmark = pytest.mark.unit
 QWEN3 = dataclasses.replace(SHAPES["qwen3-tiny"], tie_embeddings=False, num_layers=4)  # PP 2 needs untied
+QWEN3_MOE = SHAPES["qwen3-moe-tiny"]
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +47,13 @@ def hf_tensors(directory) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
-def senders_hf(full: dict[str, torch.Tensor], tp: int, pp: int) -> list[dict[str, torch.Tensor]]:
+def senders_hf(full: dict[str, torch.Tensor], tp: int, pp: int, cfg=QWEN3) -> list[dict[str, torch.Tensor]]:
     """What each stage's sender sends: its TP group's shards merged (as the all-gather gives them), HF-named."""
     sent = []
     for stage in range(pp):
-        shards = [shard_state(full, QWEN3, r, tp, stage, pp) for r in range(tp)]
+        shards = [shard_state(full, cfg, r, tp, stage, pp) for r in range(tp)]
         merged = {name: _tp_merge(name, [s[name] for s in shards]) for name in shards[0]}
-        sent.append(stage_hf_state(_global_names(merged, stage_layers(QWEN3, stage, pp).start), QWEN3))
+        sent.append(stage_hf_state(_global_names(merged, stage_layers(cfg, stage, pp).start), cfg))
     return sent
 
 
@@ -73,6 +74,28 @@ def test_each_stage_sends_its_own_tensors_under_transformers_qwen3_names(hf_dir,
     if pp == 2:  # the first stage has the embedding and the first half of the layers, the last the head
         assert "model.embed_tokens.weight" in sent[0] and "lm_head.weight" in sent[1]
         assert {int(m) for n in sent[1] for m in re.findall(r"layers\.(\d+)\.", n)} == {2, 3}
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_qwen3_moe_stages_send_transformers_names_router_and_experts_included(tmp_path, pp):
+    """Qwen3-MoE (gyre/model's qwen3-moe-tiny): the router and every expert under transformers' names, which
+    SGLang's qwen3_moe loader maps onto its fused experts (make_expert_params_mapping over gate/up/down_proj)."""
+    from transformers import AutoModelForCausalLM
+
+    create_random_model(tmp_path, QWEN3_MOE, seed=5, dtype=torch.bfloat16)
+    hf = hf_tensors(tmp_path)
+    sent = senders_hf(hf_to_megatron(hf, QWEN3_MOE), 1, pp, QWEN3_MOE)
+    names = [n for part in sent for n in part]
+    # transformers fuses the experts in memory (its state_dict names differ), so its names are what it reads
+    # from the directory: every one of them, and nothing else
+    reference, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert type(reference).__name__ == "Qwen3MoeForCausalLM" and len(names) == len(set(names))
+    assert set(names) == set(hf) and not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    assert all(torch.equal(t, hf[n]) for part in sent for n, t in part.items())
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in names and "model.layers.0.mlp.gate.weight" in names
+    loader = (sglang_root() / "srt/models/qwen3_moe.py").read_text()
+    assert all(f'{k}="{v}"' in loader for k, v in [("ckpt_gate_proj_name", "gate_proj"),
+               ("ckpt_down_proj_name", "down_proj"), ("ckpt_up_proj_name", "up_proj")])  # fmt: skip
 
 
 def sglang_qwen3_mapping() -> list[tuple[str, str]]:
