@@ -2,11 +2,13 @@
 Qwen3MoeForCausalLM, the independent reference for what a Qwen3-MoE checkpoint means."""
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -352,3 +354,44 @@ def test_routed_experts_round_trip_through_a_version_3_shard(moe_dir, tmp_path):
         f["tokens/routed_experts"][0, 0, 0] += 1
     with pytest.raises(ShardError, match="routed_experts: checksum mismatch"):
         read_shard(path)
+
+
+def routed_call(call_id: int, input_ids: list[int], output_ids: list[int], rows: np.ndarray):
+    """A call record as the proxy keeps it with rl.routing_replay: its routed experts for input + output - 1."""
+    from gyre.proxy.call_log import CallRecord, encode_routed_experts
+
+    encoded, shape = encode_routed_experts(rows)
+    return CallRecord("r", call_id, "chat", input_ids, output_ids, [-0.5] * len(output_ids), [], "stop", "0", "e",
+                      len(input_ids), 0, 0.0, 1.0, routed_experts=encoded, routed_experts_shape=shape)  # fmt: skip
+
+
+@pytest.mark.unit
+def test_a_tree_takes_each_token_s_routed_experts_from_the_first_call_that_ran_it():
+    """Two turns (the second's prompt is the first's prompt, output and a tool result) and a retry of the first turn
+    that branches at its output: each token's experts are those of the first call whose engine ran the token (the
+    record's JSON round trip included), -1 on a leaf's last token, and a sampled subtree keeps its tokens' rows."""
+    from gyre.proxy.call_log import CallRecord
+    from gyre.traj.build import build_tree
+    from gyre.traj.sampling import subtree
+
+    gen = np.random.default_rng(0)
+
+    def rows(n: int) -> np.ndarray:
+        return gen.integers(0, 4, (n, 2, 2)).astype(np.int16)
+
+    first, second, retry = rows(4 + 3 - 1), rows(4 + 3 + 2 + 2 - 1), rows(4 + 2 - 1)
+    calls = [routed_call(1, [1, 2, 3, 4], [5, 6, 7], first),
+             routed_call(2, [1, 2, 3, 4, 5, 6, 7, 8, 9], [10, 11], second),
+             routed_call(3, [1, 2, 3, 4], [12, 13], retry)]  # fmt: skip
+    calls = [CallRecord.from_json(json.loads(json.dumps(c.to_json()))) for c in calls]
+    tree = build_tree("r", calls)
+    by_path = {tuple(tree.tokens[tree.path_to(i)].tolist()): i for i in range(tree.n_tokens)}
+    node = [by_path[tuple(range(1, k + 1))] for k in range(1, 12)]  # tokens 1..11 along the two turns
+    want = np.concatenate([first, second[len(first) :], np.full((1, 2, 2), -1, np.int16)])
+    assert tree.routed_experts.dtype == np.int16 and np.array_equal(tree.routed_experts[node], want)
+    retried = by_path[(1, 2, 3, 4, 12)], by_path[(1, 2, 3, 4, 12, 13)]
+    assert np.array_equal(tree.routed_experts[retried[0]], retry[4]) and (tree.routed_experts[retried[1]] == -1).all()
+    kept = np.sort(tree.path_to(retried[1]))
+    assert np.array_equal(subtree(tree, kept).routed_experts, tree.routed_experts[kept])
+    plain = [dataclasses.replace(c, routed_experts="", routed_experts_shape=[]) for c in calls]
+    assert build_tree("r", plain).routed_experts is None  # rl.routing_replay off
