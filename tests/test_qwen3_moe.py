@@ -110,16 +110,18 @@ CELLS_OF_TWO_EP2 = ["scheduler=colocate_cells", "cluster.core.tasks_per_node=2",
 def test_a_random_qwen3_moe_directory_trains_an_rl_step(tmp_path: Path, layout: list[str]) -> None:
     """`python -m gyre.model.random_model --shape qwen3-moe-tiny` then `python -m launch.run model.path=DIR`: rollouts
     from the embedded engine's MoE model, one step of megatron's MoE layer (in colocate, or in cells of 2 ranks each
-    holding half the experts), the checkpoint written."""
+    holding half the experts), the checkpoint written. With rl.routing_replay on: the shards carry every token's
+    routed experts, and the trainer replaying them gives each trained token the engine's logprob within 1e-5."""
     from gyre.metrics import read_metrics
     from gyre.sched.controller.report import step_rows
+    from tools.check_trained_tokens import check_run
 
     model, out = tmp_path / "qwen3-moe", tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     made = subprocess.run([sys.executable, "-m", "gyre.model.random_model", str(model), "--shape", "qwen3-moe-tiny"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
     assert made.returncode == 0, made.stderr[-2000:]
-    args = [f"model.path={model}", *layout, "steps=1", "rl.groups_per_step=1", "rl.group_size=2",
+    args = [f"model.path={model}", *layout, "rl.routing_replay=true", "steps=1", "rl.groups_per_step=1", "rl.group_size=2",
             "harness.max_turns=1", "harness.max_tokens=16", "tasks.families=[write_value]", f"output_dir={out}",
             f"hydra.run.dir={tmp_path / 'hydra'}", f"warm_start.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
     proc = subprocess.run([sys.executable, "-m", "launch.run", *args], cwd=ROOT, capture_output=True, text=True,
@@ -128,6 +130,35 @@ def test_a_random_qwen3_moe_directory_trains_an_rl_step(tmp_path: Path, layout: 
     rows = step_rows(read_metrics(out / "metrics.jsonl"))
     assert [r["step"] for r in rows] == [0] and rows[0]["n_rollouts"] == 2
     assert (out / "checkpoint" / "trainer" / ".metadata").exists()
+    n_rollouts, n_tokens, problems = check_run(out)  # the trained tokens are the calls' sampled ones
+    assert not problems and n_rollouts == 2 and n_tokens > 0
+    assert_replay_gives_the_engine_s_logprobs(model, out)
+
+
+def assert_replay_gives_the_engine_s_logprobs(model_dir: Path, run: Path) -> None:
+    """Every stored tree of the run carries routed experts for every token the engine ran (all but leaves' last), and
+    the trainer on the run's starting weights, replaying them, gives each trained token its behaviour logprob."""
+    from gyre.config.schema import TrainConfig
+    from gyre.store.reader import read_shard
+    from gyre.train.megatron_trainer import MegatronTrainer
+    from gyre.train.tree_pack import pack_forest
+
+    cfg, state = load_hf_state(model_dir)
+    trainer = MegatronTrainer(cfg, TrainConfig(num_threads=1))
+    trainer.load_hf_state_dict(state)
+    trees = [r.tree for shard in sorted((run / "shards").glob("*.h5")) for r in read_shard(shard)]
+    assert trees
+    for tree in trees:
+        ran = np.ones(tree.n_tokens, bool)
+        ran[tree.leaves()] = False
+        assert tree.routed_experts is not None and (tree.routed_experts[ran] >= 0).all()
+        assert (tree.routed_experts[ran] < cfg.num_experts).all()
+        mb = pack_forest([tree])
+        with torch.no_grad():
+            logp = trainer.micro_batch_logprobs(mb)
+        policy = torch.from_numpy(tree.policy)[mb.source_index]
+        engine = torch.from_numpy(tree.logprob)[mb.source_index]
+        assert policy.any() and (logp - engine)[policy].abs().max().item() < 1e-5
 
 
 @pytest.mark.integration
@@ -171,6 +202,7 @@ def test_expert_parallel_2_update_equals_the_one_process_update(tmp_path: Path) 
     ("model", "overrides", "key", "why"),
     [
         ("dense", ["train.expert_parallel=2"], "train.expert_parallel", "this model is dense"),
+        ("dense", ["rl.routing_replay=true"], "rl.routing_replay", "this model is dense"),
         ("moe", ["train.expert_parallel=3"], "train.expert_parallel", "must divide model.num_experts=4"),
         ("moe", ["train.tensor_parallel=2"], "train.tensor_parallel", "not split over tensor-parallel ranks"),
         ("moe", ["train.transformer_engine=on"], "train.transformer_engine", "local spec"),
