@@ -294,8 +294,8 @@ class CallRunner:
             min_p=sampling.min_p,
         )
         if self.routed_experts is not None:
-            record.routed_experts, record.routed_experts_shape = self.call_routing(url, result, len(prompt.input_ids)
-                                                                                   + len(output_ids))  # fmt: skip
+            positions = len(prompt.input_ids) + len(output_ids)
+            record.routed_experts, record.routed_experts_shape = self.call_routing(url, result, positions)
         self.call_log.add(record)
         self.spliced_turns += len(prompt.spliced)
         self.retokenized_turns += prompt.retokenized_turns
