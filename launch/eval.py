@@ -4,7 +4,7 @@ The same Hydra config as launch.run. eval.checkpoint=<a run's checkpoint/ dir> e
 (empty: model.path, else the warm start); the tasks are the held-out split of `tasks` (eval.held_out=true)
 or eval.tasks; eval.samples rollouts per task at eval.temperature. Writes metrics.jsonl (one `event: eval`
 row), shards_eval/ (kind=eval) and eval/v<version>-tasks.{csv,json} in output_dir, prints the table. Runs
-on this machine (one local cell); there is no Slurm entry point for it yet.
+on this machine (one local cell); on Slurm, `python -m launch.submit --eval ...` runs it as a one-node job.
 """
 
 from __future__ import annotations

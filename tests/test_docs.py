@@ -189,7 +189,7 @@ def test_command_in_the_docs_dry_runs(cmd: Command, tmp_path: Path) -> None:
             cwd=REPO, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert out.returncode == 0, f"{cmd}\n{out.stdout}{out.stderr}"
-        assert (tmp_path / "run" / "gyre.sbatch").exists()
+        assert (tmp_path / "run" / ("gyre-eval.sbatch" if "--eval" in args else "gyre.sbatch")).exists()
         return
     if argv[0] == "python" and (argv[1] == "-m" or argv[1].endswith(".py")):
         module = argv[2] if argv[1] == "-m" else argv[1]

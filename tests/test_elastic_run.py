@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import CELL_WORKLOAD, EVERY_STEP_TRAINS
+from test_eval_run import check_row_against_shards
 from tracking_readers import tensorboard_scalars, tensorboard_tags
 
 from gyre.sched.launch.local import DEAD_CELLS_EXIT_CODE
@@ -46,6 +47,7 @@ def check_common(out: Path, rows: list[dict], summary: dict, max_lag: int) -> li
         assert r["n_rollouts"] == 16 and r["wall_s"] > 0 and r["behaviour_lag_max"] <= max_lag
         assert sum(r["contributors"].values()) == r["micro_batches"]  # each micro-batch reduced exactly once
     calls = [json.loads(line) for line in (out / "calls.jsonl").read_text().splitlines()]
+    calls = [c for c in calls if not c["rollout_id"].startswith("e")]  # eval sessions: checked on their own
     assert calls and all(c["weight_version"] in ("0", "1") for c in calls)  # every call carries its version
     assert summary["continued_recomputed_tokens"] == 0  # rerouted calls recomputed nothing
     return steps
@@ -55,9 +57,14 @@ def switches(rows: list[dict], direction: str) -> list[dict]:
     return [r for r in rows if r["event"] == "switch" and r["direction"] == direction and not r["initial"]]
 
 
+# elastic also evaluates after every step: eval sessions fill only rollout slots that training leaves idle
+EVAL_EVERY_STEP = ["eval.every=1", "eval.max_tasks=2", "eval.samples=2"]
+
+
 @pytest.mark.parametrize("scheduler", ["async", "elastic"])
 def test_scheduler_runs_as_an_mpi_job_of_cells(tmp_path: Path, scheduler: str) -> None:
-    out, rows, summary = run(tmp_path, scheduler, *(["logger=tensorboard"] if scheduler == "elastic" else []))
+    extra = ["logger=tensorboard", *EVAL_EVERY_STEP] if scheduler == "elastic" else []
+    out, rows, summary = run(tmp_path, scheduler, *extra)
     check_common(out, rows, summary, max_lag=1)
     cells = json.loads((out / "cells.json").read_text())
     assert [c["cell"] for c in cells] == [0, 1, 2] and len({c["engine_url"] for c in cells}) == 3
@@ -77,6 +84,7 @@ def test_scheduler_runs_as_an_mpi_job_of_cells(tmp_path: Path, scheduler: str) -
         assert summary["switch_median_s"]["rollout->train"] > 0
         check_decisions(rows)
         check_tensorboard(out, rows)
+        check_evals_never_held_up_training(out, rows)
     check_loop_never_stands_still(rows)
 
 
@@ -100,6 +108,38 @@ def check_decisions(rows: list[dict]) -> None:
     assert sorted(chosen) == sorted(m for m in made if m[2])  # the initial roles are no decision
     for d in decisions:
         assert d["queued"] + d["running"] >= 0 and d["cells"] and d["decide_s"] >= 0 and d["loop_s"] >= 0
+
+
+def check_evals_never_held_up_training(out: Path, rows: list[dict]) -> None:
+    """The baseline ran before any training session; every due version was evaluated or abandoned for the
+    next one; each eval row was served by its own weights alone and agrees with its shards; at every change of
+    the driver's counts, eval sessions held only slots no running or waiting training session wanted (one that
+    wanted a slot took it at once: the eval session was preempted and ran again later); and, from the session
+    rows, no training session that waited for a slot waited while an eval session ran."""
+    evals = [r for r in rows if r["event"] == "eval"]
+    abandoned = [r for r in rows if r["event"] == "eval_abandoned"]
+    # the baseline owns the cells before the first step's sessions, the last version's after the last step
+    assert evals[0]["version"] == 0 and evals[-1]["version"] == 2
+    assert evals[0]["t"] < next(r["started"] for r in rows if r["event"] == "session" and r["kind"] == "train")
+    assert sorted(r["version"] for r in evals + abandoned) == [0, 1, 2]
+    assert all(r["replaced_by"] == r["version"] + 1 for r in abandoned)
+    for r in evals:
+        assert r["weight_versions"] == [str(r["version"])]
+        check_row_against_shards(out, r, samples=2)  # pass@k from the shards; no eval rollout has loss weight
+    assert sorted(p.name for p in (out / "shards_eval").glob("*.h5")) == sorted(n for r in evals for n in r["shards"])
+    slots = json.loads((out / "timeline.json").read_text())["slots"]
+    assert slots and max(s[4] for s in slots) > 0  # eval sessions did run
+    for _, queued_train, running_train, _, running_eval, capacity in slots:
+        assert running_eval <= max(0, capacity - running_train - queued_train)
+    sessions = [r for r in rows if r["event"] == "session"]
+    eval_runs = [(r["started"], r["started"] + r["seconds"]) for r in sessions if r["kind"] == "eval"]
+    waits = [
+        (r["started"] - r["queued_s"], r["started"]) for r in sessions if r["kind"] == "train" and r["queued_s"] > 1
+    ]
+    assert waits  # training sessions did wait for slots (16 per step, 4 per cell)
+    for w0, w1 in waits:
+        assert all(min(w1, e1) - max(w0, e0) <= 0.05 for e0, e1 in eval_runs), (w0, w1)
+    assert all(r["kind"] == "eval" for r in sessions if r.get("preempted"))
 
 
 def check_tensorboard(out: Path, rows: list[dict]) -> None:

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from gyre.config.load import compose
 from gyre.config.schema import CellResources, RunConfig
 from gyre.config.validate import check_cells
-from launch.slurm.launchers import plain_script
+from launch.slurm.launchers import eval_argv, plain_script
 from launch.slurm.plan import LayoutError, cells, component_layout, job_command, plan_step
 from launch.slurm.preflight import (
     SlurmPreflightError,
@@ -24,6 +24,7 @@ from launch.slurm.preflight import (
     parse_time_s,
     require_slurm,
 )
+from launch.slurm.sbatch import render_eval_sbatch
 from launch.submit import main as submit_main
 
 pytestmark = pytest.mark.unit
@@ -211,6 +212,29 @@ def test_dry_run_writes_script_and_resolved_config(tmp_path, capsys):
         submit_main(["--dry-run", "--out", str(tmp_path), "cluster=slurm_gpu", "engine.tp_size=16"])
     with pytest.raises(SystemExit, match="scheduler='colocate' runs on one machine.*scheduler=colocate_cells"):
         submit_main(["--dry-run", "--out", str(tmp_path), "cluster=slurm_gpu", "scheduler=colocate"])
+
+
+def test_eval_sbatch_matches_golden():
+    """`launch.submit --eval`: launch.eval with the submitted overrides (its own output_dir) on one node."""
+    cfg = compose(["cluster=slurm_cpu", "cluster.workdir=/shared/gyre", "cluster.python=/shared/gyre/.venv/bin/python"])
+    overrides = ["cluster=slurm_cpu", "eval.checkpoint=/shared/runs/r1/checkpoint", "eval.samples=4", "output_dir=/x"]
+    argv = eval_argv(cfg, overrides, Path("/shared/runs/r1-eval"))
+    _golden("eval_job.sbatch", render_eval_sbatch(cfg, argv, "/shared/runs/r1-eval/slurm"))
+
+
+def test_dry_run_of_an_eval_writes_a_one_node_script(tmp_path, capsys):
+    submit_main(
+        ["--eval", "--dry-run", "--out", str(tmp_path), "cluster=slurm_cpu", "eval.checkpoint=/runs/r1/checkpoint"]
+    )
+    assert "gyre-eval.sbatch" in capsys.readouterr().out
+    script = (tmp_path / "gyre-eval.sbatch").read_text()
+    assert f" -m launch.eval cluster=slurm_cpu eval.checkpoint=/runs/r1/checkpoint output_dir={tmp_path} " in script
+    assert script.startswith("#!/bin/bash") and "--nodes=1" in script and "--ntasks-per-node=1" in script
+    assert "hetjob" not in script and "--requeue" not in script and "srun" not in script
+    assert subprocess.run(["bash", "-n", str(tmp_path / "gyre-eval.sbatch")]).returncode == 0
+    assert OmegaConf.load(tmp_path / "config.yaml").eval.checkpoint == "/runs/r1/checkpoint"
+    with pytest.raises(SystemExit, match="drop --via submitit"):
+        submit_main(["--eval", "--via", "submitit", "--dry-run", "--out", str(tmp_path), "cluster=slurm_cpu"])
 
 
 def test_submit_without_slurm_on_path_fails_with_a_hint(tmp_path):

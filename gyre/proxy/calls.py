@@ -234,6 +234,20 @@ class CallRunner:
                                 "--enable-return-routed-experts, a mixture-of-experts model)")  # fmt: skip
         return encode_routed_experts(result.routed_experts.reshape(-1, *self.routed_experts)[:positions])
 
+    def sampling(self, input_ids: list[int], params: GenParams, rollout_id: str) -> SamplingParams:
+        """The engine's sampling parameters for a call: the request's, its output bounded by the context limit, its
+        seed the request's or one derived from the rollout and the prompt (a rerun samples the same)."""
+        return SamplingParams(
+            temperature=params.temperature,
+            top_p=params.top_p,
+            max_new_tokens=self.max_new_tokens(len(input_ids), params.max_tokens, rollout_id),
+            stop_token_ids=[self.tokenizer.eos_id],
+            seed=params.seed if params.seed is not None else self.derived_seed(rollout_id, input_ids),
+            top_k=params.top_k,
+            min_p=params.min_p,
+            truncated_logprobs=self.truncated_logprobs,
+        )
+
     async def run(
         self,
         rollout_id: str,
@@ -246,16 +260,7 @@ class CallRunner:
     ) -> CallRecord:
         t_start = time.time()
         prompt = await self.render(rollout_id, messages, tools)
-        sampling = SamplingParams(
-            temperature=params.temperature,
-            top_p=params.top_p,
-            max_new_tokens=self.max_new_tokens(len(prompt.input_ids), params.max_tokens, rollout_id),
-            stop_token_ids=[self.tokenizer.eos_id],
-            seed=params.seed if params.seed is not None else self.derived_seed(rollout_id, prompt.input_ids),
-            top_k=params.top_k,
-            min_p=params.min_p,
-            truncated_logprobs=self.truncated_logprobs,
-        )
+        sampling = self.sampling(prompt.input_ids, params, rollout_id)
         call_id = self.call_log.next_call_id()
         url, result = await self.dispatcher.generate(
             prompt.input_ids, sampling, call_id, rollout_id, routed_experts=self.routed_experts is not None

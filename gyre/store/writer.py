@@ -43,7 +43,7 @@ from gyre.store.schema import (
     RolloutMeta,
     checksum,
 )
-from gyre.traj.tree import ROLE_CODE, ROLES, TrajectoryTree
+from gyre.traj.tree import ROLE_CODE, ROLES, CallInfo, TrajectoryTree
 
 
 class SampledLike(Protocol):
@@ -191,67 +191,11 @@ class ShardWriter:
             self.abort()
 
     def _tables(self) -> dict[str, dict[str, np.ndarray]]:
-        trees, metas = self._trees, self._metas
-        n_tokens = np.array([t.n_tokens for t in trees], dtype=np.int64)
-        n_calls = np.array([len(t.calls) for t in trees], dtype=np.int64)
-        calls = [c for t in trees for c in t.calls]
-
-        def cat(arrays: list[np.ndarray], dtype: str) -> np.ndarray:
-            return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype=dtype)
-
-        def nan_if_none(values: list[float | None]) -> np.ndarray:
-            return np.array([np.nan if v is None else v for v in values], dtype=np.float32)
-
-        def strings(values: list[str]) -> np.ndarray:
-            return np.array(values, dtype=object).reshape(len(values))
-
+        calls = [c for t in self._trees for c in t.calls]
         return {
-            "tokens": {
-                "token_id": cat([t.tokens for t in trees], "<i4"),
-                "parent": cat([t.parent for t in trees], "<i4"),
-                "depth": cat([t.depth for t in trees], "<i4"),
-                "policy": cat([t.policy for t in trees], "|b1"),
-                "logprob": cat([t.logprob for t in trees], "<f4"),
-                "call_id": cat([t.call_id for t in trees], "<i8"),
-                "role": cat([t.role for t in trees], "|u1"),
-                "loss_weight": cat(self._weights, "<f4"),
-            },
-            "calls": {
-                "call_id": np.array([c.call_id for c in calls], dtype="<i8"),
-                "role": np.array([ROLE_CODE[c.role] for c in calls], dtype="|u1"),
-                "leaf": np.array([c.leaf for c in calls], dtype="<i4"),
-                "n_input": np.array([c.n_input for c in calls], dtype="<i4"),
-                "n_output": np.array([c.n_output for c in calls], dtype="<i4"),
-                "weight_version": strings([c.weight_version for c in calls]),
-                "finish_reason": strings([c.finish_reason for c in calls]),
-                "t_start": np.array([c.t_start for c in calls], dtype="<f8"),
-                "t_end": np.array([c.t_end for c in calls], dtype="<f8"),
-                "trained": np.array([c.trained for c in calls], dtype="|b1"),
-                "exclusion_reason": strings([c.excluded for c in calls]),
-                "temperature": np.array([c.temperature for c in calls], dtype="<f8"),
-                "top_p": np.array([c.top_p for c in calls], dtype="<f8"),
-                "top_k": np.array([c.top_k for c in calls], dtype="<i4"),
-                "min_p": np.array([c.min_p for c in calls], dtype="<f8"),
-            },
-            "rollouts": {
-                "rollout_id": strings([t.rollout_id for t in trees]),
-                "group_id": strings([m.group_id for m in metas]),
-                "task_id": strings([m.task_id for m in metas]),
-                "task_family": strings([m.task_family for m in metas]),
-                "harness": strings([m.harness for m in metas]),
-                "grade_status": np.array([GRADE_CODE[m.grade_status] for m in metas], dtype="|u1"),
-                "grade_reason": strings([m.grade_reason for m in metas]),
-                "score": nan_if_none([m.score for m in metas]),
-                "reward": nan_if_none([None if m.excluded else m.reward for m in metas]),
-                "advantage": nan_if_none([None if m.excluded else m.advantage for m in metas]),
-                "excluded": np.array([m.excluded for m in metas], dtype="|b1"),
-                "exclusion_reason": strings([m.exclusion_reason for m in metas]),
-                "weight_versions": strings([",".join(m.weight_versions) for m in metas]),
-                "token_offset": np.concatenate([[0], np.cumsum(n_tokens)[:-1]]).astype("<i8")[: len(trees)],
-                "n_tokens": n_tokens,
-                "call_offset": np.concatenate([[0], np.cumsum(n_calls)[:-1]]).astype("<i8")[: len(trees)],
-                "n_calls": n_calls,
-            },
+            "tokens": _token_table(self._trees, self._weights),
+            "calls": _call_table(calls),
+            "rollouts": _rollout_table(self._trees, self._metas),
         }
 
     def _write(self, f: h5py.File, tables: dict[str, dict[str, np.ndarray]]) -> None:
@@ -316,3 +260,72 @@ def write_shard(
         for tree, meta, weight in rollouts:
             writer.add(tree, meta, weight)
     return writer.path
+
+
+def _cat(arrays: list[np.ndarray], dtype: str) -> np.ndarray:
+    return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype=dtype)
+
+
+def _nan_if_none(values: list[float | None]) -> np.ndarray:
+    return np.array([np.nan if v is None else v for v in values], dtype=np.float32)
+
+
+def _strings(values: list[str]) -> np.ndarray:
+    return np.array(values, dtype=object).reshape(len(values))
+
+
+def _token_table(trees: list[TrajectoryTree], weights: list[np.ndarray]) -> dict[str, np.ndarray]:
+    return {
+        "token_id": _cat([t.tokens for t in trees], "<i4"),
+        "parent": _cat([t.parent for t in trees], "<i4"),
+        "depth": _cat([t.depth for t in trees], "<i4"),
+        "policy": _cat([t.policy for t in trees], "|b1"),
+        "logprob": _cat([t.logprob for t in trees], "<f4"),
+        "call_id": _cat([t.call_id for t in trees], "<i8"),
+        "role": _cat([t.role for t in trees], "|u1"),
+        "loss_weight": _cat(weights, "<f4"),
+    }
+
+
+def _call_table(calls: list[CallInfo]) -> dict[str, np.ndarray]:
+    return {
+        "call_id": np.array([c.call_id for c in calls], dtype="<i8"),
+        "role": np.array([ROLE_CODE[c.role] for c in calls], dtype="|u1"),
+        "leaf": np.array([c.leaf for c in calls], dtype="<i4"),
+        "n_input": np.array([c.n_input for c in calls], dtype="<i4"),
+        "n_output": np.array([c.n_output for c in calls], dtype="<i4"),
+        "weight_version": _strings([c.weight_version for c in calls]),
+        "finish_reason": _strings([c.finish_reason for c in calls]),
+        "t_start": np.array([c.t_start for c in calls], dtype="<f8"),
+        "t_end": np.array([c.t_end for c in calls], dtype="<f8"),
+        "trained": np.array([c.trained for c in calls], dtype="|b1"),
+        "exclusion_reason": _strings([c.excluded for c in calls]),
+        "temperature": np.array([c.temperature for c in calls], dtype="<f8"),
+        "top_p": np.array([c.top_p for c in calls], dtype="<f8"),
+        "top_k": np.array([c.top_k for c in calls], dtype="<i4"),
+        "min_p": np.array([c.min_p for c in calls], dtype="<f8"),
+    }
+
+
+def _rollout_table(trees: list[TrajectoryTree], metas: list[RolloutMeta]) -> dict[str, np.ndarray]:
+    n_tokens = np.array([t.n_tokens for t in trees], dtype=np.int64)
+    n_calls = np.array([len(t.calls) for t in trees], dtype=np.int64)
+    return {
+        "rollout_id": _strings([t.rollout_id for t in trees]),
+        "group_id": _strings([m.group_id for m in metas]),
+        "task_id": _strings([m.task_id for m in metas]),
+        "task_family": _strings([m.task_family for m in metas]),
+        "harness": _strings([m.harness for m in metas]),
+        "grade_status": np.array([GRADE_CODE[m.grade_status] for m in metas], dtype="|u1"),
+        "grade_reason": _strings([m.grade_reason for m in metas]),
+        "score": _nan_if_none([m.score for m in metas]),
+        "reward": _nan_if_none([None if m.excluded else m.reward for m in metas]),
+        "advantage": _nan_if_none([None if m.excluded else m.advantage for m in metas]),
+        "excluded": np.array([m.excluded for m in metas], dtype="|b1"),
+        "exclusion_reason": _strings([m.exclusion_reason for m in metas]),
+        "weight_versions": _strings([",".join(m.weight_versions) for m in metas]),
+        "token_offset": np.concatenate([[0], np.cumsum(n_tokens)[:-1]]).astype("<i8")[: len(trees)],
+        "n_tokens": n_tokens,
+        "call_offset": np.concatenate([[0], np.cumsum(n_calls)[:-1]]).astype("<i8")[: len(trees)],
+        "n_calls": n_calls,
+    }

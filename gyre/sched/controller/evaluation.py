@@ -1,9 +1,11 @@
 """Evaluation during a run: every eval.every steps (and before the first), each eval task sampled
 eval.samples times with the weights of one version, through the run's harness, proxy, sandbox and grader.
 
-Eval sessions are rollout work of the lowest priority (gyre.sched.controller.sessions starts one only when no
-training session waits); their shards go to shards_eval/ (kind=eval, every rollout excluded from training)
-and never reach a group's advantage or the trainer. Each finished eval is one metrics row (`event: eval`).
+Eval sessions are rollout work of the lowest priority: gyre.sched.controller.sessions gives them only slots no
+training session wants and preempts them (to run again) when one does, so under the cell schedulers they
+never hold up a step; the controller abandons an eval still in flight when the next comes due. Their shards
+go to shards_eval/ (kind=eval, every rollout excluded from training) and never reach a group's advantage or
+the trainer. Each finished eval is one metrics row (`event: eval`).
 """
 
 from __future__ import annotations
@@ -67,11 +69,25 @@ class EvalRunner:
             for i in range(n)
         ]
 
+    def abandon(self, newer: int) -> dict[str, Any]:
+        """Give the eval in flight up for the eval of `newer` weights (its sessions are dropped by the caller);
+        returns the metrics row that says so. Its shards and workspaces are removed: no row refers to them."""
+        assert self.version is not None
+        row = {"event": "eval_abandoned", "version": self.version, "replaced_by": newer}
+        row |= {"samples_done": len(self.done), "samples": len(self.tasks) * self.cfg.eval.samples}
+        for name in self.shards:
+            (self.shard_dir / name).unlink(missing_ok=True)
+        if not self.cfg.harness.keep_workspaces:
+            shutil.rmtree(self.workdirs / f"eval{self.version:04d}", ignore_errors=True)
+        self.version = None
+        return row
+
     def finished(self, done: SessionDone, calls: list[CallRecord]) -> dict[str, Any] | None:
         """Record one eval session; the eval's metrics row once its last session is in."""
+        if done.job.step != self.version:
+            return None  # it finished just before its eval was abandoned
         if done.error or done.outcome is None:
             raise RuntimeError(f"eval rollout {done.job.rollout_id} could not run: {done.error}")
-        assert self.version is not None and done.job.step == self.version
         self.versions_seen |= {c.weight_version for c in calls}
         members = self.groups[done.job.group]
         members.append(FinishedRollout(done.job.group, done.outcome, calls))

@@ -226,15 +226,31 @@ class Controller:
         return self.evals is not None and self.evals.in_flight
 
     def start_eval(self) -> None:
-        """Evaluate the current weights when an eval is due: after the step's update, before the next step's
-        sessions under colocate (admit waits for it); as lowest-priority rollout work otherwise."""
-        if self.evals is not None and not self.evals.in_flight and self.evals.due(self.train.version):
-            if not any(r.get("version") == self.train.version for r in self.eval_rows):  # a resume's repeat
-                self.driver.submit(self.evals.open(self.train.version))
+        """Evaluate the current weights when an eval is due: while it owns the cells (admit waits for it), or
+        as lowest-priority rollout work, where an eval still in flight when the next one comes due is
+        abandoned for it (so no eval is served by weights newer than the next due version's)."""
+        version = self.train.version
+        if self.evals is None or not self.evals.due(version) or self.evals.version == version:
+            return
+        if any(r.get("version") == version for r in self.eval_rows):  # a resume's repeat
+            return
+        if self.evals.in_flight:
+            self.driver.drop_evals()
+            self.log(self.evals.abandon(version))
+        self.driver.submit(self.evals.open(version))
+
+    @property
+    def eval_owns_the_cells(self) -> bool:
+        """An eval in flight now has the rollout cells to itself: under colocate every eval (between a step's
+        update and the next step's rollouts); otherwise the baseline, before the first step's sessions are
+        admitted, and the last version's, after the last step. Any other eval takes only idle slots."""
+        if not self.eval_in_flight:
+            return False
+        return self.pcfg.colocated or self.submitted == 0 or self.train.version >= self.cfg.steps
 
     def admit(self) -> None:
-        if self.pcfg.colocated and self.eval_in_flight:
-            return  # colocate: the eval runs between the update and the next step's rollouts
+        if self.eval_owns_the_cells:
+            return
         while self.submitted < self.cfg.steps and may_start(self.pcfg, self.submitted, self.train.version):
             jobs, kept = self.book.open(self.submitted)
             for refs in kept:  # groups completed before a restart: trained, not run again
@@ -256,10 +272,13 @@ class Controller:
             ago = time.time() - done.started  # the driver's times are wall clock, the timeline's monotonic
             row = {"event": "session", "rollout_id": done.job.rollout_id, "step": done.job.step, "kind": done.job.kind}
             row |= {"started": round(self.timeline.now() - ago, 3), "seconds": round(done.ended - done.started, 3)}
+            row |= {"queued_s": round(done.queued_s, 3)}
             if done.outcome is not None:  # the harness's own clock: model calls and tools, not start-up or grading
                 row |= {"harness_s": done.outcome.wall_s, "turns": done.outcome.turns}
-            self.log(row)
+            self.log(row | ({"preempted": True} if done.preempted else {}))
             calls = self.call_log.pop_rollout(done.job.rollout_id)
+            if done.preempted:  # an eval session whose slot training took: it runs again, from the start
+                continue
             if done.job.kind == "eval":
                 self.eval_finished(done, calls)
                 continue
@@ -292,9 +311,6 @@ class Controller:
         if (row := self.evals.finished(done, calls)) is not None:
             self.log(row)
             self.eval_rows.append(row)
-            # an eval that came due while this one ran (under the cell schedulers steps go on meanwhile): the
-            # current weights, if they are due (the last step's always are)
-            self.start_eval()
 
     def collect_acks(self) -> None:
         for body, ack in self.outbox.pump():
@@ -433,9 +449,9 @@ class Controller:
         return self.table.states(self.train.busy)
 
     def load(self) -> Load:
-        """Queued eval sessions call cells to serve under colocate and after the last step only."""
-        queued_eval = self.pcfg.colocated or self.train.version >= self.cfg.steps
-        queued, running = self.driver.level(queued_eval)
+        """Eval sessions count only while an eval owns the cells: otherwise they keep no cell serving and call
+        none back (they hold only slots no training session wants, gyre.sched.controller.sessions)."""
+        queued, running = self.driver.level(evals=self.eval_owns_the_cells)
         return Load(queued, running, self.train.waiting_work())
 
     def sample_level(self) -> None:
@@ -468,7 +484,8 @@ class Controller:
             for rank in c.remote_followers if not c.alive else ():
                 self.cp.send(rank, Shutdown("its cell was declared dead", False))
         self.bar.close()
-        timeline = self.timeline.save(self.out, f"{self.cfg.scheduler}: {len(self.step_rows)} steps, {wall_s:.0f} s")
+        title = f"{self.cfg.scheduler}: {len(self.step_rows)} steps, {wall_s:.0f} s"
+        timeline = self.timeline.save(self.out, title, self.driver.slots)
         curve = plot_learning_curve(self.run_rows, self.out / "learning_curve.png", self.eval_rows)
         report = self.summary(wall_s) | {"stopped_by": stopped}
         (self.out / "summary.json").write_text(json.dumps(report, indent=1))

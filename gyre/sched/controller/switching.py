@@ -55,7 +55,8 @@ class Switcher:
         self, cells: list[Cell], role: str, on_other: Callable[[Any, Ack], None], record: bool, reasons: dict[int, str]
     ) -> list[int]:
         start = time.monotonic()
-        level = sum(self.driver.level())  # what the decision saw, or less: sessions only finish meanwhile
+        level = sum(self.driver.level(evals=False))  # training sessions: the decision saw these or more
+        eval_sessions = self.driver.eval_level()
         before = {c.index: c.role for c in cells}
         migrations: dict[int, Migration] = {}
         for c in cells:
@@ -97,7 +98,7 @@ class Switcher:
                 self.latencies.setdefault(direction, []).append(latency)
             row = {"event": "switch", "cell": c.index, "direction": direction, "latency_s": round(latency, 4)}
             row |= {"t": round(self.timeline.now(), 3), "together": len(cells), "initial": not record}
-            row |= {"cell_s": round(acks[c.rank].detail["seconds"], 4), "level": level}
+            row |= {"cell_s": round(acks[c.rank].detail["seconds"], 4), "level": level, "eval_sessions": eval_sessions}
             row |= {"serving_after": len(self.table.serving()), "reason": reasons.get(c.index, "")}
             self.metrics.write(row | (migrations[c.index].metrics() if c.index in migrations else {}))
             if record and before[c.index] != role:

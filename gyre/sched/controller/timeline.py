@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gyre.sched.controller.sessions import SlotCounts
 
 COLOURS = {"rollout": "#4C72B0", "train": "#DD8452", "switching": "#8C8C8C", "dead": "#C44E52"}
 
@@ -64,12 +69,15 @@ class Timeline:
             out[s.role] = out.get(s.role, 0.0) + s.end - s.start
         return {k: round(v, 3) for k, v in out.items()}
 
-    def save(self, out: Path, title: str) -> Path:
+    def save(self, out: Path, title: str, slots: Sequence[SlotCounts] = ()) -> Path:
+        """`slots`: the rollout driver's counts at each change (training and eval sessions apart), kept in
+        timeline.json as [t, queued_train, running_train, queued_eval, running_eval, capacity] rows."""
         self.close()
         data = {
             "segments": [asdict(s) for s in self.segments],
             "level": self.level,
             "role_seconds": self.role_seconds(),
+            "slots": [[round(s.t - self.t0, 6), *astuple(s)[1:]] for s in slots],
         }
         (out / "timeline.json").write_text(json.dumps(data))
         return plot(self, out / "timeline.png", title)
