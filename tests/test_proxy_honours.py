@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import numpy as np
 import pytest
 from test_proxy import tokenizer  # noqa: F401
 
@@ -14,7 +15,7 @@ from gyre.config.schema import ProxyConfig
 from gyre.engine.client import GenerateResult
 from gyre.model.chat_template import IM_END, TOOL_CALL_END, TOOL_CALL_START
 from gyre.proxy.anthropic_api import parse_messages_request
-from gyre.proxy.call_log import CallLog
+from gyre.proxy.call_log import CallLog, read_call_log
 from gyre.proxy.calls import CallRunner, GenParams
 from gyre.proxy.errors import ProxyError, anthropic_status_and_body
 from gyre.proxy.openai_api import parse_chat_request
@@ -89,7 +90,9 @@ class OneReply:
     def __init__(self, ids: list[int]) -> None:
         self.ids = ids
 
-    async def generate(self, input_ids: list[int], sampling: Any, call_id: int, rollout_id: str) -> tuple[str, Any]:
+    async def generate(
+        self, input_ids: list[int], sampling: Any, call_id: int, rollout_id: str, routed_experts: bool = False
+    ) -> tuple[str, Any]:
         result = GenerateResult("r", self.ids, [-0.1] * len(self.ids), "stop", len(input_ids), 0, "0")
         return "http://engine", result
 
@@ -106,3 +109,41 @@ def test_a_reply_under_tool_choice_none_is_text_even_when_the_model_writes_a_cal
     assert auto.tool_calls == [{"name": "write_file", "arguments": {}}] and auto.finish_reason == "tool_calls"
     assert none.tool_calls == [] and none.finish_reason == "stop" and none.content == text.removesuffix(IM_END)
     assert none.output_ids == auto.output_ids  # what is trained is what was sampled, either way
+
+
+class RoutedReply(OneReply):
+    """OneReply whose engine, when asked, answers the routed experts of positions [0, prompt + output - 1)."""
+
+    asked: bool | None = None
+
+    async def generate(
+        self, input_ids: list[int], sampling: Any, call_id: int, rollout_id: str, routed_experts: bool = False
+    ) -> tuple[str, Any]:
+        url, result = await super().generate(input_ids, sampling, call_id, rollout_id)
+        self.asked = routed_experts
+        if routed_experts:
+            result.routed_experts = np.arange((len(input_ids) + len(self.ids) - 1) * 4, dtype=np.int32) % 7
+        return url, result
+
+
+def test_with_routing_replay_each_call_asks_and_records_its_routed_experts(tokenizer, tmp_path):  # noqa: F811
+    """rl.routing_replay: the proxy asks the engine for every call's routed experts and records them with the call
+    ([positions, MoE layers, top-k], cut with the output at a stop string, through calls.jsonl); an engine that
+    answers none fails the call rather than record a call the trainer could not replay."""
+    engine = RoutedReply(tokenizer.encode("first part. STOP and more" + IM_END))
+    runner = CallRunner(tokenizer, CallLog(tmp_path / "calls.jsonl"), engine, ProxyConfig(), routed_experts=(2, 2))
+    plain = CallRunner(tokenizer, CallLog(), OneReply(engine.ids), ProxyConfig(), routed_experts=(2, 2))
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        record = asyncio.run(runner.run("r", "openai", messages, None, GenParams(stop=["STOP"])))
+        with pytest.raises(ProxyError, match="returned no routed experts") as err:
+            asyncio.run(plain.run("r", "openai", messages, None, GenParams()))
+    finally:
+        runner.pool.shutdown()
+        plain.pool.shutdown()
+    assert engine.asked and err.value.status == 502
+    positions = len(record.input_ids) + len(record.output_ids)
+    assert len(record.output_ids) < len(engine.ids)  # cut at the stop string
+    want = (np.arange(positions * 4) % 7).reshape(positions, 2, 2)
+    assert np.array_equal(record.routed_experts_rows(), want)
+    assert np.array_equal(read_call_log(tmp_path / "calls.jsonl")[0].routed_experts_rows(), want)

@@ -2,11 +2,13 @@
 Qwen3MoeForCausalLM, the independent reference for what a Qwen3-MoE checkpoint means."""
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -108,16 +110,18 @@ CELLS_OF_TWO_EP2 = ["scheduler=colocate_cells", "cluster.core.tasks_per_node=2",
 def test_a_random_qwen3_moe_directory_trains_an_rl_step(tmp_path: Path, layout: list[str]) -> None:
     """`python -m gyre.model.random_model --shape qwen3-moe-tiny` then `python -m launch.run model.path=DIR`: rollouts
     from the embedded engine's MoE model, one step of megatron's MoE layer (in colocate, or in cells of 2 ranks each
-    holding half the experts), the checkpoint written."""
+    holding half the experts), the checkpoint written. With rl.routing_replay on: the shards carry every token's
+    routed experts, and the trainer replaying them gives each trained token the engine's logprob within 1e-5."""
     from gyre.metrics import read_metrics
     from gyre.sched.controller.report import step_rows
+    from tools.check_trained_tokens import check_run
 
     model, out = tmp_path / "qwen3-moe", tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     made = subprocess.run([sys.executable, "-m", "gyre.model.random_model", str(model), "--shape", "qwen3-moe-tiny"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
     assert made.returncode == 0, made.stderr[-2000:]
-    args = [f"model.path={model}", *layout, "steps=1", "rl.groups_per_step=1", "rl.group_size=2",
+    args = [f"model.path={model}", *layout, "rl.routing_replay=true", "steps=1", "rl.groups_per_step=1", "rl.group_size=2",
             "harness.max_turns=1", "harness.max_tokens=16", "tasks.families=[write_value]", f"output_dir={out}",
             f"hydra.run.dir={tmp_path / 'hydra'}", f"warm_start.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
     proc = subprocess.run([sys.executable, "-m", "launch.run", *args], cwd=ROOT, capture_output=True, text=True,
@@ -126,6 +130,35 @@ def test_a_random_qwen3_moe_directory_trains_an_rl_step(tmp_path: Path, layout: 
     rows = step_rows(read_metrics(out / "metrics.jsonl"))
     assert [r["step"] for r in rows] == [0] and rows[0]["n_rollouts"] == 2
     assert (out / "checkpoint" / "trainer" / ".metadata").exists()
+    n_rollouts, n_tokens, problems = check_run(out)  # the trained tokens are the calls' sampled ones
+    assert not problems and n_rollouts == 2 and n_tokens > 0
+    assert_replay_gives_the_engine_s_logprobs(model, out)
+
+
+def assert_replay_gives_the_engine_s_logprobs(model_dir: Path, run: Path) -> None:
+    """Every stored tree of the run carries routed experts for every token the engine ran (all but leaves' last), and
+    the trainer on the run's starting weights, replaying them, gives each trained token its behaviour logprob."""
+    from gyre.config.schema import TrainConfig
+    from gyre.store.reader import read_shard
+    from gyre.train.megatron_trainer import MegatronTrainer
+    from gyre.train.tree_pack import pack_forest
+
+    cfg, state = load_hf_state(model_dir)
+    trainer = MegatronTrainer(cfg, TrainConfig(num_threads=1))
+    trainer.load_hf_state_dict(state)
+    trees = [r.tree for shard in sorted((run / "shards").glob("*.h5")) for r in read_shard(shard)]
+    assert trees
+    for tree in trees:
+        ran = np.ones(tree.n_tokens, bool)
+        ran[tree.leaves()] = False
+        assert tree.routed_experts is not None and (tree.routed_experts[ran] >= 0).all()
+        assert (tree.routed_experts[ran] < cfg.num_experts).all()
+        mb = pack_forest([tree])
+        with torch.no_grad():
+            logp = trainer.micro_batch_logprobs(mb)
+        policy = torch.from_numpy(tree.policy)[mb.source_index]
+        engine = torch.from_numpy(tree.logprob)[mb.source_index]
+        assert policy.any() and (logp - engine)[policy].abs().max().item() < 1e-5
 
 
 @pytest.mark.integration
@@ -169,6 +202,7 @@ def test_expert_parallel_2_update_equals_the_one_process_update(tmp_path: Path) 
     ("model", "overrides", "key", "why"),
     [
         ("dense", ["train.expert_parallel=2"], "train.expert_parallel", "this model is dense"),
+        ("dense", ["rl.routing_replay=true"], "rl.routing_replay", "this model is dense"),
         ("moe", ["train.expert_parallel=3"], "train.expert_parallel", "must divide model.num_experts=4"),
         ("moe", ["train.tensor_parallel=2"], "train.tensor_parallel", "not split over tensor-parallel ranks"),
         ("moe", ["train.transformer_engine=on"], "train.transformer_engine", "local spec"),
@@ -352,3 +386,44 @@ def test_routed_experts_round_trip_through_a_version_3_shard(moe_dir, tmp_path):
         f["tokens/routed_experts"][0, 0, 0] += 1
     with pytest.raises(ShardError, match="routed_experts: checksum mismatch"):
         read_shard(path)
+
+
+def routed_call(call_id: int, input_ids: list[int], output_ids: list[int], rows: np.ndarray):
+    """A call record as the proxy keeps it with rl.routing_replay: its routed experts for input + output - 1."""
+    from gyre.proxy.call_log import CallRecord, encode_routed_experts
+
+    encoded, shape = encode_routed_experts(rows)
+    return CallRecord("r", call_id, "chat", input_ids, output_ids, [-0.5] * len(output_ids), [], "stop", "0", "e",
+                      len(input_ids), 0, 0.0, 1.0, routed_experts=encoded, routed_experts_shape=shape)  # fmt: skip
+
+
+@pytest.mark.unit
+def test_a_tree_takes_each_token_s_routed_experts_from_the_first_call_that_ran_it():
+    """Two turns (the second's prompt is the first's prompt, output and a tool result) and a retry of the first turn
+    that branches at its output: each token's experts are those of the first call whose engine ran the token (the
+    record's JSON round trip included), -1 on a leaf's last token, and a sampled subtree keeps its tokens' rows."""
+    from gyre.proxy.call_log import CallRecord
+    from gyre.traj.build import build_tree
+    from gyre.traj.sampling import subtree
+
+    gen = np.random.default_rng(0)
+
+    def rows(n: int) -> np.ndarray:
+        return gen.integers(0, 4, (n, 2, 2)).astype(np.int16)
+
+    first, second, retry = rows(4 + 3 - 1), rows(4 + 3 + 2 + 2 - 1), rows(4 + 2 - 1)
+    calls = [routed_call(1, [1, 2, 3, 4], [5, 6, 7], first),
+             routed_call(2, [1, 2, 3, 4, 5, 6, 7, 8, 9], [10, 11], second),
+             routed_call(3, [1, 2, 3, 4], [12, 13], retry)]  # fmt: skip
+    calls = [CallRecord.from_json(json.loads(json.dumps(c.to_json()))) for c in calls]
+    tree = build_tree("r", calls)
+    by_path = {tuple(tree.tokens[tree.path_to(i)].tolist()): i for i in range(tree.n_tokens)}
+    node = [by_path[tuple(range(1, k + 1))] for k in range(1, 12)]  # tokens 1..11 along the two turns
+    want = np.concatenate([first, second[len(first) :], np.full((1, 2, 2), -1, np.int16)])
+    assert tree.routed_experts.dtype == np.int16 and np.array_equal(tree.routed_experts[node], want)
+    retried = by_path[(1, 2, 3, 4, 12)], by_path[(1, 2, 3, 4, 12, 13)]
+    assert np.array_equal(tree.routed_experts[retried[0]], retry[4]) and (tree.routed_experts[retried[1]] == -1).all()
+    kept = np.sort(tree.path_to(retried[1]))
+    assert np.array_equal(subtree(tree, kept).routed_experts, tree.routed_experts[kept])
+    plain = [dataclasses.replace(c, routed_experts="", routed_experts_shape=[]) for c in calls]
+    assert build_tree("r", plain).routed_experts is None  # rl.routing_replay off

@@ -357,8 +357,10 @@ def test_the_run_admin_key_unlocks_exactly_sglangs_protected_routes():
 def test_every_config_switch_maps_to_a_declared_flag():
     on = EngineConfig(backend="sglang", enable_weights_cpu_backup=True, disable_radix_cache=True,
                       enable_memory_saver=False, load_format="dummy", dtype="auto", log_level="debug")  # fmt: skip
-    ns, unknown = parse_server_argv(sglang_server_args("/m", on, 1234))
+    ns, unknown = parse_server_argv(sglang_server_args("/m", on, 1234, routed_experts=True))
     assert not unknown and ns.enable_weights_cpu_backup and ns.disable_radix_cache and not ns.enable_memory_saver
+    assert ns.enable_return_routed_experts  # rl.routing_replay
+    assert not parse_server_argv(sglang_server_args("/m", on, 1234))[0].enable_return_routed_experts
     assert ns.load_format == "dummy" and ns.log_level == "debug"
     assert sglang_launch_command("/m", on, 1234)[:3] == ["python", "-m", "sglang.launch_server"]
 

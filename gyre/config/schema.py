@@ -497,6 +497,9 @@ class RLConfig:
     max_excluded_fraction: float = ranged(0.5, UNIT_INTERVAL)
     max_excluded_steps: int = ranged(1, NON_NEGATIVE, why="0: never stop")  # see rl.max_excluded_fraction
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
+    # rollout routing replay (mixture-of-experts models): the engine returns the experts it routed every token to,
+    # the proxy records them with the call, the shards store them and the trainer routes each token the same way
+    routing_replay: bool = False
 
     def __post_init__(self) -> None:
         from gyre.config.validate import check_rl

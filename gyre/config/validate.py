@@ -197,6 +197,14 @@ def check_experts(t: TrainConfig, m: ModelConfig) -> None:
               "Engine spec's grouped-GEMM expert weights are not converted to HF names yet: set it to off or auto")  # fmt: skip
 
 
+def check_routing_replay(r: RLConfig, m: ModelConfig) -> None:
+    """Routing replay needs routers: on a dense model it would replay nothing."""
+    if r.routing_replay and not m.num_experts:
+        _fail("rl.routing_replay", True,
+              "replays the experts a mixture-of-experts model routed each token to; this model is dense "
+              "(model.num_experts=0): set it to false")  # fmt: skip
+
+
 def trainer_ranks(t: TrainConfig) -> int:
     """A cell's trainer world: its model-parallel layout; expert-parallel ranks train the same micro-batches."""
     return t.tensor_parallel * t.pipeline_parallel * t.context_parallel * t.expert_parallel
@@ -260,5 +268,6 @@ def check_run(cfg: RunConfig) -> None:
         check_model(cfg.model)
         check_engine_for_model(cfg.engine, cfg.model)
         check_train(cfg.train, cfg.model)
+        check_routing_replay(cfg.rl, cfg.model)
     if Scheduler(cfg.scheduler).runs_cells:
         check_cells(cfg)

@@ -72,6 +72,7 @@ class EngineSetup:
     nodes: list[str] = field(default_factory=list)  # the cell's hosts, this one first; empty: this host only
     gpus_per_node: int = 0
     trainer_address: str = "127.0.0.1"  # where the engines reach the trainer's weight-broadcast group
+    routed_experts: bool = False  # rl.routing_replay: SGLang is started able to return routed experts
 
 
 def resolved_weight_sync(cfg: EngineConfig) -> str:

@@ -123,6 +123,7 @@ def sglang_server_args(
     node_rank: int = 0,
     dist_init_addr: str = "",
     key_dir: str | Path | None = None,
+    routed_experts: bool = False,
 ) -> list[str]:
     """The `python -m sglang.launch_server` arguments for one server of a cell (on one of its nodes when
     the server spans `nnodes`; every node of it gets the same arguments but --node-rank). The admin key's
@@ -155,6 +156,8 @@ def sglang_server_args(
         "--enable-weights-cpu-backup": cfg.enable_weights_cpu_backup,
         "--disable-radix-cache": cfg.disable_radix_cache,
         "--enable-hierarchical-cache": cfg.enable_hierarchical_cache,
+        # rl.routing_replay: a request's return_routed_experts is honoured only with it (enable_return_routed_experts)
+        "--enable-return-routed-experts": routed_experts,
     }
     argv += [flag for flag, on in flags.items() if on]
     if cfg.chunked_prefill_size:
@@ -261,6 +264,7 @@ def plan_servers(
     weight_version: str = "default",
     port: int | None = None,
     key_dir: str | Path | None = None,
+    routed_experts: bool = False,
 ) -> list[ServerLaunch]:
     """Every SGLang process of a cell: one server per tensor-parallel group of engine.tp_size GPUs.
 
@@ -284,7 +288,7 @@ def plan_servers(
                 server, server_port = n * per_node + k, base + k
                 gpu = cfg.base_gpu_id + k * tp
                 argv = sglang_server_args(model_path, cfg, server_port, model, weight_version, base_gpu_id=gpu,
-                                          key_dir=key_dir)  # fmt: skip
+                                          key_dir=key_dir, routed_experts=routed_experts)  # fmt: skip
                 launches.append(ServerLaunch(server, node, 0, server_port, argv))
         return launches
     if tp % gpus_per_node or len(nodes) % (tp // gpus_per_node):
@@ -301,7 +305,8 @@ def plan_servers(
         addr = f"{group[0]}:{base + DIST_INIT_PORT_OFFSET}"
         for rank, node in enumerate(group):
             argv = sglang_server_args(model_path, cfg, base, model, weight_version, nnodes=nnodes, node_rank=rank,
-                                      dist_init_addr=addr, key_dir=key_dir)  # fmt: skip
+                                      dist_init_addr=addr, key_dir=key_dir,
+                                      routed_experts=routed_experts)  # fmt: skip
             launches.append(ServerLaunch(server, node, rank, base, argv))
     return launches
 
@@ -457,7 +462,8 @@ class SGLangEngine:
     def start(self, weights: Path) -> None:
         check_sglang_runtime(self.cfg.python, self.setup.env, self.weight_sync)
         plan = plan_servers(weights, self.cfg, self.setup.model_cfg, self.setup.nodes, self.setup.gpus_per_node,
-                            weight_version=self.version, key_dir=self.setup.log_dir)  # fmt: skip
+                            weight_version=self.version, key_dir=self.setup.log_dir,
+                            routed_experts=self.setup.routed_experts)  # fmt: skip
         local = self.setup.nodes[0] if self.setup.nodes else ""
         self.processes, heads = [], []
         try:

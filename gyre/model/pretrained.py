@@ -277,7 +277,7 @@ def load_tokenizer(path: Path, cfg: ModelConfig) -> Tokenizer:
 
 def check_pretrained(cfg: RunConfig) -> ModelConfig:
     """Every check of model.path against the run; returns the model's ModelConfig."""
-    from gyre.config.validate import check_engine_for_model, check_model, check_train
+    from gyre.config.validate import check_engine_for_model, check_model, check_routing_replay, check_train
 
     model = pretrained_model_config(cfg.model)
     path = Path(model.path)
@@ -289,6 +289,7 @@ def check_pretrained(cfg: RunConfig) -> ModelConfig:
         check_model(model)
         check_engine_for_model(cfg.engine, model)
         check_train(cfg.train, model)
+        check_routing_replay(cfg.rl, model)
         if cfg.proxy.max_context_tokens > model.max_position_embeddings:
             raise ConfigValueError(f"proxy.max_context_tokens={cfg.proxy.max_context_tokens}: exceeds "
                                    f"model.max_position_embeddings={model.max_position_embeddings}")  # fmt: skip

@@ -6,11 +6,14 @@ from other threads.
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,18 @@ class CallRecord:
     top_p: float = 1.0
     top_k: int = -1  # -1: no limit
     min_p: float = 0.0
+    # rl.routing_replay: the experts the engine routed each position of input_ids + output_ids to, as the engine
+    # ran them (the last output token, never fed back, has none): base64 of int16 [positions, MoE layers, top-k]
+    # little-endian, and that shape; "" and [] without replay
+    routed_experts: str = ""
+    routed_experts_shape: list[int] = field(default_factory=list)
+
+    def routed_experts_rows(self) -> np.ndarray | None:
+        """int16 [positions, MoE layers, top-k] of the call's routed experts; None when none were recorded."""
+        if not self.routed_experts_shape:
+            return None
+        rows = np.frombuffer(base64.b64decode(self.routed_experts), dtype="<i2")
+        return rows.reshape(self.routed_experts_shape)
 
     @property
     def tool_call_ids(self) -> list[str]:
@@ -61,6 +76,11 @@ class CallRecord:
     @classmethod
     def from_json(cls, row: dict[str, Any]) -> CallRecord:
         return cls(**{**row, "spliced": [SplicedSpan(**s) for s in row["spliced"]]})
+
+
+def encode_routed_experts(rows: np.ndarray) -> tuple[str, list[int]]:
+    """(CallRecord.routed_experts, CallRecord.routed_experts_shape) of int [positions, MoE layers, top-k]."""
+    return base64.b64encode(rows.astype("<i2").tobytes()).decode("ascii"), list(rows.shape)
 
 
 def read_call_log(jsonl_path: str | Path) -> list[CallRecord]:

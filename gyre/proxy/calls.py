@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from gyre.config.schema import ProxyConfig
-from gyre.engine.client import SamplingParams
+from gyre.engine.client import GenerateResult, SamplingParams
 from gyre.model.chat_template import TemplateError, parse_assistant_text, reply_text
 from gyre.model.tokenizer import Tokenizer
 from gyre.proxy.body_check import LARGE_BODY_BYTES, BodyChecker
-from gyre.proxy.call_log import CallLog, CallRecord
+from gyre.proxy.call_log import CallLog, CallRecord, encode_routed_experts
 from gyre.proxy.dispatch import EngineDispatcher
-from gyre.proxy.errors import ProxyError, context_length_exceeded, invalid_request
+from gyre.proxy.errors import ProxyError, context_length_exceeded, engine_failed, invalid_request
 from gyre.proxy.http import parse_json
 from gyre.proxy.tito import RenderedPrompt, TitoRenderer
 
@@ -113,8 +113,11 @@ class CallRunner:
         dispatcher: EngineDispatcher,
         cfg: ProxyConfig,
         truncated_logprobs: bool = False,
+        routed_experts: tuple[int, int] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # rl.routing_replay: (MoE layers, top-k) of the model; every call asks the engine for its routed experts
+        self.routed_experts = routed_experts
         self.truncated_logprobs = truncated_logprobs  # rl.logprob_distribution=truncated
         self.call_log = call_log
         self.dispatcher = dispatcher
@@ -222,6 +225,15 @@ class CallRunner:
             wanted = min(wanted, self.cfg.max_output_tokens)
         return min(wanted, limit - prompt_tokens)
 
+    def call_routing(self, url: str, result: GenerateResult, positions: int) -> tuple[str, list[int]]:
+        """The call's routed experts as its record keeps them, for its first `positions` positions (a stop string
+        cuts the output) as far as the engine ran them; an engine that returns none fails the call."""
+        assert self.routed_experts is not None
+        if result.routed_experts is None:
+            raise engine_failed(f"engine {url} returned no routed experts (rl.routing_replay needs them: SGLang "
+                                "--enable-return-routed-experts, a mixture-of-experts model)")  # fmt: skip
+        return encode_routed_experts(result.routed_experts.reshape(-1, *self.routed_experts)[:positions])
+
     def sampling(self, input_ids: list[int], params: GenParams, rollout_id: str) -> SamplingParams:
         """The engine's sampling parameters for a call: the request's, its output bounded by the context limit, its
         seed the request's or one derived from the rollout and the prompt (a rerun samples the same)."""
@@ -250,7 +262,9 @@ class CallRunner:
         prompt = await self.render(rollout_id, messages, tools)
         sampling = self.sampling(prompt.input_ids, params, rollout_id)
         call_id = self.call_log.next_call_id()
-        url, result = await self.dispatcher.generate(prompt.input_ids, sampling, call_id, rollout_id)
+        url, result = await self.dispatcher.generate(
+            prompt.input_ids, sampling, call_id, rollout_id, routed_experts=self.routed_experts is not None
+        )
         output_ids, logprobs, finish = result.output_ids, result.output_logprobs, result.finish_reason
         cut = cut_at_stop(self.tokenizer, output_ids, params.stop) if params.stop else None
         if cut is not None:
@@ -284,6 +298,9 @@ class CallRunner:
             top_k=sampling.top_k,
             min_p=sampling.min_p,
         )
+        if self.routed_experts is not None:
+            positions = len(prompt.input_ids) + len(output_ids)
+            record.routed_experts, record.routed_experts_shape = self.call_routing(url, result, positions)
         self.call_log.add(record)
         self.spliced_turns += len(prompt.spliced)
         self.retokenized_turns += prompt.retokenized_turns

@@ -66,10 +66,12 @@ class EngineDispatcher:
             await c.close()
         self._clients.clear()
 
-    async def _generate_on(self, url: str, input_ids: list[int], sampling: SamplingParams, rid: str) -> GenerateResult:
+    async def _generate_on(
+        self, url: str, input_ids: list[int], sampling: SamplingParams, rid: str, routed_experts: bool = False
+    ) -> GenerateResult:
         client = self.client(url)
         try:
-            return await client.generate(input_ids, sampling, rid=rid)
+            return await client.generate(input_ids, sampling, rid=rid, routed_experts=routed_experts)
         except asyncio.CancelledError:
             # The client went away: free the engine's slot instead of generating for nobody.
             task = asyncio.get_running_loop().create_task(self._abort_quietly(client, rid))
@@ -85,9 +87,12 @@ class EngineDispatcher:
             log.debug("abort of %s failed: %s", rid, e)
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, call_id: int, label: str = ""
-    ) -> tuple[str, GenerateResult]:
+        self, input_ids: list[int], sampling: SamplingParams, call_id: int, label: str = "",
+        routed_experts: bool = False,
+    ) -> tuple[str, GenerateResult]:  # fmt: skip
         """(engine url, result) of the first engine that completes; raises ProxyError (5xx) otherwise.
+        routed_experts: ask for every position's routed experts (rl.routing_replay); a continued call's come from
+        the engine that finished it, which ran the whole sequence.
 
         An engine that aborts a request after generating part of it (a cell leaving rollout) hands the
         partial output back: the generation continues from it on another engine, and the caller gets
@@ -108,7 +113,7 @@ class EngineDispatcher:
                 sent_ids = input_ids + partial.output_ids
                 sent_sampling = replace(sampling, max_new_tokens=sampling.max_new_tokens - len(partial.output_ids))
             try:
-                result = await self._generate_on(url, sent_ids, sent_sampling, rid)
+                result = await self._generate_on(url, sent_ids, sent_sampling, rid, routed_experts)
             except EngineError as e:
                 log.warning("engine %s failed: %s", url, e)
                 if not _retryable(e):

@@ -83,6 +83,7 @@ class ProxyServer:
         model_name: str = "gyre-policy",
         truncated_logprobs: bool = False,
         keys: RolloutKeys | None = None,
+        routed_experts: tuple[int, int] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.keys = keys
@@ -91,7 +92,7 @@ class ProxyServer:
         self.model_name = model_name
         self.router = EngineRouter(engine_urls, cfg.affinity_slack)
         self.dispatcher = EngineDispatcher(self.router, cfg.request_timeout_s)
-        self.runner = CallRunner(tokenizer, call_log, self.dispatcher, cfg, truncated_logprobs)
+        self.runner = CallRunner(tokenizer, call_log, self.dispatcher, cfg, truncated_logprobs, routed_experts)
         self.url: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

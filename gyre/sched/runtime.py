@@ -176,6 +176,7 @@ def start_cell_engine(start: RunStart, cell: int, paths: dict[str, Any], threads
         nodes=cell_nodes(cell, os.environ) if cfg.engine.backend == "sglang" else [],
         gpus_per_node=cell_resources(cfg, cell).gpus_per_node,
         trainer_address=resolve_hostname(cfg.comm.hostname),
+        routed_experts=cfg.rl.routing_replay,
     )
     engine_cfg = dataclasses.replace(cfg.engine, num_threads=threads)
     return CellEngine(engine_cfg, setup, paths["ckpt"], kv_transfer=not start.in_process, keep_scratch=start.in_process)

@@ -296,6 +296,26 @@ class _TreeBuilder:
         self.previous = self.last_of_role[role] = call.call_id
         return runs[-1][1] + runs[-1][2] - 1
 
+    def routed_experts(self, calls: Sequence[CallRecordLike]) -> np.ndarray | None:
+        """[N, MoE layers, top-k] int16: each token's experts from the first call (in call order) whose engine ran
+        it; -1 where none did (a leaf's last token). None when no call recorded any (rl.routing_replay off)."""
+        recorded = [(c, rows) for c in calls if (rows := _routing_rows(c)) is not None]
+        if not recorded:
+            return None
+        shape = recorded[0][1].shape[1:]
+        routed = np.full((self.nodes.n, *shape), -1, np.int16)
+        filled = np.zeros(self.nodes.n, bool)
+        for call, rows in recorded:
+            if rows.shape[1:] != shape:
+                raise TreeError(f"rollout {call.rollout_id!r}: call {call.call_id}'s routed experts are "
+                                f"[positions, {', '.join(map(str, rows.shape[1:]))}], an earlier call's "
+                                f"[positions, {', '.join(map(str, shape))}]")  # fmt: skip
+            nodes = _run_nodes(self.paths[call.call_id], 0, rows.shape[0])
+            fresh = ~filled[nodes]
+            routed[nodes[fresh]] = rows[: nodes.shape[0]][fresh]
+            filled[nodes] = True
+        return routed
+
     def tree(self, rollout_id: str, calls: list[CallInfo]) -> TrajectoryTree:
         nd, n = self.nodes, self.nodes.n
         return TrajectoryTree(
@@ -341,4 +361,12 @@ def build_tree(rollout_id: str, calls: Sequence[CallRecordLike]) -> TrajectoryTr
                 min_p=call.min_p,
             )
         )
-    return builder.tree(rollout_id, infos)
+    tree = builder.tree(rollout_id, infos)
+    tree.routed_experts = builder.routed_experts(ordered)
+    return tree
+
+
+def _routing_rows(call: CallRecordLike) -> np.ndarray | None:
+    """A call's recorded routed experts [positions, MoE layers, top-k] (gyre.proxy.call_log.CallRecord's), if any."""
+    rows = getattr(call, "routed_experts_rows", None)
+    return rows() if rows is not None else None

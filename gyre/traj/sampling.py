@@ -123,6 +123,7 @@ def subtree(tree: TrajectoryTree, nodes: np.ndarray) -> TrajectoryTree:
         call_id=tree.call_id[nodes],
         role=tree.role[nodes],
         calls=[replace(c, leaf=leaf[c.call_id]) for c in tree.calls if leaf[c.call_id] >= 0],
+        routed_experts=None if tree.routed_experts is None else tree.routed_experts[nodes],
     )
 
 

@@ -93,6 +93,18 @@ def policy_config(cfg: RunConfig) -> PolicyConfig:
     return PolicyConfig(cfg.scheduler, n, capacity, s.staleness, s.async_rollout_cells)
 
 
+def routing_shape(cfg: RunConfig) -> tuple[int, int] | None:
+    """(MoE layers, top-k) of the run's model when rl.routing_replay is on: what the proxy asks each call's routed
+    experts in; None when off."""
+    if not cfg.rl.routing_replay:
+        return None
+    from gyre.model.moe import moe_layer_indices
+    from gyre.model.pretrained import pretrained_model_config
+
+    model = pretrained_model_config(cfg.model) if cfg.model.path else cfg.model
+    return len(moe_layer_indices(model)), model.num_experts_per_tok
+
+
 class Controller:
     def __init__(
         self,
@@ -113,7 +125,13 @@ class Controller:
         truncated = cfg.rl.logprob_distribution is LogprobDistribution.truncated
         keys = RolloutKeys()
         self.proxy = ProxyServer(
-            Tokenizer.load(tokenizer_dir), [], cfg.proxy, self.call_log, truncated_logprobs=truncated, keys=keys
+            Tokenizer.load(tokenizer_dir),
+            [],
+            cfg.proxy,
+            self.call_log,
+            truncated_logprobs=truncated,
+            keys=keys,
+            routed_experts=routing_shape(cfg),
         )
         sandbox = make_sandbox(cfg.sandbox)  # fails here, before any cell works, when it cannot run
         self.driver = RolloutDriver(self.proxy.start(), out / "rollouts", cfg.harness, cfg.tasks, sandbox, keys)
