@@ -151,6 +151,18 @@ def sglang_server_args(
     # /server_info, which lists the server args (the admin key among them), closed as well. From a file of
     # SGLang's --config, mode 0600: never on a command line, which /proc/<pid>/cmdline shows to anyone.
     argv += ["--config", str(sglang_key_config(key_dir))]
+    argv += _feature_args(cfg, routed_experts)
+    if nnodes > 1:
+        if not dist_init_addr:
+            raise ValueError("a server over several nodes needs dist_init_addr (its first node's host:port)")
+        argv += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--dist-init-addr", dist_init_addr]
+    if served_model_name:
+        argv += ["--served-model-name", served_model_name]
+    return argv + list(cfg.extra_args)
+
+
+def _feature_args(cfg: EngineConfig, routed_experts: bool) -> list[str]:
+    """The flags and options of the features a config turns on (memory saver, caches, routed experts)."""
     flags = {
         "--enable-memory-saver": cfg.enable_memory_saver,
         "--enable-weights-cpu-backup": cfg.enable_weights_cpu_backup,
@@ -159,7 +171,7 @@ def sglang_server_args(
         # rl.routing_replay: a request's return_routed_experts is honoured only with it (enable_return_routed_experts)
         "--enable-return-routed-experts": routed_experts,
     }
-    argv += [flag for flag, on in flags.items() if on]
+    argv = [flag for flag, on in flags.items() if on]
     if cfg.chunked_prefill_size:
         argv += ["--chunked-prefill-size", str(cfg.chunked_prefill_size)]
     if cfg.enable_hierarchical_cache:
@@ -169,13 +181,7 @@ def sglang_server_args(
                  "--hicache-storage-prefetch-policy", cfg.hicache_storage_prefetch_policy]  # fmt: skip
         if cfg.hicache_storage_extra_config:
             argv += ["--hicache-storage-backend-extra-config", cfg.hicache_storage_extra_config]
-    if nnodes > 1:
-        if not dist_init_addr:
-            raise ValueError("a server over several nodes needs dist_init_addr (its first node's host:port)")
-        argv += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--dist-init-addr", dist_init_addr]
-    if served_model_name:
-        argv += ["--served-model-name", served_model_name]
-    return argv + list(cfg.extra_args)
+    return argv
 
 
 def sglang_launch_command(
