@@ -35,7 +35,11 @@ NONE = {"chat": "none", "anthropic": {"type": "none"}, "responses": "none"}
 
 def params_of(api: str, body: dict[str, Any]) -> GenParams:
     req = PARSERS[api](body, "m")
-    return req.params if api != "chat" else GenParams(tool_calls=req.tool_calls)
+    return (
+        req.params
+        if api != "chat"
+        else GenParams(tool_calls=req.tool_calls, parallel_tool_calls=req.parallel_tool_calls)
+    )
 
 
 @pytest.mark.parametrize("api", list(BASES))
@@ -57,7 +61,6 @@ REFUSED = [
     ("chat", {"logit_bias": {"17": 5}}, "logit_bias"),
     ("anthropic", {"tool_choice": {"type": "any"}}, "tool_choice"),
     ("anthropic", {"tool_choice": {"type": "tool", "name": "write_file"}}, "tool_choice"),
-    ("anthropic", {"tool_choice": {"type": "auto", "disable_parallel_tool_use": True}}, "tool_choice"),
     ("anthropic", {"output_format": {"type": "json_schema", "schema": {}}}, "output_format"),
     ("anthropic", {"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "output_config"),
     ("responses", {"tool_choice": {"type": "function", "name": "write_file"}}, "tool_choice"),
@@ -109,6 +112,36 @@ def test_a_reply_under_tool_choice_none_is_text_even_when_the_model_writes_a_cal
     assert auto.tool_calls == [{"name": "write_file", "arguments": {}}] and auto.finish_reason == "tool_calls"
     assert none.tool_calls == [] and none.finish_reason == "stop" and none.content == text.removesuffix(IM_END)
     assert none.output_ids == auto.output_ids  # what is trained is what was sampled, either way
+
+
+ONE_AT_A_TIME = {
+    "chat": {"parallel_tool_calls": False},
+    "anthropic": {"tool_choice": {"type": "auto", "disable_parallel_tool_use": True}},
+    "responses": {"parallel_tool_calls": False},
+}
+
+
+@pytest.mark.parametrize("api", list(BASES))
+def test_parallel_tool_calls_false_reaches_the_call_in_every_api(api):
+    assert params_of(api, BASES[api]).parallel_tool_calls
+    assert not params_of(api, {**BASES[api], **ONE_AT_A_TIME[api]}).parallel_tool_calls
+
+
+def test_a_reply_without_parallel_tool_calls_ends_with_its_first_call(tokenizer, tmp_path):  # noqa: F811
+    one = f'{TOOL_CALL_START}{{"name": "write_file", "arguments": {{"path": "a"}}}}{TOOL_CALL_END}'
+    two = f'{TOOL_CALL_START}{{"name": "write_file", "arguments": {{"path": "b"}}}}{TOOL_CALL_END}'
+    ids = tokenizer.encode(one + two + IM_END)
+    runner = CallRunner(tokenizer, CallLog(tmp_path / "calls.jsonl"), OneReply(ids), ProxyConfig())
+    messages, tools = [{"role": "user", "content": "hi"}], [{"type": "function", "function": TOOL}]
+    try:
+        both = asyncio.run(runner.run("r", "openai", messages, tools, GenParams()))
+        first = asyncio.run(runner.run("r2", "openai", messages, tools, GenParams(parallel_tool_calls=False)))
+    finally:
+        runner.pool.shutdown()
+    assert [c["arguments"]["path"] for c in both.tool_calls] == ["a", "b"]
+    assert first.tool_calls == [{"name": "write_file", "arguments": {"path": "a"}}]
+    assert first.finish_reason == "tool_calls" and tokenizer.decode(first.output_ids) == one
+    assert first.output_logprobs == [-0.1] * len(first.output_ids)  # what is trained is what the reply returned
 
 
 class RoutedReply(OneReply):

@@ -148,6 +148,7 @@ def parse_messages_request(body: Any, default_model: str) -> MessagesRequest:
         max_tokens=req.max_tokens,
         stop=list(req.stop_sequences or []),
         tool_calls=req.tool_choice is None or req.tool_choice.type != "none",
+        parallel_tool_calls=not (req.tool_choice and req.tool_choice.disable_parallel_tool_use),
     )
     tools = convert_tools(body.get("tools"))
     users = [m for m in body["messages"] if m["role"] == "user"]

@@ -5,8 +5,8 @@ thinking, tool_use, tool_result) are checked field by field; other block types (
 redacted_thinking, server tools, ...) only need a string `type`. Top-level fields the proxy has no use
 for (thinking, context_management, output_config's effort, metadata, betas Claude Code sends) are accepted
 and ignored, as are unknown keys inside objects. What would change the reply but cannot be honoured is refused
-by name: `tool_choice` other than auto and none ("none" is honoured: the reply is text), or with
-`disable_parallel_tool_use` (not enforced), and a structured-output format (`output_format`,
+by name: `tool_choice` other than auto and none ("none" is honoured: the reply is text; so is
+`disable_parallel_tool_use`: the reply ends with its first tool call), and a structured-output format (`output_format`,
 `output_config.format`: no constrained decoding to a JSON schema).
 """
 
@@ -93,7 +93,7 @@ class Tool(_Obj):
 
 class ToolChoice(_Obj):
     type: Literal["auto", "none"]  # "any" / "tool": no constrained decoding to force a call, so refused
-    disable_parallel_tool_use: Literal[False] | None = None  # true: not enforced, so refused
+    disable_parallel_tool_use: bool | None = None  # true: honoured (the reply ends with its first tool call)
 
 
 NO_FORMAT = "structured outputs are not served (no constrained decoding to a JSON schema): leave it out"

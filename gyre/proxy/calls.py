@@ -23,7 +23,13 @@ from typing import Any, TypeVar
 
 from gyre.config.schema import ProxyConfig
 from gyre.engine.client import GenerateResult, SamplingParams
-from gyre.model.chat_template import TemplateError, parse_assistant_text, reply_text
+from gyre.model.chat_template import (
+    TOOL_CALL_END,
+    TOOL_CALL_START,
+    TemplateError,
+    parse_assistant_text,
+    reply_text,
+)
 from gyre.model.tokenizer import Tokenizer
 from gyre.proxy.body_check import LARGE_BODY_BYTES, BodyChecker
 from gyre.proxy.call_log import CallLog, CallRecord, encode_routed_experts
@@ -51,6 +57,8 @@ class GenParams:
     min_p: float = 0.0
     # False for tool_choice "none" (every API): the reply is text, tool-call markup included, never a tool call
     tool_calls: bool = True
+    # False for parallel_tool_calls=false: the output ends with its first tool call (cut as a stop string is)
+    parallel_tool_calls: bool = True
 
 
 def cut_at_stop(tokenizer: Tokenizer, output_ids: list[int], stops: list[str]) -> tuple[int, str] | None:
@@ -272,6 +280,9 @@ class CallRunner:
             output_ids, logprobs, finish = output_ids[:n], logprobs[:n], "stop"
         else:
             text = self.tokenizer.decode(output_ids)
+        if params.tool_calls and not params.parallel_tool_calls and text.count(TOOL_CALL_START) > 1:
+            n, before = cut_at_stop(self.tokenizer, output_ids, [TOOL_CALL_END]) or (len(output_ids), text)
+            output_ids, logprobs, finish, text = output_ids[:n], logprobs[:n], "stop", before + TOOL_CALL_END
         content, calls = parse_assistant_text(text) if params.tool_calls else (reply_text(text), [])
         record = CallRecord(
             rollout_id=rollout_id,

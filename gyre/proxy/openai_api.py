@@ -35,6 +35,7 @@ class ChatRequest:
     include_usage: bool = False
     logprobs: bool = False
     tool_calls: bool = True  # False: tool_choice "none"
+    parallel_tool_calls: bool = True  # False: a reply holds one tool call at most
 
     @property
     def tool_names(self) -> list[str]:
@@ -75,6 +76,7 @@ def parse_chat_request(body: Any, default_model: str) -> ChatRequest:
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         logprobs=bool(req.logprobs),
         tool_calls=req.tool_choice != "none",
+        parallel_tool_calls=req.parallel_tool_calls is not False,
     )
 
 

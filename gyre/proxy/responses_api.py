@@ -114,6 +114,7 @@ def parse_responses_request(body: Any, default_model: str) -> ResponsesRequest:
         top_p=1.0 if req.top_p is None else req.top_p,
         max_tokens=req.max_output_tokens,
         tool_calls=req.tool_choice != "none",
+        parallel_tool_calls=req.parallel_tool_calls is not False,
     )
     echo = {
         "instructions": req.instructions,

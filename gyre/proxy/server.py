@@ -244,6 +244,7 @@ def _gen_params(req: ChatRequest) -> GenParams:
         stop=req.stop,
         seed=req.seed,
         tool_calls=req.tool_calls,
+        parallel_tool_calls=req.parallel_tool_calls,
     )
 
 
