@@ -7,7 +7,10 @@ Linux's PR_SET_PDEATHSIG signals a child when its parent *thread* exits, not its
 - `tie_to_this_thread` is a `preexec_fn` for children the forking thread waits on anyway (a harness, a
   checker): the thread outlives them unless the process dies.
 Both arm the signal in the child before exec and kill the child at once if its parent already died
-(the race the kernel leaves open). Elsewhere than Linux both are plain Popen.
+(the race the kernel leaves open), and give the child the default action of the signals a run is stopped
+or attacked with: an ignored signal survives exec, so a run started under `nohup` (SIGHUP) or as a shell's
+background job (SIGINT, SIGQUIT) would otherwise hand that to every engine, harness and checker. Elsewhere
+than Linux both are plain Popen.
 """
 
 from __future__ import annotations
@@ -25,7 +28,13 @@ from typing import Any
 
 PR_SET_PDEATHSIG = 1
 # resolved once, here: a preexec_fn runs between fork and exec, where loading a library could deadlock
-_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+_prctl = _libc.prctl if _libc is not None else None
+if _libc is not None:
+    _libc.signal.argtypes, _libc.signal.restype = [ctypes.c_int, ctypes.c_void_p], ctypes.c_void_p
+# reset to their default action in every tied child (see the module's docstring)
+DEFAULT_ACTION = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2,
+                  signal.SIGALRM)  # fmt: skip
 
 
 def tie_to_this_thread(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
@@ -35,6 +44,8 @@ def tie_to_this_thread(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
     parent = os.getpid()
 
     def arm() -> None:
+        for s in DEFAULT_ACTION:
+            _libc.signal(int(s), None)  # SIG_DFL
         _prctl(PR_SET_PDEATHSIG, sig)
         if os.getppid() != parent:  # the parent died between fork and prctl: no signal will come
             os.kill(os.getpid(), sig)

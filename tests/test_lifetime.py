@@ -49,3 +49,29 @@ def test_a_child_outlives_the_thread_that_started_it_and_not_its_process():
             os.kill(child, signal.SIGKILL)
         if parent.poll() is None:
             parent.kill()
+
+
+# a parent started as `nohup cmd &` would be: SIGHUP, SIGINT and SIGQUIT ignored; it prints its children's
+# ignored-signal masks (/proc/<pid>/status SigIgn), one started each way
+IGNORING_PARENT = """
+import signal, subprocess
+from gyre.lifetime import spawn_tied, tie_to_this_thread
+for s in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT):
+    signal.signal(s, signal.SIG_IGN)
+show = ["grep", "SigIgn", "/proc/self/status"]
+print(subprocess.run(show, capture_output=True, text=True).stdout.split()[1])
+print(subprocess.run(show, capture_output=True, text=True, preexec_fn=tie_to_this_thread()).stdout.split()[1])
+child = spawn_tied(show, stdout=subprocess.PIPE, text=True)
+print(child.communicate()[0].split()[1])
+"""
+
+
+@pytest.mark.unit
+def test_a_tied_child_does_not_inherit_signals_its_parent_ignores():
+    """Agent code that signals its checker must kill it (scored checker_killed) however the run was started."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", IGNORING_PARENT], capture_output=True, text=True, env=env, check=True)
+    plain, tied, spawned = (int(m, 16) for m in out.stdout.split())
+    stop = (1 << (signal.SIGHUP - 1)) | (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGQUIT - 1))
+    assert plain & stop == stop  # a plain Popen inherits them
+    assert tied & stop == 0 and spawned & stop == 0
