@@ -134,7 +134,7 @@ def read_shard(path: str | Path, *, verify_checksums: bool = True) -> Shard:
     """Load and validate a whole shard; raise ShardError naming the path and the problem."""
     path = Path(path)
     try:
-        f = h5py.File(path, "r")
+        f = h5py.File(path, "r", locking=False)
     except FileNotFoundError:
         raise
     except Exception as e:  # h5py reports a damaged file as OSError, ValueError, ... depending on the damage
@@ -175,7 +175,7 @@ def read_header(path: str | Path) -> dict[str, Any]:
     """The file attributes after checking the schema name and version (cheap: no dataset is read)."""
     path = Path(path)
     try:
-        with h5py.File(path, "r") as f:
+        with h5py.File(path, "r", locking=False) as f:
             return _check_header(path, f)
     except (ShardError, FileNotFoundError):
         raise

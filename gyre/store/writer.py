@@ -4,6 +4,10 @@ The rollouts are validated as they are added (the error names the rollout and wh
 file is written on close: to a hidden temp file in the target directory, fsynced, then renamed with
 os.replace (atomic within one filesystem) and the directory fsynced. A failure at any point removes
 the temp file; a crash leaves at most a hidden `.<name>.<pid>.<rand>.tmp`, which readers ignore.
+
+No HDF5 file locks (`locking=False` here and in the reader): a temp file has one writer and a renamed shard
+never changes, while HDF5's advisory locks failed reads with "unable to lock file" (EAGAIN) when a shard was
+read by one thread of a process (the in-process cell, the group writer's planning) as another opened it.
 """
 
 from __future__ import annotations
@@ -168,7 +172,7 @@ class ShardWriter:
         tables = self._tables()
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
         try:
-            with h5py.File(tmp, "w", libver=LIBVER) as f:
+            with h5py.File(tmp, "w", libver=LIBVER, locking=False) as f:
                 self._write(f, tables)
             fsync_path(tmp)
             os.replace(tmp, self.path)
