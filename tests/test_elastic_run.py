@@ -46,6 +46,10 @@ def check_common(out: Path, rows: list[dict], summary: dict, max_lag: int) -> li
     for r in steps:
         assert r["n_rollouts"] == 16 and r["wall_s"] > 0 and r["behaviour_lag_max"] <= max_lag
         assert sum(r["contributors"].values()) == r["micro_batches"]  # each micro-batch reduced exactly once
+        # rl.mismatch's diagnostics per cell that trained (behaviour up to max_lag versions old: not ~0 here)
+        assert set(r["mismatch_by_cell"]) == set(r["contributors"]), r
+        assert all(m["mismatch/kl_k3"] >= 0.0 and m["mismatch/ratio_p05"] <= m["mismatch/ratio_p95"]
+                   for m in r["mismatch_by_cell"].values()), r  # fmt: skip
     calls = [json.loads(line) for line in (out / "calls.jsonl").read_text().splitlines()]
     calls = [c for c in calls if not c["rollout_id"].startswith("e")]  # eval sessions: checked on their own
     assert calls and all(c["weight_version"] in ("0", "1") for c in calls)  # every call carries its version

@@ -44,6 +44,7 @@ class StepRecord:
     trained_ids: list[str] = field(default_factory=list)
     micro_batches: int = 0
     train_metrics: list[dict[str, float]] = field(default_factory=list)
+    train_metrics_by_cell: dict[int, list[dict[str, float]]] = field(default_factory=dict)  # the same, by cell
     rollouts_done_at: float = 0.0
     kept_groups: list[int] = field(default_factory=list)  # completed before a restart: restored, not run again
 
@@ -136,6 +137,11 @@ class StepBook:
             "behaviour_lag_mean": statistics.fmean(lags) if lags else 0.0,
             "rollout_s": round(rec.rollouts_done_at - rec.submitted, 3) if rec.rollouts_done_at else None,
             "kept_groups": sorted(rec.kept_groups),
+            # rl.mismatch's diagnostics of each cell's own micro-batches: its engine's and its trainer's numerics
+            "mismatch_by_cell": {
+                str(c): {k: v for k, v in _mean_metrics(rows).items() if k.startswith("mismatch/")}
+                for c, rows in sorted(rec.train_metrics_by_cell.items())
+            },
         }
 
 

@@ -59,7 +59,9 @@ class TrainPlane:
             return  # its work went back to pending when it was declared dead
         for ref in body.refs:
             self.ledger.done(cell.index, ref)
-        self.book.steps[body.step].train_metrics.append(ack.detail["metrics"])
+        rec = self.book.steps[body.step]
+        rec.train_metrics.append(ack.detail["metrics"])
+        rec.train_metrics_by_cell.setdefault(cell.index, []).append(ack.detail["metrics"])
         tokens = sum(r.tokens for r in body.refs)
         self.log({"event": "micro_batch", "step": body.step, "cell": cell.index, "tokens": tokens,
                   "seconds": round(ack.detail["seconds"], 4)})  # fmt: skip
