@@ -15,13 +15,14 @@ sent as ANTHROPIC_API_KEY). CLAUDE_* variables pass through.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from gyre.harness.wrapper_args import wrapper_parser
 
 CLAUDE_CODE_VERSION = "2.1.197"  # the npm version tools/setup_env.sh installs and the tests ran against
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -112,12 +113,9 @@ def result_summary(stdout: str, returncode: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Run Claude Code on one task against the Gyre proxy")
-    for name in ("--base-url", "--rollout-id", "--workspace", "--task-file", "--result-file"):
-        p.add_argument(name, required=True)
-    p.add_argument("--max-turns", type=int, default=10)
-    p.add_argument("--bare", action="store_true", help="claude --bare: minimal system prompt and tools")
-    args = p.parse_args(argv)
+    args = wrapper_parser(
+        "Run Claude Code on one task against the Gyre proxy", "claude --bare: minimal system prompt and tools"
+    ).parse_args(argv)
     result_file = Path(args.result_file)
     home = result_file.parent / "claude-home"
     home.mkdir(parents=True, exist_ok=True)

@@ -17,13 +17,14 @@ the output it sends back stay the stock CLI's.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from gyre.harness.wrapper_args import wrapper_parser
 
 CODEX_VERSION = "0.171.0"  # the npm version tools/setup_env.sh installs and the tests ran against
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -157,12 +158,10 @@ def run_session(argv: list[str], prompt: str, workspace: Path, env: dict[str, st
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Run Codex CLI on one task against the Gyre proxy")
-    for name in ("--base-url", "--rollout-id", "--workspace", "--task-file", "--result-file"):
-        p.add_argument(name, required=True)
-    p.add_argument("--max-turns", type=int, default=10)
-    p.add_argument("--bare", action="store_true", help="one-line instructions, no environment context, no view_image")
-    args = p.parse_args(argv)
+    args = wrapper_parser(
+        "Run Codex CLI on one task against the Gyre proxy",
+        "one-line instructions, no environment context, no view_image",
+    ).parse_args(argv)
     result_file = Path(args.result_file)
     home = result_file.parent / HOME_DIR
     home.mkdir(parents=True, exist_ok=True)
