@@ -250,6 +250,8 @@ ENDPOINT_CLASS = {
     "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
     "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
     "/update_weight_version": "UpdateWeightVersionReqInput",
+    "/begin_weight_update": "BeginWeightUpdateReqInput",
+    "/end_weight_update": "EndWeightUpdateReqInput",
 }
 
 
@@ -264,6 +266,30 @@ def _fields(cls: type) -> tuple[set[str], set[str]]:
     fields = dataclasses.fields(cls)
     required = {f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
     return {f.name for f in fields}, required
+
+
+def sglang_routes() -> dict[str, set[str]]:
+    """path -> HTTP methods of every route SGLang's server declares (sglang/srt/entrypoints/http_server.py's
+    @app.get/post/put/api_route decorators, read from its source: the module imports the CUDA stack)."""
+    tree = ast.parse((sglang_root() / "srt" / "entrypoints" / "http_server.py").read_text())
+    routes: dict[str, set[str]] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for deco in node.decorator_list:
+            if not (isinstance(deco, ast.Call) and isinstance(deco.func, ast.Attribute) and deco.args):
+                continue
+            if not (isinstance(deco.func.value, ast.Name) and deco.func.value.id == "app"):
+                continue
+            if not isinstance(deco.args[0], ast.Constant):  # a path held in a variable: not a route Gyre calls
+                continue
+            path = ast.literal_eval(deco.args[0])
+            if deco.func.attr == "api_route":
+                methods = next(ast.literal_eval(k.value) for k in deco.keywords if k.arg == "methods")
+            else:
+                methods = [deco.func.attr.upper()]
+            routes.setdefault(path, set()).update(methods)
+    return routes
 
 
 def parse_like_sglang(path: str, payload: dict) -> object:

@@ -17,11 +17,11 @@ from sglang_io import parse_like_sglang, parse_server_argv
 
 from gyre.config.schema import EngineConfig, ModelConfig
 from gyre.engine import admin_key, sglang_backend
-from gyre.engine.client import SyncEngineClient
+from gyre.engine.client import EngineError, SyncEngineClient
 from gyre.engine.engine import EngineServers, EngineSetup, make_engine
 from gyre.engine.sglang_backend import SGLangEngine, SGLangUnavailable, launch_command, plan_servers
 from gyre.engine.switch import join_rollout, leave_rollout
-from gyre.model.random_model import SHAPES, random_hf_state
+from gyre.model.random_model import SHAPES, create_random_model, random_hf_state
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU = EngineConfig(backend="sglang", tp_size=2, port=30000, mem_fraction_static=0.7, dtype="bfloat16",
@@ -175,8 +175,9 @@ def test_role_switch_and_distributed_weights_through_the_engine_interface(fake_s
     sent = [json.loads(line) for line in record.read_text().splitlines()]
     order = [r["path"] for r in sent if r["path"] not in ("/health", "/get_server_info")]
     assert order == ["/pause_generation", "/release_memory_occupation", "/resume_memory_occupation",
-                     "/init_weights_update_group", "/update_weights_from_distributed", "/resume_memory_occupation",
-                     "/continue_generation", "/update_weights_from_distributed"]  # fmt: skip
+                     "/init_weights_update_group", "/begin_weight_update", "/update_weights_from_distributed",
+                     "/end_weight_update", "/resume_memory_occupation", "/continue_generation",
+                     "/begin_weight_update", "/update_weights_from_distributed", "/end_weight_update"]  # fmt: skip
     for r in sent:
         if r["body"] is not None and r["path"] != "/health":
             parse_like_sglang(r["path"], r["body"])
@@ -205,8 +206,13 @@ def check_stage_sender(url, record, seen: int, received: float) -> None:
             return megatron
 
     groups = {}
-    sent = sglang_backend.send_stage(Stage(), untied, SyncEngineClient(url), "6", "127.0.0.1", 1, 0, groups,
-                                     backend="gloo", bucket_bytes=1 << 16)  # fmt: skip
+    client = SyncEngineClient(url)
+    with pytest.raises(EngineError, match="must run between begin_weight_update"):  # as SGLang 0.5.23 answers
+        client.update_weights_from_distributed(["w"], ["float32"], [[1]], "6", group_name="gyre_weights_0_stage0")
+    seen = len(record.read_text().splitlines())
+    with sglang_backend.weight_update_session([client]):  # a cell's leader holds it open while its ranks send
+        sent = sglang_backend.send_stage(Stage(), untied, [client], "6", "127.0.0.1", 1, groups, backend="gloo",
+                                         bucket_bytes=1 << 16)  # fmt: skip
     assert sent == len(hf) and list(groups) == ["gyre_weights_0_stage0"]
     new = [json.loads(line) for line in record.read_text().splitlines()][seen:]
     buckets = [parse_like_sglang(r["path"], r["body"]) for r in new if r["path"] == "/update_weights_from_distributed"]
@@ -244,3 +250,53 @@ def test_without_sglangs_runtime_the_colocate_run_fails_saying_what_to_install(t
     assert isinstance(make_engine(cfg.engine, setup), SGLangEngine)  # engine.backend selects it, through the factory
     with pytest.raises(SGLangUnavailable, match=r"missing sgl_kernel[\s\S]*engine.backend=embedded"):
         CellEngine(cfg.engine, setup, model, kv_transfer=False, keep_scratch=True)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_a_cell_of_two_ranks_sends_its_stages_to_sglang_shard_to_shard(fake_sglang, tmp_path, tp, pp):
+    """The cell runtime's shard-to-shard update (tests/cell_weights_job.py, under mpirun): each rank of a cell of
+    two sends what it holds, the server receives with SGLang's own code, and what it took is the model's whole
+    HF state under transformers' Qwen3 names, each tensor once per version, over groups opened once."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    import cell_weights_job as job
+
+    url, record = fake_sglang
+    hf_dir = tmp_path / "qwen3"
+    create_random_model(hf_dir, job.model_config(), seed=7, dtype=torch.float32)
+    out = tmp_path / "out.pt"
+    mpirun = Path(sys.executable).parent / "mpirun"
+    proc = subprocess.run(
+        [str(mpirun), "-n", "3", sys.executable, "-m", "mpi4py", str(ROOT / "tests" / "cell_weights_job.py"),
+         str(hf_dir), url, str(out), str(tp), str(pp)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = torch.load(out, weights_only=False)
+    received = torch.load(out.with_suffix(".received.pt"), weights_only=False)
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf_dir))
+    assert type(reference).__name__ == "Qwen3ForCausalLM"
+    assert set(received) == set(got["weights"]) == set(reference.state_dict())
+    for name, tensor in got["weights"].items():  # the second version: the warm start's weights doubled
+        assert torch.equal(received[name], tensor), name
+    first = {k: v for f in hf_dir.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert all(torch.equal(2 * first[k], received[k]) for k in first)
+    n = len(first)
+    senders = [[s for s in sent if s] for sent in got["sent"]]  # tensors each sending rank sent, per version
+    if tp == 2:  # one sender: the stage's first tensor-parallel rank, with the gathered stage
+        assert senders == [[n], [n]]
+    else:  # one sender per stage, each with its own part of the model
+        assert all(len(s) == 2 and 0 < min(s) and sum(s) == n for s in senders), senders
+    assert got["engine_version"] == "2"
+    stages = ["gyre_weights_0_stage0"] if pp == 1 else ["gyre_weights_0_stage0", "gyre_weights_0_stage1"]
+    requests = [json.loads(line) for line in record.read_text().splitlines()]
+    groups = [parse_like_sglang(r["path"], r["body"]) for r in requests if r["path"] == "/init_weights_update_group"]
+    assert sorted(g.group_name for g in groups) == stages and {g.backend for g in groups} == {"gloo"}
+    updates = [parse_like_sglang(r["path"], r["body"]) for r in requests if "update_weights" in r["path"]]
+    assert {u.weight_version for u in updates} == {"1", "2"} and {u.group_name for u in updates} == set(stages)
+    sessions = [r["path"] for r in requests if r["path"].endswith("_weight_update")]
+    assert sessions == ["/begin_weight_update", "/end_weight_update"] * 2

@@ -187,6 +187,14 @@ class _EngineAPI:
         payload = {"model_path": model_path, "weight_version": weight_version, "abort_all_requests": False}
         return self._send("POST", "/update_weights_from_disk", payload, then=_check_success)
 
+    def begin_weight_update(self) -> Any:
+        """Open SGLang's weight-update session: it takes /update_weights_from_tensor and _distributed only
+        between this and end_weight_update (SchedulerWeightUpdaterManager in SGLang 0.5.23)."""
+        return self._send("POST", "/begin_weight_update", {}, then=_check_success)
+
+    def end_weight_update(self) -> Any:
+        return self._send("POST", "/end_weight_update", {}, then=_check_success)
+
     def update_weights_from_tensor(
         self, serialized_named_tensors: list[str], weight_version: str, flush_cache: bool = True
     ) -> Any:

@@ -18,6 +18,8 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -352,23 +354,43 @@ def check_sglang_runtime(python: str, env: dict[str, str] | None = None, weight_
 # ----- the engine side of weight updates (any server speaking SGLang's protocol) -----
 
 
+@contextmanager
+def weight_update_session(clients: list[SyncEngineClient]) -> Iterator[None]:
+    """SGLang 0.5.23 loads weights from tensors or a broadcast only inside a session it opens at
+    /begin_weight_update and closes at /end_weight_update (scheduler_components/weight_updater.py); the
+    session is closed again when the loads fail, so that the next update can open one."""
+    opened = []
+    try:
+        for c in clients:
+            c.begin_weight_update()
+            opened.append(c)
+        yield
+    finally:
+        for c in opened:
+            c.end_weight_update()
+
+
 def update_from_tensor(servers: EngineServers, state: dict[str, torch.Tensor], version: str, tp_size: int) -> None:
     """Same-node update; `state` holds HF-named tensors (CUDA tensors go as IPC handles)."""
     from gyre.engine.sglang_weights import serialize_named_tensors
 
-    for c in servers.clients:
-        c.update_weights_from_tensor(serialize_named_tensors(state.items(), tp_size), version)
+    with weight_update_session(servers.clients):
+        for c in servers.clients:
+            c.update_weights_from_tensor(serialize_named_tensors(state.items(), tp_size), version)
     servers.check_version(version)
 
 
 def update_from_distributed(client: SyncEngineClient, state: dict[str, torch.Tensor], version: str, group: Any,
-                            group_name: str = "weight_update_group", bucket_bytes: int | None = None) -> None:  # fmt: skip
+                            group_name: str = "weight_update_group", bucket_bytes: int | None = None,
+                            session: bool = True) -> None:  # fmt: skip
     """Broadcast `state` from trainer rank 0 of `group` (sglang_weights.open_weight_update_group) while the
-    engine receives it, one flattened bucket per request (sglang_weights.weight_buckets)."""
+    engine receives it, one flattened bucket per request (sglang_weights.weight_buckets), in a weight-update
+    session of its own (session=False: in one the caller holds open, as a cell's leader does for its ranks)."""
     from gyre.engine.sglang_weights import BUCKET_BYTES, weight_buckets
 
-    for bucket in weight_buckets(state, bucket_bytes or BUCKET_BYTES):
-        send_bucket(client, bucket, version, group, group_name)
+    with weight_update_session([client] if session else []):
+        for bucket in weight_buckets(state, bucket_bytes or BUCKET_BYTES):
+            send_bucket(client, bucket, version, group, group_name)
     EngineServers([client.base_url]).check_version(version)
 
 
@@ -422,24 +444,29 @@ def open_distributed_group(client: SyncEngineClient, trainer_address: str, tp_si
     return group
 
 
-def send_stage(model: torch.nn.Module, cfg: ModelConfig, client: SyncEngineClient, version: str, trainer_address: str,
-               engine_tp: int, server: int, groups: dict[str, Any], backend: str = WEIGHT_GROUP_BACKEND,
+def send_stage(model: torch.nn.Module, cfg: ModelConfig, clients: list[SyncEngineClient], version: str,
+               trainer_address: str, engine_tp: int, groups: dict[str, Any], backend: str = WEIGHT_GROUP_BACKEND,
                bucket_bytes: int | None = None) -> int:  # fmt: skip
-    """This trainer rank's part of a shard-to-shard update of one SGLang server: every rank of a
-    tensor-parallel group calls it (the all-gather of its stage's shards); the group's first rank names the
-    stage's tensors as HF does and broadcasts them in buckets over its own group with the server (opened on
-    first use, kept in `groups`). Returns the tensors this rank sent (0 on the other TP ranks)."""
+    """This trainer rank's part of a shard-to-shard update of a cell's SGLang servers (`clients`, each in a
+    weight-update session the caller holds open): every rank of the cell calls it (the all-gathers of its
+    stage's tensor- and expert-parallel shards); the first tensor-parallel rank of the first data-parallel
+    replica names its stage's tensors as HF does and broadcasts them in buckets to each server over a group of
+    its own (opened on first use at `trainer_address`, this rank's, and kept in `groups`). Returns the
+    tensors this rank sent to each server (0 on the other ranks)."""
     from gyre.engine.sglang_weights import sends_weights, stage_hf_state, tp_merged_stage, weight_group_name
     from gyre.train.megatron_gpt import parallel_state
 
     stage = tp_merged_stage(model, cfg)
-    if not sends_weights(parallel_state.get_tensor_model_parallel_rank()):
+    ranks = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank()
+    if not sends_weights(*ranks):
         return 0
     state = stage_hf_state(stage, cfg)
-    name = weight_group_name(server, parallel_state.get_pipeline_model_parallel_rank())
-    if name not in groups:
-        groups[name] = open_distributed_group(client, trainer_address, engine_tp, name, backend)
-    update_from_distributed(client, state, version, groups[name], group_name=name, bucket_bytes=bucket_bytes)
+    for server, client in enumerate(clients):
+        name = weight_group_name(server, parallel_state.get_pipeline_model_parallel_rank())
+        if name not in groups:
+            groups[name] = open_distributed_group(client, trainer_address, engine_tp, name, backend)
+        update_from_distributed(client, state, version, groups[name], group_name=name, bucket_bytes=bucket_bytes,
+                                session=False)  # fmt: skip
     return len(state)
 
 

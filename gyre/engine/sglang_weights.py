@@ -124,10 +124,10 @@ def stage_hf_state(stage: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str
 
 
 def tp_merged_stage(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """This pipeline stage's parameters, whole (TP shards all-gathered over the tensor-parallel group: every
-    rank of it calls this), under global layer numbers."""
+    """This pipeline stage's parameters, whole (TP shards all-gathered over the tensor-parallel group, experts
+    over the expert-parallel group: every rank of them calls this), under global layer numbers."""
     from gyre.train.megatron_gpt import parallel_state
-    from gyre.train.shard_weights import _global_names, _tp_merge, stage_layers
+    from gyre.train.shard_weights import _gather_experts, _global_names, _tp_merge, stage_layers
 
     local = {k: v.detach() for k, v in model.state_dict().items() if not k.endswith("._extra_state")}
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -139,12 +139,13 @@ def tp_merged_stage(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, torch
             local[name] = _tp_merge(name, shards)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-    return _global_names(local, stage_layers(cfg, pp_rank, pp_size).start)
+    return _gather_experts(_global_names(local, stage_layers(cfg, pp_rank, pp_size).start), cfg)
 
 
-def sends_weights(tp_rank: int) -> bool:
-    """Whether a trainer rank broadcasts its stage's weights to the engines: the first of its TP group."""
-    return tp_rank == 0
+def sends_weights(tp_rank: int, dp_rank: int = 0) -> bool:
+    """Whether a trainer rank broadcasts its stage's weights to the engines: the first of its TP group in the
+    first data-parallel replica (the others hold the same stage)."""
+    return tp_rank == 0 and dp_rank == 0
 
 
 def weight_group_name(server: int, stage: int) -> str:

@@ -17,7 +17,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -100,6 +100,10 @@ class CellEngine:
             return
         stale = state is not None and version != self.version
         join_rollout(self.engine, (lambda: self.engine.update_weights(state, version)) if stale else None)
+
+    def resume(self, update: Callable[[], None] | None) -> None:
+        """Back to rollout, alive, loading new weights by `update` (None: keep the ones it serves)."""
+        join_rollout(self.engine, update)
 
     def load(self, state: dict[str, torch.Tensor], version: str) -> None:
         """New weights while serving: running requests continue with them (SGLang's weight_versions record it)."""

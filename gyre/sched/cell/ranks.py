@@ -13,6 +13,11 @@ New weights reach a satellite of several ranks shard by shard: each rank of the 
 shard through the weight transport (Mooncake) and rank i of the satellite pulls rank i's, which is exactly
 the part it holds (every cell has the same layout); nothing goes through the leader.
 
+New weights reach a cell's SGLang servers shard to shard too (engine.weight_sync=distributed): the leader
+opens each server's weight-update session and tells its followers to send; every rank all-gathers its
+stage's tensor-parallel shards and the first tensor-parallel rank of each pipeline stage broadcasts its
+stage, in HF names, to each server over a group of its own (`push_stages`, `StageSender`).
+
 A cell's ranks may sit on several nodes. A follower on its leader's host watches the leader's process; one
 on another host cannot, and waits for the controller instead, which tells the followers of a cell it has
 declared dead to leave (`Controller.finish`: a Shutdown over the world communicator, without MPI_Finalize).
@@ -23,7 +28,7 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +40,9 @@ from gyre.resume.checkpoint import TRAINER_FILE, BackgroundWriter, Snapshot
 from gyre.resume.state import checkpoint_paths
 from gyre.sched.replica import MicroBatchSource, core_step, flat_grads, grad_numel
 from gyre.train.trainer import Trainer
+
+if TYPE_CHECKING:
+    from gyre.engine.sglang_backend import SGLangEngine
 
 FOLLOW_TAG = 4545
 _GONE = object()
@@ -113,6 +121,50 @@ def reduce_shard(cp: ControlPlane, trainer: Trainer, msg: GradientReduce, timeou
     return core_step(trainer, total, any_has, msg.scale)
 
 
+def sends_shard_to_shard(engine: Any, ranks: int) -> bool:
+    """Whether a cell's ranks send their stages to its engine themselves (SGLang, engine.weight_sync=distributed,
+    more than one rank) rather than its leader the whole model (the embedded engine, disk and tensor updates)."""
+    from gyre.engine.engine import resolved_weight_sync
+
+    return ranks > 1 and engine.backend == "sglang" and resolved_weight_sync(engine.cfg) == "distributed"
+
+
+class StageSender:
+    """One rank's side of a shard-to-shard update of the cell's SGLang servers; its broadcast groups with them
+    are opened at the first update and kept for the next."""
+
+    def __init__(self, cfg: RunConfig, trainer: Trainer) -> None:
+        self.cfg, self.trainer = cfg, trainer
+        self.groups: dict[str, Any] = {}
+
+    def send(self, urls: list[str], version: str) -> int:
+        """This rank's stage to every server (collective over the cell's ranks); the tensors it sent each."""
+        from gyre.comm.mooncake_transport import resolve_hostname
+        from gyre.engine.client import SyncEngineClient
+        from gyre.engine.sglang_backend import send_stage
+        from gyre.sched.cell.world import weight_group_backend
+
+        clients = [SyncEngineClient(u) for u in urls]
+        address = resolve_hostname(self.cfg.comm.hostname)  # this rank's: the groups' rendezvous is its own
+        return send_stage(self.trainer.model, self.trainer.model_cfg, clients, version, address,
+                          self.cfg.engine.tp_size, self.groups, weight_group_backend())  # fmt: skip
+
+
+def push_stages(group: CellGroup, sender: StageSender, engine: SGLangEngine, version: str) -> list[int]:
+    """The leader's side: every server's weight-update session opened, every rank of the cell sending its
+    stage (the followers told to), the session closed once all have sent, then every server's version
+    checked. Returns the tensors each rank sent each server, in cell order."""
+    from gyre.engine.sglang_backend import weight_update_session
+
+    servers = engine.servers
+    with weight_update_session(servers.clients):
+        group.tell("send_stage", servers.urls, version)
+        sent = group.comm.gather(sender.send(servers.urls, version), root=0)
+    servers.check_version(version)
+    engine.version = version
+    return sent
+
+
 class CellFollower:
     """A follower rank: runs what its leader tells it on its shard of the cell's trainer, until shutdown."""
 
@@ -124,6 +176,7 @@ class CellFollower:
         cp.cell_comm.gather(rank_info(cp, cfg.comm.hostname), root=0)
         self._weights: WeightTransport | None = None  # made on first use: its Mooncake engine, at this rank's address
         self.writer = BackgroundWriter()  # this rank's part of the core's checkpoints (snapshot)
+        self.stages = StageSender(cfg, trainer)  # its part of new weights for the cell's SGLang servers
 
     @property
     def weights(self) -> WeightTransport:
@@ -166,6 +219,10 @@ class CellFollower:
 
     def gather(self) -> None:
         self.trainer.hf_state_dict()
+
+    def send_stage(self, urls: list[str], version: str) -> None:
+        """This rank's stage to the cell's SGLang servers (push_stages), then tell the leader it is done."""
+        self.cp.cell_comm.gather(self.stages.send(urls, version), root=0)
 
     def load(self, state: dict) -> None:
         self.trainer.load_hf_state_dict(state)

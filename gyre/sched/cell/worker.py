@@ -13,6 +13,7 @@ import os
 import socket
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,16 @@ from gyre.pipeline import tree_gspo_loss_fn
 from gyre.resume.checkpoint import Checkpointer, load_checkpoint
 from gyre.resume.state import RunState
 from gyre.sched.cell.engine import CellEngine
-from gyre.sched.cell.ranks import CellGroup, GroupCheckpoint, load_local_shard, local_shard, reduce_shard
+from gyre.sched.cell.ranks import (
+    CellGroup,
+    GroupCheckpoint,
+    StageSender,
+    load_local_shard,
+    local_shard,
+    push_stages,
+    reduce_shard,
+    sends_shard_to_shard,
+)
 from gyre.sched.liveness import connect
 from gyre.sched.replica import MicroBatchSource, grad_numel
 from gyre.train.trainer import Trainer, make_trainer
@@ -91,8 +101,10 @@ class CellWorker:
         self.group = CellGroup(
             cp, cfg.comm.hostname
         )  # the cell's other ranks, which follow this one (gyre.sched.cell.ranks)
+        # engine.weight_sync=distributed on SGLang, several ranks: each rank sends its stage (gyre.sched.cell.ranks)
+        self.stages = StageSender(cfg, parts.trainer) if sends_shard_to_shard(parts.engine.engine, self.group.size) else None
         if version:  # resumed: the engine started from the warm start serves the checkpoint's weights
-            self.engine.load(self.gather(), self.version)
+            self.engine_update(self.version)()
         self._weights: WeightTransport | None = None  # made on first use: a cell alone publishes to nobody
         self.batches = MicroBatchSource(cfg)
         self.loss_fn = tree_gspo_loss_fn(cfg.rl.clip_eps_low, cfg.rl.clip_eps_high, cfg.rl.mismatch)
@@ -166,10 +178,11 @@ class CellWorker:
         if msg.role == "train" and self.role == "rollout":
             if self.engine.alive():
                 self.engine.leave_rollout()
-        elif msg.role == "rollout" and self.role == "train":
-            stale = self.engine.version != self.version or not self.engine.alive()
-            state = self.gather() if stale else None
-            self.engine.join_rollout(state, self.version)
+        elif msg.role == "rollout" and self.role == "train" and self.engine.alive():
+            stale = self.engine.version != self.version
+            self.engine.resume(self.engine_update(self.version) if stale else None)
+        elif msg.role == "rollout" and self.role == "train":  # its engine died while the cell trained
+            self.engine.join_rollout(self.gather(), self.version)
         elif msg.role == "rollout" and not self.engine.alive():  # its engine died while serving: start another
             self.engine.join_rollout(self.gather(), self.version)
         self.role = msg.role
@@ -194,7 +207,7 @@ class CellWorker:
         pulled = time.monotonic() - start
         self.version = msg.version
         if self.role == "rollout" and self.engine.alive():
-            self.engine.load(self.gather(), msg.version)
+            self.engine_update(msg.version)()
         return {"pull_s": pulled, "pulled_bytes": pulled_bytes, "seconds": time.monotonic() - start}
 
     def save_checkpoint(self, msg: SaveCheckpoint) -> dict[str, Any]:
@@ -229,6 +242,15 @@ class CellWorker:
             handle = self.weights.publish(self.trainer.hf_state_dict(), msg.version)
         self.version = msg.version
         return {"handle": handle, "metrics": metrics, "seconds": time.monotonic() - start}
+
+    def engine_update(self, version: str) -> Callable[[], None]:
+        """What loads `version` into the serving engine: every rank's stage sent shard to shard (self.stages),
+        or the whole model gathered now and loaded as engine.weight_sync says when called."""
+        if self.stages is not None:
+            stages = self.stages
+            return lambda: push_stages(self.group, stages, self.engine.engine, version)  # type: ignore[arg-type]
+        state = self.gather()
+        return lambda: self.engine.load(state, version)
 
     def gather(self) -> dict[str, torch.Tensor]:
         """The whole model's HF weights, gathered from the cell's shards (its followers take part)."""

@@ -3,8 +3,9 @@
 What differs between a CPU cell and a GPU cell is decided here and in gyre.train.model_parallel
 (trainer_backend, rank_device): the backend (gloo or NCCL), the GPU a rank drives (its rank among the
 cell's ranks on its node) and the interface the backend's bootstrap sockets bind. Everything above it (the
-control plane, megatron's groups, the pipeline schedule, the gradient reduction between cells) is one code
-path, which CI runs over gloo.
+control plane, megatron's groups, the pipeline schedule, the gradient reduction between cells, the groups
+its ranks open with the cell's SGLang servers to send them weights: weight_group_backend) is one code path,
+which CI runs over gloo.
 """
 
 from __future__ import annotations
@@ -59,3 +60,9 @@ def init_trainer_world(comm: Any, address: str, local_rank: int | None = None, t
     store = rendezvous_store(comm, address, timeout)
     dist.init_process_group(backend, store=store, rank=comm.Get_rank(), world_size=comm.Get_size(), timeout=timeout)
     return backend
+
+
+def weight_group_backend() -> str:
+    """The backend of the broadcast groups a cell's ranks open with its SGLang servers (the engines join
+    with it: /init_weights_update_group's `backend`): the cell world's own, as init_trainer_world chose it."""
+    return str(dist.get_backend())
