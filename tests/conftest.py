@@ -8,6 +8,7 @@ mode's cluster starts on first use. GYRE_SLURM_HOSTS=loopback (comma-separated) 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -104,3 +105,47 @@ def slurm_conf(_slurm_cluster_for_marked_tests: None) -> Path:
 # tests/data holds task suites whose own tests (a Harbor task's tests/test_outputs.py) are the tasks', run by
 # their graders inside sandboxes, never by this suite
 collect_ignore = ["data"]
+
+
+@contextlib.contextmanager
+def fake_sglang_server(directory: Path) -> Iterator[tuple[str, Path]]:
+    """tests/fake_sglang_server.py on a free loopback port: (its URL, the file recording its requests)."""
+    import socket
+    import sys
+    import time
+
+    from gyre.engine.client import SyncEngineClient
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    record = directory / f"requests-{port}.jsonl"
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, str(root / "tests" / "fake_sglang_server.py"), str(port), str(record)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    try:
+        while not SyncEngineClient(url, timeout_s=2).health():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+            time.sleep(0.2)
+        yield url, record
+    finally:
+        try:
+            SyncEngineClient(url, timeout_s=5).post("/shutdown")
+        except Exception:  # noqa: BLE001 - it exits while answering
+            pass
+        proc.wait(30)
+
+
+@pytest.fixture
+def fake_sglang(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A server answering SGLang's routes and receiving weight broadcasts with SGLang's own code."""
+    with fake_sglang_server(tmp_path) as server:
+        yield server
+
+
+@pytest.fixture
+def fake_sglang_pair(tmp_path: Path) -> Iterator[list[tuple[str, Path]]]:
+    with fake_sglang_server(tmp_path) as first, fake_sglang_server(tmp_path) as second:
+        yield [first, second]

@@ -206,10 +206,10 @@ def test_the_megatron_trainer_starts_from_the_directory(qwen3_dir: Path, tmp_pat
 @pytest.mark.unit
 def test_the_cell_job_starts_its_cells_from_the_directory(qwen3_dir: Path, tmp_path: Path) -> None:
     """scheduler=elastic: rank 0 writes where every cell's trainer and engine start from (gyre.sched.runtime)."""
-    from gyre.sched.runtime import write_policy
+    from gyre.sched.runtime import RunStart, write_policy
 
     cfg = compose([f"model.path={qwen3_dir}", "scheduler=elastic"])
-    assert write_policy(cfg, tmp_path, "start-1", None, 0) == qwen3_dir.resolve()
+    assert write_policy(RunStart(cfg, tmp_path, "start-1"), None, 0) == qwen3_dir.resolve()
     paths = json.loads((tmp_path / "policy.json").read_text())
     assert paths["checkpoint_dir"] == paths["tokenizer_dir"] == str(qwen3_dir.resolve())
     assert paths["model"]["path"] == str(qwen3_dir.resolve()) and paths["model"]["vocab_size"] == VOCAB

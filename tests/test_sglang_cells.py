@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -131,29 +130,6 @@ def test_gpu_presets_plan_one_sglang_server_over_each_cells_gpus(preset, tmp_pat
     else:
         assert [(n, ns.tp_size, ns.nnodes, ns.base_gpu_id) for n, _, ns in got] == [("n0", 8, 1, 0)]
     assert all(ns.enable_memory_saver and ns.pp_size == 1 and ns.dp_size == 1 for _, _, ns in got)
-
-
-@pytest.fixture
-def fake_sglang(tmp_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    record = tmp_path / "requests.jsonl"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fake_sglang_server.py"), str(port), str(record)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while not SyncEngineClient(url, timeout_s=2).health():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
-        time.sleep(0.2)
-    yield url, record
-    try:
-        SyncEngineClient(url, timeout_s=5).post("/shutdown")
-    except Exception:  # noqa: BLE001 - it exits while answering
-        pass
-    proc.wait(30)
 
 
 @pytest.mark.integration

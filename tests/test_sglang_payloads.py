@@ -29,6 +29,7 @@ from sglang_io import (
     parse_like_sglang,
     parse_server_argv,
     sglang_root,
+    sglang_routes,
     sglang_version,
 )
 
@@ -50,7 +51,8 @@ pytestmark = pytest.mark.unit
 SGLANG_VERSION = "0.5.23"  # keep in step with tools/setup_env.sh
 ROOT = Path(__file__).resolve().parents[1]
 
-NO_BODY = {"/flush_cache"}  # SGLang reads only a `timeout` query parameter there
+NO_BODY = {"/flush_cache",  # SGLang reads only a `timeout` query parameter there
+           "/hicache/storage-backend/clear"}  # its handler takes no body  # fmt: skip
 GET_ONLY = {"/health", "/health_generate", "/get_server_info", "/get_model_info"}
 
 
@@ -114,6 +116,9 @@ async def _drive_every_client_method(url: str, face: type = EngineClient) -> Non
         await call(client.resume_memory(["weights"]))
         await call(client.resume_memory())
         await call(client.update_weights_from_disk("/ckpt/v3", "3"))
+        await call(client.begin_weight_update())
+        await call(client.end_weight_update())
+        await call(client.clear_hicache_storage())
         await call(client.update_weights_from_tensor(serialize_named_tensors(list(state.items())[:2], tp_size=2), "4"))
         await call(client.init_weights_update_group("10.0.0.1", 29600, rank_offset=1, world_size=3))
         await call(client.update_weights_from_distributed(names, dtypes, shapes, "5"))
@@ -170,6 +175,12 @@ def test_every_endpoint_the_client_uses_is_checked(captured):
     assert set(ENDPOINT_CLASS) <= paths, f"not exercised: {set(ENDPOINT_CLASS) - paths}"
     for method, path, _ in captured:
         assert (method == "GET") == (path in GET_ONLY), (method, path)
+
+
+def test_every_route_the_client_calls_is_one_sglang_declares_with_that_method(captured):
+    routes = sglang_routes()
+    for method, path, _ in captured:
+        assert method in routes.get(path, set()), f"SGLang 0.5.23's http_server.py has no {method} {path}"
 
 
 def test_every_payload_parses_as_sglang_request(captured):
@@ -289,8 +300,9 @@ def test_distributed_update_interoperates_with_sglangs_group_join(tmp_path):
 
 
 def test_hicache_over_a_mooncake_store_as_sglangs_parser_and_store_config_read_it():
-    """The command-line side of KV kept on reroute (not wired to the scheduler: sched.kv_migration stays off on
-    SGLang): a write policy, a prefetch policy and the store's address, in the keys SGLang's Mooncake store reads."""
+    """The command-line side of KV kept on reroute (sched.kv_migration stays off on SGLang): a write policy, a
+    prefetch policy and the store's address, in the keys SGLang's Mooncake store reads; the address of the
+    master the run starts when the site names none."""
     import re
 
     extra = {"master_server_address": "n0:50051", "protocol": "rdma", "device_name": "mlx5_0",
@@ -305,8 +317,14 @@ def test_hicache_over_a_mooncake_store_as_sglangs_parser_and_store_config_read_i
     store = (sglang_root() / "srt/mem_cache/storage/mooncake_store/mooncake_store.py").read_text()
     read = store[store.index("def load_from_extra_config") :]
     assert set(extra) <= set(re.findall(r'extra_config\.get\(\s*"(\w+)"', read))  # keys SGLang reads
-    with pytest.raises(ConfigValueError, match="master_server_address"):
-        dataclasses.replace(cfg, hicache_storage_extra_config='{"protocol": "tcp"}')
+    from gyre.engine.hicache import needs_master, with_master
+
+    assert not needs_master(cfg)  # the site's master
+    own = dataclasses.replace(cfg, hicache_storage_extra_config='{"protocol": "tcp"}')
+    assert needs_master(own)  # none named: the run starts mooncake_master and adds its address
+    ns, _ = parse_server_argv(sglang_server_args("/m", with_master(own, "10.0.0.1:41000"), 30000))
+    assert json.loads(ns.hicache_storage_backend_extra_config) == {"master_server_address": "10.0.0.1:41000",
+                                                                   "protocol": "tcp"}  # fmt: skip
     with pytest.raises(ConfigValueError, match="is not JSON"):
         dataclasses.replace(cfg, hicache_storage_extra_config="master=n0")
     assert "--hicache-write-policy" not in sglang_server_args("/m", EngineConfig(backend="sglang"), 30000)

@@ -96,8 +96,9 @@ def check_engine(e: EngineConfig) -> None:
 
 
 def check_hicache_extra_config(e: EngineConfig) -> None:
-    """What SGLang would refuse at its start: extra config that is not a JSON object, or a Mooncake store
-    without its master's (or a client's) address (MooncakeStoreConfig.load_from_extra_config)."""
+    """What SGLang would refuse at its start: extra config that is not a JSON object. A Mooncake store without
+    its master's (or a client's) address (MooncakeStoreConfig.load_from_extra_config) gets the one the run
+    starts (gyre.engine.hicache)."""
     import json
 
     key = "engine.hicache_storage_extra_config"
@@ -107,9 +108,7 @@ def check_hicache_extra_config(e: EngineConfig) -> None:
         _fail(key, e.hicache_storage_extra_config, f"is not JSON ({err})")
     if not isinstance(extra, dict):
         _fail(key, e.hicache_storage_extra_config, "must be a JSON object")
-    if e.hicache_storage_backend == "mooncake" and not {"master_server_address", "client_server_address"} & set(extra):
-        _fail(key, e.hicache_storage_extra_config,
-              'needs "master_server_address" (mooncake_master\'s host:port) or "client_server_address"')  # fmt: skip
+    # a Mooncake store without a master's (or a client's) address: the run starts mooncake_master and adds it
 
 
 def check_rl(r: RLConfig) -> None:

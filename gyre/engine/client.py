@@ -176,6 +176,10 @@ class _EngineAPI:
     def flush_cache(self) -> Any:
         return self._send("POST", "/flush_cache", {})
 
+    def clear_hicache_storage(self) -> Any:
+        """Empty the store under SGLang's hierarchical cache (a Mooncake store: every engine's, all of it)."""
+        return self._send("POST", "/hicache/storage-backend/clear", {})
+
     def release_memory(self, tags: list[str] | None = None) -> Any:
         """Free GPU memory for a role switch; tags ("weights", "kv_cache") pick what, all by default."""
         return self._send("POST", "/release_memory_occupation", {} if tags is None else {"tags": list(tags)})

@@ -48,30 +48,50 @@ def run_controller(start: RunStart, cp: ControlPlane, point: Any = None) -> bool
     cfg, out = start.cfg, start.out
     stop = StopRequest(start.in_process)  # a stop from here on is a checkpoint at the last completed step
     point = point or prepare_resume(out, cfg.resume, log=print)
-    tokenizer_dir = write_policy(cfg, out, start.start_id, point.checkpoint, point.state.next_step)
-    controller = Controller(start, cp, tokenizer_dir, point, stop)
+    master = start_kv_store_master(cfg, out)
     try:
-        controller.run()
-    except BaseException:
-        controller.abandon()
-        raise
+        tokenizer_dir = write_policy(start, point.checkpoint, point.state.next_step, master.address if master else "")
+        controller = Controller(start, cp, tokenizer_dir, point, stop)
+        try:
+            controller.run()
+        except BaseException:
+            controller.abandon()
+            raise
+        finally:
+            controller.stop_engines_of_lost_cells()
     finally:
-        controller.stop_engines_of_lost_cells()
+        if master is not None:
+            master.stop()
     return controller.finalize
 
 
-def write_policy(cfg: RunConfig, out: Path, start_id: str, resume_from: Path | None, version: int) -> Path:
+def start_kv_store_master(cfg: RunConfig, out: Path) -> Any:
+    """The Mooncake store's master that the engines' HiCache shares (gyre.engine.hicache), on this node, for the
+    run's lifetime; None when engine.hicache_storage_backend is not mooncake or its extra config names one."""
+    from gyre.engine.hicache import needs_master, start_master
+
+    if not needs_master(cfg.engine):
+        return None
+    from gyre.comm.mooncake_transport import resolve_hostname
+
+    return start_master(resolve_hostname(cfg.comm.hostname), out / "mooncake_master.log")
+
+
+def write_policy(start: RunStart, resume_from: Path | None, version: int, kv_store_master: str = "") -> Path:
     """The controller finds or builds the warm start while the cells start up, and writes where the cells
-    start from (the warm start, and the run's checkpoint when resuming); returns the tokenizer dir."""
+    start from (the warm start, and the run's checkpoint when resuming) and the address of the KV store's
+    master it started ("": none); returns the tokenizer dir."""
     from gyre.harness.preflight import check_harness_fits
     from gyre.tasks.suite import TaskPool
     from gyre.warm_start import prepare_policy
 
+    cfg, out, start_id = start.cfg, start.out, start.start_id
     first = TaskPool(cfg.tasks.families, cfg.tasks.pool_size, seed=cfg.seed).for_step(0, cfg.rl.groups_per_step)
     policy = prepare_policy(cfg, log=print, check=lambda tok: check_harness_fits(cfg, first, tok))
     check_vocab_splits(policy.model_cfg.vocab_size, cfg.train.tensor_parallel)
     paths = {"start_id": start_id, "model": asdict(policy.model_cfg), "tokenizer_dir": str(policy.tokenizer_dir)}
     paths |= {"checkpoint_dir": str(policy.checkpoint_dir), "resume_from": str(resume_from or ""), "version": version}
+    paths["kv_store_master"] = kv_store_master
     tmp = out / f"{POLICY_FILE}.tmp"
     tmp.write_text(json.dumps(paths, indent=1))
     tmp.rename(out / POLICY_FILE)
@@ -108,6 +128,7 @@ def policy_paths(out: Path, cp: ControlPlane, start_id: str) -> dict[str, Any]:
         "tok": Path(paths["tokenizer_dir"]),
         "resume_from": Path(paths["resume_from"]) if paths["resume_from"] else None,
         "version": int(paths["version"]),
+        "kv_store_master": paths.get("kv_store_master", ""),
     }
 
 
@@ -179,6 +200,10 @@ def start_cell_engine(start: RunStart, cell: int, paths: dict[str, Any], threads
         routed_experts=cfg.rl.routing_replay,
     )
     engine_cfg = dataclasses.replace(cfg.engine, num_threads=threads)
+    if paths.get("kv_store_master"):  # the Mooncake store's master the controller started (gyre.engine.hicache)
+        from gyre.engine.hicache import with_master
+
+        engine_cfg = with_master(engine_cfg, paths["kv_store_master"])
     return CellEngine(engine_cfg, setup, paths["ckpt"], kv_transfer=not start.in_process, keep_scratch=start.in_process)
 
 

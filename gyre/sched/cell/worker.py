@@ -102,7 +102,9 @@ class CellWorker:
             cp, cfg.comm.hostname
         )  # the cell's other ranks, which follow this one (gyre.sched.cell.ranks)
         # engine.weight_sync=distributed on SGLang, several ranks: each rank sends its stage (gyre.sched.cell.ranks)
-        self.stages = StageSender(cfg, parts.trainer) if sends_shard_to_shard(parts.engine.engine, self.group.size) else None
+        self.stages = (
+            StageSender(cfg, parts.trainer) if sends_shard_to_shard(parts.engine.engine, self.group.size) else None
+        )
         if version:  # resumed: the engine started from the warm start serves the checkpoint's weights
             self.engine_update(self.version)()
         self._weights: WeightTransport | None = None  # made on first use: a cell alone publishes to nobody

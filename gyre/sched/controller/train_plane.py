@@ -95,7 +95,7 @@ class TrainPlane:
         self.handle = acks[core.rank].detail["handle"]
         t1 = time.monotonic()
         self.version = step + 1
-        synced = self.sync_weights()
+        synced = self.take_new_version()
         return {
             **{f"train/{k}": v for k, v in acks[core.rank].detail["metrics"].items()},
             "contributors": {str(c): n for c, n in sorted(reduced.items())},
@@ -108,6 +108,13 @@ class TrainPlane:
             },
         }
 
+    def take_new_version(self) -> dict[int, Ack]:
+        """Every living cell loads the newest version, then the engines' shared KV store is emptied of the
+        previous version's KV (clear_kv_store); returns the cells' acks."""
+        synced = self.sync_weights()
+        self.clear_kv_store()
+        return synced
+
     def sync_weights(self) -> dict[int, Ack]:
         """Every living cell loads the newest version (redone for the survivors if a cell dies meanwhile);
         returns their acks."""
@@ -119,6 +126,16 @@ class TrainPlane:
                 return self.outbox.call(msgs, self.on_ack, self._dead_ranks)
             except CellDied as e:
                 self.on_death(e.ranks)
+
+    def clear_kv_store(self) -> None:
+        """Once every living cell took the new version (sync_weights), and before the controller hands out
+        anything more: empty the KV store the engines' HiCache shares (its keys carry no weight version), through
+        each living cell's engine (gyre.engine.hicache)."""
+        if self.cfg.engine.backend != "sglang" or self.cfg.engine.hicache_storage_backend != "mooncake":
+            return
+        from gyre.engine.hicache import clear_store
+
+        clear_store([c.engine_url for c in self.table.alive() if c.engine_url])
 
     def _dead_ranks(self) -> list[int]:
         return [c.rank for c in self.table.newly_dead()]
