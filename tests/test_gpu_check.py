@@ -10,7 +10,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ("environment", "generation", "trainer", "weight_sync", "distributed_sync", "role_switch",
-            "tree_vs_expanded", "tree_path_agreement", "cell_cycle")  # fmt: skip
+            "tree_vs_expanded", "tree_path_agreement", "hicache", "cell_cycle")  # fmt: skip
 
 
 def run_check(out: Path, *flags: str, timeout: int) -> dict:
@@ -39,11 +39,29 @@ def check_figures(figures: dict) -> None:
     assert agree["max_abs_logprob_diff"] < 1e-3  # fp32 trainer: tree-packed equals path by path
 
 
+@pytest.mark.unit
+def test_the_hicache_sections_servers_and_requests_are_what_sglang_parses():
+    """The device-only hicache section, checked here against SGLang's parser and request class."""
+    from sglang_io import parse_like_sglang, parse_server_argv
+
+    from gyre.engine.sglang_backend import sglang_server_args
+    from tools import gpu_check
+
+    cfg = gpu_check.hicache_config(gpu_check.Plan.for_run(False, "sglang"), "127.0.0.1:41000")
+    ns, unknown = parse_server_argv(sglang_server_args("/m", cfg, 30000))
+    assert not unknown and ns.enable_hierarchical_cache and ns.hicache_storage_backend == "mooncake"
+    assert ns.mem_fraction_static == gpu_check.HICACHE_MEM_FRACTION and not ns.enable_memory_saver
+    assert json.loads(ns.hicache_storage_backend_extra_config)["master_server_address"] == "127.0.0.1:41000"
+    req = parse_like_sglang("/generate", gpu_check.prefill_request([5, 6, 7]))
+    assert req.input_ids == [5, 6, 7] and req.sampling_params["max_new_tokens"] == 1
+
+
 @pytest.mark.integration
 def test_tiny_gpu_check_runs_every_section_on_cpu(tmp_path):
     report = run_check(tmp_path / "tiny.json", "--tiny", timeout=600)
     check_figures(report["figures"])
     assert report["figures"]["environment"]["plan"]["device"] == "cpu"
+    assert "embedded engine has no hierarchical cache" in report["figures"]["hicache"]["skipped"]
 
 
 @pytest.mark.gpu

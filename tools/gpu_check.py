@@ -14,7 +14,8 @@ Then it builds a random-weights Qwen3-0.6B-shaped model and measures, side by si
 generation throughput through the proxy (and straight to the engine), role-switch latency both
 ways (pause + release memory; resume memory + weight load + continue), weight sync time (trainer
 export, checkpoint write, engine load; SGLang also from tensor and over a broadcast group in flattened
-buckets), tree-packed vs expanded forward-backward time, tree-vs-path logprob agreement, and one cell's
+buckets), a prefix written by one SGLang server to a Mooncake store through HiCache and loaded by another
+(prefill tokens counted), tree-packed vs expanded forward-backward time, tree-vs-path logprob agreement, and one cell's
 rollout -> train -> rollout cycle through launch.run (docs/gpu.md lists the figures). A section that fails records its error
 and the others still run; the exit code is 1 if any failed. `--tiny` runs everything on CPU with a
 tiny Qwen3 (the CI exercise of this script).
@@ -369,6 +370,91 @@ def distributed_sync(plan: Plan, trainer: Any, engine_url: str) -> dict[str, Any
             "buckets": len(weight_buckets(state)), "gib_per_s": round(gib / median(rows), 2)}  # fmt: skip
 
 
+HICACHE_PROMPT_TOKENS = 2048  # the prefix one server computes and the other loads from the store
+HICACHE_MEM_FRACTION = 0.3  # of the GPU, per server: two servers side by side
+
+
+def hicache_config(plan: Plan, master: str) -> Any:
+    """A server of the pair: HiCache writing every computed page through to a Mooncake store (tcp on loopback),
+    prefetch waiting for the whole prefix (docs/gpu.md, KV kept on reroute)."""
+    from gyre.config.schema import EngineConfig
+
+    extra = {"master_server_address": master, "protocol": "tcp", "device_name": "", "local_hostname": "127.0.0.1",
+             "metadata_server": "P2PHANDSHAKE", "global_segment_size": "2gb"}  # fmt: skip
+    cfg = EngineConfig(backend="sglang", mem_fraction_static=HICACHE_MEM_FRACTION, dtype=plan.engine_dtype,
+                       python=sys.executable, startup_timeout_s=600, enable_memory_saver=False,
+                       enable_hierarchical_cache=True, hicache_storage_backend="mooncake",
+                       hicache_write_policy="write_through", hicache_storage_prefetch_policy="wait_complete",
+                       hicache_storage_extra_config=json.dumps(extra))  # fmt: skip
+    return cfg
+
+
+def hicache_servers(plan: Plan, model_dir: Path, workdir: Path, master: str) -> list[Any]:
+    """Two SGLang servers of hicache_config on the one GPU, sharing the store."""
+    from gyre.engine.sglang_backend import start_sglang_server
+
+    cfg = hicache_config(plan, master)
+    servers: list[Any] = []
+    try:
+        for name in ("a", "b"):
+            servers.append(start_sglang_server(model_dir, cfg, log_path=workdir / f"hicache_{name}.log"))
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
+def prefill_request(tokens: list[int]) -> dict[str, Any]:
+    return {"input_ids": tokens, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+
+
+def prefill(url: str, tokens: list[int]) -> tuple[dict[str, Any], float]:
+    """One token generated after `tokens`; SGLang's meta_info (cached_tokens: the prefix it did not compute)."""
+    from gyre.engine.client import SyncEngineClient
+
+    t = time.perf_counter()
+    body = SyncEngineClient(url, timeout_s=600).post("/generate", prefill_request(tokens))
+    return body["meta_info"], time.perf_counter() - t
+
+
+def hicache(plan: Plan, model_dir: Path, workdir: Path) -> dict[str, Any]:
+    """A prefix computed on one SGLang server, written through HiCache to a Mooncake store, loaded by another
+    server instead of prefilled: the prompt tokens each computed (prompt - cached_tokens) and the times."""
+    if plan.engine != "sglang":
+        return {"skipped": "the embedded engine has no hierarchical cache (engine.backend=sglang only)"}
+    free, total = gpu_free_gib(), _gpu_total_gib()
+    if free is None or free < 2.2 * HICACHE_MEM_FRACTION * total:
+        return {"skipped": f"{free} GiB free of {total}: two servers of {HICACHE_MEM_FRACTION} each do not fit"}
+    from gyre.engine.hicache import start_master
+
+    master = start_master("127.0.0.1", workdir / "mooncake_master.log")
+    try:
+        a, b = hicache_servers(plan, model_dir, workdir, master.address)
+        try:
+            prompt = [(7 * i) % 1000 + 10 for i in range(HICACHE_PROMPT_TOKENS)]
+            control = [(11 * i) % 1000 + 10 for i in range(HICACHE_PROMPT_TOKENS)]
+            first, first_s = prefill(a.url, prompt)
+            time.sleep(5.0)  # write-through to host, then the store's backup thread
+            second, second_s = prefill(b.url, prompt)
+            cold, cold_s = prefill(b.url, control)
+        finally:
+            a.stop()
+            b.stop()
+    finally:
+        master.stop()
+    computed = {k: HICACHE_PROMPT_TOKENS - m["cached_tokens"] for k, m in (("a", first), ("b", second), ("cold", cold))}
+    return {"prompt_tokens": HICACHE_PROMPT_TOKENS, "prefill_tokens": computed, "a_s": round(first_s, 3),
+            "b_from_store_s": round(second_s, 3), "b_cold_s": round(cold_s, 3),
+            "b_cached_tokens_details": second.get("cached_tokens_details")}  # fmt: skip
+
+
+def _gpu_total_gib() -> float:
+    import torch
+
+    return round(torch.cuda.get_device_properties(0).total_memory / 2**30, 2) if torch.cuda.is_available() else 0.0
+
+
 def cell_cycle(plan: Plan, workdir: Path) -> dict[str, Any]:
     """One cell's rollout -> train -> rollout through launch.run (scheduler=colocate_cells: the cell job's
     runtime with one cell of one rank), one step: the step's rows say what it took."""
@@ -574,6 +660,7 @@ def run(plan: Plan, out_path: Path, install: bool) -> Report:
 
             gc.collect()
             torch.cuda.empty_cache()
+        report.section("hicache", lambda: hicache(plan, model_dir, workdir))
         report.section("cell_cycle", lambda: cell_cycle(plan, workdir))
     report.figures["total_s"] = round(time.perf_counter() - t_start, 1)
     out_path.write_text(json.dumps({**asdict(report), "ok": not report.errors}, indent=2))
