@@ -133,9 +133,10 @@ def test_gpu_presets_plan_one_sglang_server_over_each_cells_gpus(preset, tmp_pat
 
 
 @pytest.mark.integration
-def test_role_switch_and_distributed_weights_through_the_engine_interface(fake_sglang, tmp_path, monkeypatch):
+def test_role_switch_and_distributed_weights_through_the_engine_interface(fake_sglang, tmp_path):
     url, record = fake_sglang
-    monkeypatch.setattr(sglang_backend, "WEIGHT_GROUP_BACKEND", "gloo")  # nccl on GPUs
+    if torch.cuda.is_available():
+        pytest.skip("the weight group is on the trainer's backend: NCCL on a CUDA machine, gloo in CI")
     setup = EngineSetup(SHAPES["qwen3-tiny"], None, tmp_path, tmp_path / "scratch")
     engine = make_engine(EngineConfig(backend="sglang", tp_size=1), setup)
     assert isinstance(engine, SGLangEngine) and engine.weight_sync == "distributed"

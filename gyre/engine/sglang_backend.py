@@ -52,7 +52,6 @@ def sglang_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return out
 
 
-WEIGHT_GROUP_BACKEND = "nccl"  # the trainer -> engine broadcast group (tests use gloo on CPU)
 DIST_INIT_PORT_OFFSET = 50  # a multi-node server's torch.distributed rendezvous: its HTTP port + this
 # The SGLang release whose parser and request dataclasses the tests check gyre against; gyre[gpu] pins it and
 # tools/setup_env.sh installs its source.
@@ -421,8 +420,9 @@ def send_bucket(client: SyncEngineClient, bucket: dict[str, torch.Tensor], versi
 
 
 def open_distributed_group(client: SyncEngineClient, trainer_address: str, tp_size: int, group_name: str,
-                           backend: str = "nccl") -> Any:  # fmt: skip
-    """The trainer (rank 0) and the server's tp_size ranks (from rank 1) in one broadcast group."""
+                           backend: str) -> Any:  # fmt: skip
+    """The trainer (rank 0) and the server's tp_size ranks (from rank 1) in one broadcast group, on `backend`
+    (the trainer's: gyre.train.model_parallel.trainer_backend, gyre.sched.cell.world.weight_group_backend)."""
     from gyre.engine.sglang_weights import bind_weight_update_store, open_weight_update_group
 
     world = 1 + tp_size
@@ -445,7 +445,7 @@ def open_distributed_group(client: SyncEngineClient, trainer_address: str, tp_si
 
 
 def send_stage(model: torch.nn.Module, cfg: ModelConfig, clients: list[SyncEngineClient], version: str,
-               trainer_address: str, engine_tp: int, groups: dict[str, Any], backend: str = WEIGHT_GROUP_BACKEND,
+               trainer_address: str, engine_tp: int, groups: dict[str, Any], backend: str,
                bucket_bytes: int | None = None) -> int:  # fmt: skip
     """This trainer rank's part of a shard-to-shard update of a cell's SGLang servers (`clients`, each in a
     weight-update session the caller holds open): every rank of the cell calls it (the all-gathers of its
@@ -560,11 +560,14 @@ class SGLangEngine:
         self.version = version
 
     def update_weights_from_distributed(self, state: dict[str, torch.Tensor], version: str) -> None:
+        """From this process's trainer (a cell of one rank), over a group on its trainer's backend."""
+        from gyre.train.model_parallel import trainer_backend
+
         for i, client in enumerate(self.servers.clients):
             name = f"gyre_weights_{i}"
             if i not in self.groups:
                 address, tp = self.setup.trainer_address, self.cfg.tp_size
-                self.groups[i] = open_distributed_group(client, address, tp, name, WEIGHT_GROUP_BACKEND)
+                self.groups[i] = open_distributed_group(client, address, tp, name, trainer_backend())
             update_from_distributed(client, state, version, self.groups[i], group_name=name)
         self.version = version
 
