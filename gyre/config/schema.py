@@ -266,7 +266,7 @@ class EngineConfig:
     hicache_write_policy: str = choice("write_through", ("write_back", "write_through", "write_through_selective"))
     # sglang: when prefetching a prefix found in the storage backend stops (the rest is prefilled)
     hicache_storage_prefetch_policy: str = choice("timeout", ("best_effort", "wait_complete", "timeout"))
-    # sglang: --hicache-storage-backend-extra-config, a JSON object; mooncake: {"master_server_address": "host:port"}
+    # sglang: --hicache-storage-backend-extra-config, a JSON object; mooncake without "master_server_address": the run starts one
     hicache_storage_extra_config: str = ""
     base_gpu_id: int = ranged(0, NON_NEGATIVE)  # sglang: first GPU of the server
     random_seed: int = ranged(0, SEED)  # sglang: --random-seed
