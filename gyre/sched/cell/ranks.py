@@ -131,14 +131,18 @@ def sends_shard_to_shard(engine: Any, ranks: int) -> bool:
 
 class StageSender:
     """One rank's side of a shard-to-shard update of the cell's SGLang servers; its broadcast groups with them
-    are opened at the first update and kept for the next."""
+    are opened at the first update and kept for the next, until the servers are started again."""
 
     def __init__(self, cfg: RunConfig, trainer: Trainer) -> None:
         self.cfg, self.trainer = cfg, trainer
         self.groups: dict[str, Any] = {}
+        self.engine_pid = -1  # the servers' (their first process's) the groups were opened with
 
-    def send(self, urls: list[str], version: str) -> int:
-        """This rank's stage to every server (collective over the cell's ranks); the tensors it sent each."""
+    def send(self, urls: list[str], version: str, engine_pid: int) -> int:
+        """This rank's stage to every server (collective over the cell's ranks); the tensors it sent each.
+        A restarted engine (another pid) has left the groups: new ones are opened."""
+        if engine_pid != self.engine_pid:
+            self.groups, self.engine_pid = {}, engine_pid
         from gyre.comm.mooncake_transport import resolve_hostname
         from gyre.engine.client import SyncEngineClient
         from gyre.engine.sglang_backend import send_stage
@@ -158,8 +162,8 @@ def push_stages(group: CellGroup, sender: StageSender, engine: SGLangEngine, ver
 
     servers = engine.servers
     with weight_update_session(servers.clients):
-        group.tell("send_stage", servers.urls, version)
-        sent = group.comm.gather(sender.send(servers.urls, version), root=0)
+        group.tell("send_stage", servers.urls, version, engine.pid)
+        sent = group.comm.gather(sender.send(servers.urls, version, engine.pid), root=0)
     servers.check_version(version)
     engine.version = version
     return sent
@@ -220,9 +224,9 @@ class CellFollower:
     def gather(self) -> None:
         self.trainer.hf_state_dict()
 
-    def send_stage(self, urls: list[str], version: str) -> None:
+    def send_stage(self, urls: list[str], version: str, engine_pid: int) -> None:
         """This rank's stage to the cell's SGLang servers (push_stages), then tell the leader it is done."""
-        self.cp.cell_comm.gather(self.stages.send(urls, version), root=0)
+        self.cp.cell_comm.gather(self.stages.send(urls, version, engine_pid), root=0)
 
     def load(self, state: dict) -> None:
         self.trainer.load_hf_state_dict(state)
