@@ -19,7 +19,7 @@ from gyre.engine import admin_key, sglang_backend
 from gyre.engine.client import EngineError, SyncEngineClient
 from gyre.engine.engine import EngineServers, EngineSetup, make_engine
 from gyre.engine.sglang_backend import SGLangEngine, SGLangUnavailable, launch_command, plan_servers
-from gyre.engine.switch import join_rollout, leave_rollout
+from gyre.engine.switch import join_rollout, leave_rollout, update_while_serving
 from gyre.model.random_model import SHAPES, create_random_model, random_hf_state
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,7 +144,9 @@ def test_role_switch_and_distributed_weights_through_the_engine_interface(fake_s
     state = random_hf_state(SHAPES["qwen3-tiny"], seed=3, dtype=torch.float32)
     leave_rollout(engine, pause_mode="abort")
     join_rollout(engine, lambda: engine.update_weights(state, "4"))
-    engine.update_weights({k: v * 2 for k, v in state.items()}, "5")  # the group is opened once, reused
+    # a new version while serving: SGLang refuses it under running requests (it flushes its cache only when
+    # idle), so they are retracted first; the group is opened once, reused
+    update_while_serving(engine, lambda: engine.update_weights({k: v * 2 for k, v in state.items()}, "5"))
     info = SyncEngineClient(url).server_info()
     expected = sum(float(t.double().sum()) for t in state.values()) * 3
     assert info["weight_version"] == "5" and engine.version == "5"
@@ -153,8 +155,9 @@ def test_role_switch_and_distributed_weights_through_the_engine_interface(fake_s
     order = [r["path"] for r in sent if r["path"] not in ("/health", "/get_server_info")]
     assert order == ["/pause_generation", "/release_memory_occupation", "/resume_memory_occupation",
                      "/init_weights_update_group", "/begin_weight_update", "/update_weights_from_distributed",
-                     "/end_weight_update", "/resume_memory_occupation", "/continue_generation",
-                     "/begin_weight_update", "/update_weights_from_distributed", "/end_weight_update"]  # fmt: skip
+                     "/end_weight_update", "/resume_memory_occupation", "/continue_generation", "/pause_generation",
+                     "/begin_weight_update", "/update_weights_from_distributed", "/end_weight_update",
+                     "/continue_generation"]  # fmt: skip
     for r in sent:
         if r["body"] is not None and r["path"] != "/health":
             parse_like_sglang(r["path"], r["body"])
@@ -162,6 +165,8 @@ def test_role_switch_and_distributed_weights_through_the_engine_interface(fake_s
     assert [u.weight_version for u in updates] == ["4", "5"] and updates[0].names == list(state)
     group = parse_like_sglang("/init_weights_update_group", next(r["body"] for r in sent if "init" in r["path"]))
     assert (group.rank_offset, group.world_size, group.backend) == (1, 2, "gloo")
+    pauses = [r["body"]["mode"] for r in sent if r["path"] == "/pause_generation"]
+    assert pauses == ["abort", "retract"]  # leaving rollout, then the update while serving
     resumes = [r["body"].get("tags") for r in sent if r["path"] == "/resume_memory_occupation"]
     assert resumes == [["weights"], ["kv_cache"]]
     check_stage_sender(url, record, len(sent), info["received_sum"])

@@ -8,7 +8,8 @@ loop, the cell runtime, tools/gpu_check.py):
 
 The KV cache comes back only after the new weights are in, so the trainer's memory is gone before the
 KV pool returns. Pause mode "abort" hands stragglers back to the proxy (which continues them elsewhere);
-"retract" keeps them queued on this engine, to finish after the switch.
+"retract" keeps them queued on this engine, to finish after the switch. New weights into an engine that
+stays in rollout go through `update_while_serving`.
 """
 
 from __future__ import annotations
@@ -68,3 +69,18 @@ def join_rollout(engine: Switchable, update_weights: Callable[[], None] | None =
     engine.continue_generation()
     t.resume_weights_s, t.sync_s, t.resume_kv_s, t.continue_s = t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3
     return t
+
+
+def update_while_serving(engine: Switchable, update: Callable[[], None]) -> None:
+    """New weights into an engine that keeps serving. SGLang (0.5.23) flushes its cache at every update and
+    its scheduler flushes only when idle, failing the update otherwise (flush_cache_after_weight_update): its
+    running requests are retracted first (re-queued; their KV recomputed under the new weights when generation
+    continues). The embedded engine updates under running requests, which continue with the new weights."""
+    if getattr(engine, "backend", "") != "sglang":
+        update()
+        return
+    engine.pause("retract")
+    try:
+        update()
+    finally:
+        engine.continue_generation()

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from gyre.config.schema import EngineConfig
 from gyre.engine.engine import EngineSetup, RolloutEngine, make_engine
-from gyre.engine.switch import join_rollout, leave_rollout
+from gyre.engine.switch import join_rollout, leave_rollout, update_while_serving
 
 if TYPE_CHECKING:  # torch loads in the cell while its engine starts
     import torch
@@ -104,6 +104,10 @@ class CellEngine:
     def resume(self, update: Callable[[], None] | None) -> None:
         """Back to rollout, alive, loading new weights by `update` (None: keep the ones it serves)."""
         join_rollout(self.engine, update)
+
+    def load_while_serving(self, update: Callable[[], None]) -> None:
+        """New weights by `update` while the engine stays in rollout (gyre.engine.switch.update_while_serving)."""
+        update_while_serving(self.engine, update)
 
     def load(self, state: dict[str, torch.Tensor], version: str) -> None:
         """New weights while serving: running requests continue with them (SGLang's weight_versions record it)."""

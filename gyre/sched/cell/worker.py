@@ -209,7 +209,7 @@ class CellWorker:
         pulled = time.monotonic() - start
         self.version = msg.version
         if self.role == "rollout" and self.engine.alive():
-            self.engine_update(msg.version)()
+            self.engine.load_while_serving(self.engine_update(msg.version))
         return {"pull_s": pulled, "pulled_bytes": pulled_bytes, "seconds": time.monotonic() - start}
 
     def save_checkpoint(self, msg: SaveCheckpoint) -> dict[str, Any]:
