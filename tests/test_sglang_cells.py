@@ -103,6 +103,14 @@ def test_cell_jobs_refuse_sglang_settings_they_cannot_honour():
         check_engine_in_cells(dataclasses.replace(cfg, sched=dataclasses.replace(cfg.sched, kv_migration=True)))
     with pytest.raises(ConfigValueError, match="one SGLang server per cell"):
         check_engine_in_cells(dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, tp_size=4)))
+    # the server shares the trainer's GPUs: no NCCL group of both; it spans 2 nodes: no CUDA IPC handles
+    for sync, why in (("auto", "resolves to distributed.*Duplicate GPU"), ("distributed", ".*Duplicate GPU"),
+                      ("tensor", ".*cell 0's server spans 2 nodes")):  # fmt: skip
+        with pytest.raises(ConfigValueError, match=f"engine.weight_sync='{sync}': {why}"):
+            check_engine_in_cells(dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, weight_sync=sync)))
+    small = compose(["cluster=slurm_gpu_small"])
+    assert (cfg.engine.weight_sync, small.engine.weight_sync) == ("disk", "tensor")
+    check_engine_in_cells(small)
     check_run(cfg)
     odd_heads = dataclasses.replace(cfg.model, num_attention_heads=40, num_query_groups=8, head_dim=128)
     with pytest.raises(ConfigValueError, match=r"engine.tp_size=16: does not divide model.num_attention_heads=40"):

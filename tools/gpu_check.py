@@ -345,29 +345,14 @@ def weight_sync(plan: Plan, trainer: Any, model_cfg: Any, engine_url: str, workd
     return out
 
 
-def distributed_sync(plan: Plan, trainer: Any, engine_url: str) -> dict[str, Any]:
-    """Trainer -> SGLang over a broadcast group (init_weights_update_group, then update_weights_from_distributed
-    in flattened buckets), the trainer on the same GPU: what a cell's engine gets after each step."""
+def distributed_sync(plan: Plan) -> dict[str, Any]:
+    """Trainer -> SGLang over a broadcast group: not on one GPU. NCCL refuses a communicator with two ranks on
+    one GPU, and the check's trainer shares the engine's; engine.weight_sync=distributed is refused there
+    (gyre.engine.sglang_backend.SGLangEngine), and its gloo path is CI's (tests/test_sglang_cells.py)."""
     if plan.engine != "sglang":
         return {"skipped": "the embedded engine has no /update_weights_from_distributed (engine.weight_sync=disk)"}
-    from gyre.engine.client import SyncEngineClient
-    from gyre.engine.sglang_backend import open_distributed_group, update_from_distributed
-    from gyre.engine.sglang_weights import weight_buckets
-
-    client = SyncEngineClient(engine_url, timeout_s=600)
-    t0 = time.perf_counter()
-    group = open_distributed_group(client, "127.0.0.1", 1, "gyre_check_weights", backend="nccl")
-    opened = time.perf_counter() - t0
-    rows = []
-    for i in range(plan.switch_repeats):
-        state = trainer.hf_state_dict()
-        synchronize()
-        t = time.perf_counter()
-        update_from_distributed(client, state, f"dist{i}", group, group_name="gyre_check_weights")
-        rows.append(time.perf_counter() - t)
-    gib = sum(v.numel() * v.element_size() for v in state.values()) / 2**30
-    return {"group_open_s": round(opened, 3), "sync_s": round(median(rows), 3), "gib": round(gib, 3),
-            "buckets": len(weight_buckets(state)), "gib_per_s": round(gib / median(rows), 2)}  # fmt: skip
+    return {"skipped": "NCCL refuses a group with the trainer and the engine on one GPU ('Duplicate GPU detected'); "
+            "the same-GPU path is weight_sync's tensor_s (docs/gpu.md)"}  # fmt: skip
 
 
 HICACHE_PROMPT_TOKENS = 2048  # the prefix one server computes and the other loads from the store
@@ -645,7 +630,7 @@ def run(plan: Plan, out_path: Path, install: bool) -> Report:
             trainer = made.get("trainer")
             if trainer is not None:
                 report.section("weight_sync", lambda: weight_sync(plan, trainer, model_cfg, engine.url, workdir))
-                report.section("distributed_sync", lambda: distributed_sync(plan, trainer, engine.url))
+                report.section("distributed_sync", lambda: distributed_sync(plan))
                 checkpoint = workdir / "sync" if (workdir / "sync").exists() else model_dir
                 report.section("role_switch", lambda: role_switch(plan, engine.url, checkpoint))
                 report.section("tree_vs_expanded", lambda: tree_vs_expanded(plan, trainer))

@@ -279,6 +279,13 @@ class EngineConfig:
         check_engine(self)
 
 
+def resolved_weight_sync(cfg: EngineConfig) -> str:
+    """engine.weight_sync with "auto" resolved: disk for the embedded engine, distributed for SGLang."""
+    if cfg.weight_sync != "auto":
+        return cfg.weight_sync
+    return "disk" if cfg.backend == "embedded" else "distributed"
+
+
 @dataclass
 class ProxyConfig:
     host: str = "127.0.0.1"  # address the proxy listens on

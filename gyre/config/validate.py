@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from gyre.config.domain import ConfigValueError as ConfigValueError  # where callers have always found it
 from gyre.config.domain import check_fields
 from gyre.config.domain import fail as _fail
-from gyre.config.schema import HarnessKind, SandboxBackend, Scheduler, TaskSourceKind
+from gyre.config.schema import HarnessKind, SandboxBackend, Scheduler, TaskSourceKind, resolved_weight_sync
 
 if TYPE_CHECKING:
     from gyre.config.schema import (
@@ -249,6 +249,23 @@ def check_engine_in_cells(cfg: RunConfig) -> None:
             _fail("engine.tp_size", cfg.engine.tp_size,
                   f"cell {i} has {cell.nodes} node(s) of {cell.gpus_per_node} GPUs: one SGLang server per cell "
                   f"must span them all (engine.tp_size={gpus}); the controller routes to one engine per cell")  # fmt: skip
+        if cell.gpus_per_node:
+            check_weight_sync_on_gpus(cfg.engine, i, cell.nodes)
+
+
+def check_weight_sync_on_gpus(e: EngineConfig, cell: int, nodes: int) -> None:
+    """A cell's SGLang server runs on the GPUs its trainer ranks use (released while they train): NCCL refuses
+    a communicator with two ranks on one GPU, and CUDA IPC handles open only on their own node."""
+    sync = resolved_weight_sync(e)
+    if sync == "distributed":
+        _fail("engine.weight_sync", e.weight_sync,
+              "resolves to distributed, a broadcast group of trainer and engine ranks over NCCL, which refuses two "
+              "ranks on one GPU ('Duplicate GPU detected') and the cell's server shares its trainer's GPUs; use "
+              "tensor (CUDA IPC, a server within one node) or disk (docs/gpu.md)")  # fmt: skip
+    if sync == "tensor" and nodes > 1:
+        _fail("engine.weight_sync", e.weight_sync,
+              f"CUDA IPC handles open only on the node that made them, and cell {cell}'s server spans {nodes} "
+              "nodes; use disk (docs/gpu.md)")  # fmt: skip
 
 
 def check_proxy(p: ProxyConfig) -> None:

@@ -75,13 +75,6 @@ class EngineSetup:
     routed_experts: bool = False  # rl.routing_replay: SGLang is started able to return routed experts
 
 
-def resolved_weight_sync(cfg: EngineConfig) -> str:
-    """engine.weight_sync with "auto" resolved: disk for the embedded engine, distributed for SGLang."""
-    if cfg.weight_sync != "auto":
-        return cfg.weight_sync
-    return "disk" if cfg.backend == "embedded" else "distributed"
-
-
 class EngineServers:
     """The control calls of SGLang's protocol, sent to every server of an engine, in order."""
 

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gyre.config.schema import EngineConfig, ModelConfig
+from gyre.config.schema import EngineConfig, ModelConfig, resolved_weight_sync
 from gyre.engine.admin_key import sglang_key_config
 from gyre.engine.client import SyncEngineClient
-from gyre.engine.engine import EngineServers, EngineSetup, EngineUnsupported, resolved_weight_sync, stop_processes
+from gyre.engine.engine import EngineServers, EngineSetup, EngineUnsupported, stop_processes
 from gyre.engine.launcher import EngineProcess, EngineStartError, _tail
 from gyre.errors import UserError
 from gyre.lifetime import spawn_tied
@@ -480,6 +480,14 @@ class SGLangEngine:
         self.cfg, self.setup = cfg, setup
         self.version = "0"
         self.weight_sync = resolved_weight_sync(cfg)
+        from gyre.train.model_parallel import trainer_backend
+
+        if self.weight_sync == "distributed" and trainer_backend() == "nccl":
+            raise EngineUnsupported(
+                "engine.weight_sync=distributed (what auto resolves to for SGLang): the server runs on the GPUs the "
+                "trainer uses, and NCCL refuses a group with two ranks on one GPU ('Duplicate GPU detected'); set "
+                "engine.weight_sync=tensor (a server within one node) or disk (docs/gpu.md)"
+            )
         self.processes: list[EngineProcess] = []
         self.servers = EngineServers([])
         self.groups: dict[int, Any] = {}

@@ -124,7 +124,7 @@ def reduce_shard(cp: ControlPlane, trainer: Trainer, msg: GradientReduce, timeou
 def sends_shard_to_shard(engine: Any, ranks: int) -> bool:
     """Whether a cell's ranks send their stages to its engine themselves (SGLang, engine.weight_sync=distributed,
     more than one rank) rather than its leader the whole model (the embedded engine, disk and tensor updates)."""
-    from gyre.engine.engine import resolved_weight_sync
+    from gyre.config.schema import resolved_weight_sync
 
     return ranks > 1 and engine.backend == "sglang" and resolved_weight_sync(engine.cfg) == "distributed"
 
