@@ -8,6 +8,7 @@ failing, a losing rollout could have itself excluded instead of scored 0.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import struct
 
@@ -148,3 +149,43 @@ def test_the_endpoint_notes_context_overflows_and_whether_any_call_was_answered_
     assert (first.context_overflows, first.overflow_before_any_answer, first.failures) == (["5000 > 4096"], True, [])
     later = asyncio.run(_overflow_after(2))
     assert (later.context_overflows, later.overflow_before_any_answer, later.answered) == (["5000 > 4096"], False, 2)
+
+
+async def _proxy_drops_a_call_while_the_endpoint_closes() -> list[str]:
+    """The proxy ends a call (a moved or stopped session) while the rollout's endpoint is closing."""
+    held, release = asyncio.Event(), asyncio.Event()
+
+    async def hang(request: web.Request) -> web.StreamResponse:
+        held.set()
+        await release.wait()
+        assert request.transport is not None
+        request.transport.abort()
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post("/v1/hang", hang)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    endpoint = ProxyEndpoint(f"http://127.0.0.1:{runner.addresses[0][1]}/v1")
+    await endpoint.start()
+    try:
+        host, port = endpoint.url.removeprefix("http://").split(":")
+        _, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/hang HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+        await writer.drain()
+        await asyncio.wait_for(held.wait(), 10)
+        closing = asyncio.ensure_future(endpoint.close())
+        await asyncio.sleep(0.05)
+        release.set()
+        await closing
+        writer.close()
+        return list(endpoint.failures)
+    finally:
+        await runner.cleanup()
+
+
+def test_a_call_the_proxy_drops_while_the_endpoint_closes_is_neither_a_failure_nor_a_traceback(caplog) -> None:
+    with caplog.at_level(logging.ERROR, logger="aiohttp"):
+        assert asyncio.run(_proxy_drops_a_call_while_the_endpoint_closes()) == []
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("aiohttp")] == []

@@ -194,8 +194,8 @@ class ProxyEndpoint:
                 await _to_harness(resp.write_eof())
                 return resp
         except aiohttp.ClientError as e:
-            if self._closing:
-                raise
+            if self._closing:  # the rollout has ended: dropped, not a failure, and not an error to print
+                return web.Response(status=503, text="the rollout's endpoint is closing")
             self.failures.append(f"proxy unreachable: {type(e).__name__}: {e}")
             error = {"message": f"proxy unreachable: {e}", "type": "server_error", "param": None, "code": None}
             return web.json_response({"error": error}, status=502, dumps=json.dumps)
