@@ -100,6 +100,8 @@ def user_python(workdir: Path, prefix: list[str]) -> Path:
 @pytest.fixture(scope="module")
 def user() -> Iterator[User]:
     """USER (as root: made here and removed at the end; as a user already: that user), its HOME and Python."""
+    closed = [str(d) for d in (ROOT, *ROOT.parents) if not d.stat().st_mode & 0o001]
+    assert not closed, f"the checkout must be reachable by another user to run as one: {closed} not searchable (o+x)"
     workdir = Path(tempfile.mkdtemp(prefix="gyre-unpriv-"))
     workdir.chmod(0o755)
     home = workdir / "home"

@@ -422,7 +422,7 @@ def send_bucket(client: SyncEngineClient, bucket: dict[str, torch.Tensor], versi
 def open_distributed_group(client: SyncEngineClient, trainer_address: str, tp_size: int, group_name: str,
                            backend: str) -> Any:  # fmt: skip
     """The trainer (rank 0) and the server's tp_size ranks (from rank 1) in one broadcast group, on `backend`
-    (the trainer's: gyre.train.model_parallel.trainer_backend, gyre.sched.cell.world.weight_group_backend)."""
+    (the trainer's: gyre.train.backend.trainer_backend, gyre.sched.cell.world.weight_group_backend)."""
     from gyre.engine.sglang_weights import bind_weight_update_store, open_weight_update_group
 
     world = 1 + tp_size
@@ -480,7 +480,7 @@ class SGLangEngine:
         self.cfg, self.setup = cfg, setup
         self.version = "0"
         self.weight_sync = resolved_weight_sync(cfg)
-        from gyre.train.model_parallel import trainer_backend
+        from gyre.train.backend import trainer_backend  # torch only: no megatron import beside the replica's
 
         if self.weight_sync == "distributed" and trainer_backend() == "nccl":
             raise EngineUnsupported(
@@ -569,7 +569,7 @@ class SGLangEngine:
 
     def update_weights_from_distributed(self, state: dict[str, torch.Tensor], version: str) -> None:
         """From this process's trainer (a cell of one rank), over a group on its trainer's backend."""
-        from gyre.train.model_parallel import trainer_backend
+        from gyre.train.backend import trainer_backend
 
         for i, client in enumerate(self.servers.clients):
             name = f"gyre_weights_{i}"

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from gyre.config.schema import ModelConfig, TrainConfig
+from gyre.train.backend import trainer_backend as trainer_backend  # where callers have found it
 from gyre.train.cpu_shim import apply_cpu_shim
 from gyre.train.megatron_gpt import parallel_state
 
@@ -33,13 +34,6 @@ def needs_model_parallel(train_cfg: TrainConfig) -> bool:
         train_cfg.expert_parallel,
     )
     return max(sizes) > 1
-
-
-def trainer_backend(device: torch.device | None = None) -> str:
-    """The trainer world's torch.distributed backend, chosen here only: NCCL when the rank trains on a GPU
-    (megatron's DDP, distributed optimizer and TP/PP collectives on CUDA tensors), gloo on CPU."""
-    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def rank_device(local_rank: int) -> torch.device:
