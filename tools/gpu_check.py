@@ -449,7 +449,8 @@ def cell_cycle(plan: Plan, workdir: Path) -> dict[str, Any]:
            "warm_start.steps=2", "warm_start.demos=8", "warm_start.batch_size=4", "tokenizer.corpus_tasks=40",
            "tokenizer.vocab_size=512", f"output_dir={out}", f"hydra.run.dir={out}/hydra"]  # fmt: skip
     if plan.engine == "sglang":
-        cmd += ["engine.dtype=bfloat16", "engine.mem_fraction_static=0.4"]
+        # the engine shares the trainer's one GPU: new weights as CUDA IPC handles (distributed is refused there)
+        cmd += ["engine.dtype=bfloat16", "engine.mem_fraction_static=0.4", "engine.weight_sync=tensor"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
     if proc.returncode:
