@@ -21,6 +21,17 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 CHUNK = b"x" * (64 << 10)
 
 
+async def _serve(routes: dict[str, object]) -> tuple[web.AppRunner, str]:
+    """A server in the proxy's place on loopback, POST routes only; its runner and its /v1 URL."""
+    app = web.Application()
+    for path, handler in routes.items():
+        app.router.add_post(path, handler)  # type: ignore[arg-type]
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+
+
 async def _upstream(done: asyncio.Event) -> tuple[web.AppRunner, str]:
     """A server in the proxy's place: /v1/stream streams for a long while, /v1/die drops mid-answer."""
 
@@ -45,13 +56,7 @@ async def _upstream(done: asyncio.Event) -> tuple[web.AppRunner, str]:
         request.transport.abort()
         return resp
 
-    app = web.Application()
-    app.router.add_post("/v1/stream", stream)
-    app.router.add_post("/v1/die", die)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+    return await _serve({"/v1/stream": stream, "/v1/die": die})
 
 
 async def _harness_reads_then_resets(url: str, path: str) -> int:
@@ -122,13 +127,8 @@ async def _overflow_after(answers_first: int) -> ProxyEndpoint:
     async def long(request: web.Request) -> web.Response:
         return error_response(context_length_exceeded(4096, 5000), request)
 
-    app = web.Application()
-    app.router.add_post("/v1/ok", ok)
-    app.router.add_post("/v1/messages", long)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    endpoint = ProxyEndpoint(f"http://127.0.0.1:{runner.addresses[0][1]}/v1")
+    runner, root = await _serve({"/v1/ok": ok, "/v1/messages": long})
+    endpoint = ProxyEndpoint(root)
     await endpoint.start()
     try:
         import aiohttp
@@ -162,12 +162,8 @@ async def _proxy_drops_a_call_while_the_endpoint_closes() -> list[str]:
         request.transport.abort()
         return web.Response()
 
-    app = web.Application()
-    app.router.add_post("/v1/hang", hang)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    endpoint = ProxyEndpoint(f"http://127.0.0.1:{runner.addresses[0][1]}/v1")
+    runner, root = await _serve({"/v1/hang": hang})
+    endpoint = ProxyEndpoint(root)
     await endpoint.start()
     try:
         host, port = endpoint.url.removeprefix("http://").split(":")
