@@ -11,6 +11,7 @@ import asyncio
 import logging
 import socket
 import struct
+from collections.abc import Awaitable, Callable
 
 import pytest
 from aiohttp import web
@@ -21,11 +22,13 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 CHUNK = b"x" * (64 << 10)
 
 
-async def _serve(routes: dict[str, object]) -> tuple[web.AppRunner, str]:
+async def _serve(
+    routes: dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]],
+) -> tuple[web.AppRunner, str]:
     """A server in the proxy's place on loopback, POST routes only; its runner and its /v1 URL."""
     app = web.Application()
     for path, handler in routes.items():
-        app.router.add_post(path, handler)  # type: ignore[arg-type]
+        app.router.add_post(path, handler)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
