@@ -59,6 +59,44 @@ def test_het_job_across_three_nodes_gives_each_rank_its_cell(tmp_path):
     assert ranks[0][3] == ranks[1][3] and len({r[3] for r in ranks}) == 3  # one component per node
 
 
+MPI_PROBE = [
+    sys.executable,
+    "-c",
+    "from mpi4py import MPI; w = MPI.COMM_WORLD; print(f'world {w.size} sum {w.allreduce(1)}')",
+]
+PMI_REQUEST = re.compile(r"send to fd=\d+ pmi: (cmd=.*)")
+PMI_VALLEN = re.compile(r"got pmi response: cmd=maxes .*vallen_max=(\d+)")
+
+
+def test_the_cell_jobs_mpi_world_starts_through_slurms_pmi_in_requests_it_reads_whole(tmp_path, monkeypatch):
+    """Slurm reads a PMI-1 request with one read() of 1,024 bytes; MPICH cuts values into segments of
+    (vallen_max - 2) / 2 bytes, hex-encoded, and its ucx module publishes 4 KB of mostly stray heap bytes: with
+    Slurm's vallen_max=1024 a segment that does not compress made a ~1,080-byte request and a CI run's world never
+    came up (gyre/sched/launch/pmi_relay.py). In the script's MPI world (PMI_DEBUG: MPICH prints each request and
+    reply) every put would fit that read whatever its bytes, and every request does."""
+    monkeypatch.setenv("PMI_DEBUG", "1")  # sbatch --export=ALL: the ranks' MPICH prints its PMI requests
+    cfg = _cpu_cfg()
+    script = tmp_path / "job.sbatch"
+    script.write_text(
+        render_sbatch(cfg, plan_step(cfg, MPI_PROBE), ScriptLayout(log_dir=str(tmp_path), config_path="(test)"))
+    )
+    proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    job = proc.stdout.strip().split(";")[0]
+    state = _wait_for_end(job)
+    logs = "".join(p.read_text() for p in sorted(tmp_path.glob(f"{job}_cells_*.out")))
+    assert state == "COMPLETED", logs[-3000:]
+    assert logs.count("world 4 sum 4") == 4, logs[-3000:]
+    (vallen,) = {int(v) for v in PMI_VALLEN.findall(logs)}  # what every rank was told
+    requests = PMI_REQUEST.findall(logs)
+    puts = [r for r in requests if r.startswith("cmd=put ") and "-seg-" in r]
+    assert puts, requests  # the ucx address went out in segments
+    # the longest a segment's request can be: its command, (vallen - 2) / 2 bytes as hex, a newline
+    worst = max(len(r[: r.index(" value=") + len(" value=")]) + 2 * ((vallen - 2) // 2) + 1 for r in puts)
+    assert worst <= 1024, f"vallen_max={vallen}: a put of {worst} bytes would be cut by Slurm's read"
+    assert max(len(r) + 1 for r in requests) <= 1024
+
+
 def _where() -> tuple[int, int, str]:
     from gyre.sched.launch.slurm_env import cell_rank_from_env
 

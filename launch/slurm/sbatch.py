@@ -31,6 +31,7 @@ CELL_JOB_ENV = (
     ("HDF5_USE_FILE_LOCKING", "FALSE"),
     ("MC_LOG_LEVEL", "ERROR"),
 )  # step -> (stdout, stderr or None to merge), task-shell syntax
+PMI_RELAY_MODULE = "gyre.sched.launch.pmi_relay"
 
 
 def default_log_names(step: Step) -> tuple[str, str | None]:
@@ -124,6 +125,14 @@ def _task_wrapper(step: Step, layout: ScriptLayout) -> list[str]:
     return ["bash", "-c", f'exec "$@" {redirect}', "task"]
 
 
+def rank_argv(step: Step) -> list[str]:
+    """What each task runs: the step's command (its argv[0] the cluster's Python), behind the PMI-1 relay unless
+    the step speaks PMIx (gyre/sched/launch/pmi_relay.py: Slurm's PMI-1 server reads 1,024 bytes a request)."""
+    if step.mpi.startswith("pmix"):
+        return list(step.argv)
+    return [step.argv[0], "-m", PMI_RELAY_MODULE, "--", *step.argv]
+
+
 def _srun_lines(step: Step, layout: ScriptLayout) -> list[str]:
     """One srun over every component (`srun A : B : C`): a single MPI_COMM_WORLD across the het job."""
     mpi = [f"--mpi={step.mpi}"] if step.mpi else []
@@ -141,7 +150,7 @@ def _srun_lines(step: Step, layout: ScriptLayout) -> list[str]:
         ]
         lines += [("" if i == 0 else "    ") + f"{shlex.join(srun)} \\"]
         lines += [f"    {shlex.join(_task_wrapper(step, layout))} \\"]
-        lines.append(f"    {shlex.join(step.argv)}" + (" \\" if i + 1 < len(step.components) else " &"))
+        lines.append(f"    {shlex.join(rank_argv(step))}" + (" \\" if i + 1 < len(step.components) else " &"))
     return lines
 
 
@@ -194,8 +203,9 @@ def render_sbatch(cfg: RunConfig, step: Step, layout: ScriptLayout) -> str:
 def _guarded_start_lines(step: Step, layout: ScriptLayout, cluster: ClusterConfig) -> list[str]:
     """Start the step; if the MPI world is not up within cluster.mpi_start_timeout_s (rank 0 creates
     $GYRE_WORLD_UP_FILE once every rank has joined), end the step and start it again, at most
-    cluster.mpi_start_attempts times. PMI-2 start-ups now and then fail or hang inside MPI_Init on a
-    loaded machine; a start that got past it is never rerun here (resume handles everything later)."""
+    cluster.mpi_start_attempts times: a rank stuck in MPI_Init, a node that never starts its task (the cause seen
+    most, PMI-1 requests longer than Slurm reads, is gone: rank_argv); a start that got past it is never rerun here
+    (resume handles everything later)."""
     timeout, attempts = cluster.mpi_start_timeout_s, cluster.mpi_start_attempts
     up = f'"${WORLD_UP_VAR}"'
     body = [
