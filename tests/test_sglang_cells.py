@@ -88,6 +88,8 @@ def test_layouts_that_cannot_be_served_fail_with_the_reason():
         plan_servers("/m", dataclasses.replace(GPU, tp_size=3), None, ["n0"], 8)
     with pytest.raises(ValueError, match="needs whole nodes"):
         plan_servers("/m", dataclasses.replace(GPU, tp_size=16), None, ["n0", "n1", "n2"], 8)
+    with pytest.raises(ValueError, match=r"tp_size=2 x pp_size=3 \(6 GPUs\) does not divide the cell's 8 GPUs"):
+        plan_servers("/m", dataclasses.replace(GPU, pp_size=3, weight_sync="disk"), None, ["n0"], 8)
     with pytest.raises(ValueError, match="engine.port=0 cannot pick free ports on other nodes"):
         plan_servers("/m", dataclasses.replace(GPU, port=0), None, ["n0", "n1"], 8)
 
@@ -98,23 +100,29 @@ def test_cell_jobs_refuse_sglang_settings_they_cannot_honour():
     from gyre.config.validate import ConfigValueError, check_engine_in_cells, check_run
 
     cfg = compose(["cluster=slurm_gpu"])
-    check_engine_in_cells(cfg)  # the GPU preset: 2 nodes of 8 GPUs per cell, tp 16, no KV migration
+    check_engine_in_cells(cfg)  # the GPU preset: 2 nodes of 8 GPUs per cell, TP 8 x PP 2, no KV migration
     with pytest.raises(ConfigValueError, match="sched.kv_migration"):
         check_engine_in_cells(dataclasses.replace(cfg, sched=dataclasses.replace(cfg.sched, kv_migration=True)))
     with pytest.raises(ConfigValueError, match="one SGLang server per cell"):
         check_engine_in_cells(dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, tp_size=4)))
-    # the server shares the trainer's GPUs: no NCCL group of both; it spans 2 nodes: no CUDA IPC handles
+    # the server shares the trainer's GPUs: no NCCL group of both; it spans 2 nodes: no CUDA IPC handles (as TP 16)
     for sync, why in (("auto", "resolves to distributed.*Duplicate GPU"), ("distributed", ".*Duplicate GPU"),
                       ("tensor", ".*cell 0's server spans 2 nodes")):  # fmt: skip
+        tp16 = dataclasses.replace(cfg.engine, tp_size=16, pp_size=1, weight_sync=sync)
         with pytest.raises(ConfigValueError, match=f"engine.weight_sync='{sync}': {why}"):
-            check_engine_in_cells(dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, weight_sync=sync)))
+            check_engine_in_cells(dataclasses.replace(cfg, engine=tp16))
+        resolves = "distributed" if sync == "auto" else sync
+        with pytest.raises(ConfigValueError, match=f"engine.pp_size=2: needs engine.weight_sync=disk .*{resolves}"):
+            dataclasses.replace(cfg.engine, weight_sync=sync)  # the preset's PP 2: a group would collide
     small = compose(["cluster=slurm_gpu_small"])
     assert (cfg.engine.weight_sync, small.engine.weight_sync) == ("disk", "tensor")
     check_engine_in_cells(small)
     check_run(cfg)
-    odd_heads = dataclasses.replace(cfg.model, num_attention_heads=40, num_query_groups=8, head_dim=128)
-    with pytest.raises(ConfigValueError, match=r"engine.tp_size=16: does not divide model.num_attention_heads=40"):
+    odd_heads = dataclasses.replace(cfg.model, num_attention_heads=36, num_query_groups=4, head_dim=128)
+    with pytest.raises(ConfigValueError, match=r"engine.tp_size=8: does not divide model.num_attention_heads=36"):
         check_run(dataclasses.replace(cfg, model=odd_heads))
+    with pytest.raises(ConfigValueError, match=r"engine.pp_size=2: exceeds model.num_layers=1: a stage without"):
+        check_run(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=1)))
     with pytest.raises(ConfigValueError, match=r"train.tensor_parallel=8: must divide model.vocab_size=151937"):
         check_run(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=151937)))
 
@@ -122,9 +130,9 @@ def test_cell_jobs_refuse_sglang_settings_they_cannot_honour():
 @pytest.mark.unit
 @pytest.mark.parametrize("preset", ["slurm_gpu", "slurm_gpu_small"])
 def test_gpu_presets_plan_one_sglang_server_over_each_cells_gpus(preset, tmp_path):
-    """What SGLang's parser reads from the presets' command lines: slurm_gpu's cell of 2 nodes x 8 GPUs is
-    one server of TP 16 over both nodes (SGLang 0.5.23 gives an update group's engine ranks rank_offset +
-    tp_rank, so a server with --pp-size or --dp-size > 1 could not join one weight broadcast group)."""
+    """What SGLang's parser reads from the presets' command lines: slurm_gpu's cell of 2 nodes x 8 GPUs is one
+    server of TP 8 x PP 2 over both nodes, fed from checkpoints (SGLang 0.5.23 gives an update group's engine
+    ranks rank_offset + tp_rank, so a server with --pp-size > 1 could not join one weight broadcast group)."""
     from gyre.config.load import compose
 
     cfg = compose([f"cluster={preset}"])
@@ -132,12 +140,12 @@ def test_gpu_presets_plan_one_sglang_server_over_each_cells_gpus(preset, tmp_pat
     plan = plan_servers("/models/qwen3", cfg.engine, cfg.model, nodes, cfg.cluster.core.gpus_per_node,
                         key_dir=tmp_path)  # fmt: skip
     got = [(p.node, p.node_rank, parsed(p.argv)) for p in plan]
-    if preset == "slurm_gpu":
-        assert [(n, r, ns.tp_size, ns.nnodes, ns.node_rank, ns.dist_init_addr) for n, r, ns in got] == [
-            ("n0", 0, 16, 2, 0, "n0:30050"), ("n1", 1, 16, 2, 1, "n0:30050")]  # fmt: skip
+    if preset == "slurm_gpu":  # the trainer's shape: TP 8 inside a node, a pipeline stage per node
+        assert [(n, r, ns.tp_size, ns.pp_size, ns.nnodes, ns.node_rank, ns.dist_init_addr) for n, r, ns in got] == [
+            ("n0", 0, 8, 2, 2, 0, "n0:30050"), ("n1", 1, 8, 2, 2, 1, "n0:30050")]  # fmt: skip
     else:
-        assert [(n, ns.tp_size, ns.nnodes, ns.base_gpu_id) for n, _, ns in got] == [("n0", 8, 1, 0)]
-    assert all(ns.enable_memory_saver and ns.pp_size == 1 and ns.dp_size == 1 for _, _, ns in got)
+        assert [(n, ns.tp_size, ns.pp_size, ns.nnodes, ns.base_gpu_id) for n, _, ns in got] == [("n0", 8, 1, 1, 0)]
+    assert all(ns.enable_memory_saver and ns.dp_size == 1 for _, _, ns in got)
 
 
 @pytest.mark.integration

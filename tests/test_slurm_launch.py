@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from gyre.config.domain import ConfigValueError
 from gyre.config.load import compose
 from gyre.config.schema import CellResources, RunConfig
 from gyre.config.validate import check_cells
@@ -45,7 +46,7 @@ def three_node_cfg(gpu_cfg) -> RunConfig:
                          time="2-00:00:00")  # fmt: skip
     cfg.cluster.core, cfg.cluster.satellites = node, [copy.deepcopy(node), copy.deepcopy(node)]
     cfg.train.tensor_parallel = cfg.train.pipeline_parallel = 1
-    cfg.engine.tp_size = 8
+    cfg.engine.tp_size, cfg.engine.pp_size = 8, 1
     return cfg
 
 
@@ -99,9 +100,11 @@ def test_cells_of_several_ranks_lay_out_their_tasks_on_their_nodes():
 
 def test_layouts_the_cell_runtime_cannot_hold_fail_with_the_key_to_change(gpu_cfg):
     cfg = copy.deepcopy(gpu_cfg)
-    cfg.engine.tp_size = 8
-    with pytest.raises(LayoutError, match="engine.tp_size=8: cell 0 has 2 node.* of 8 GPUs"):
+    cfg.engine.pp_size = 1
+    with pytest.raises(LayoutError, match="engine.tp_size=8: with engine.pp_size=1 holds 8 GPUs, but cell 0 has 2 node"):
         plan_step(cfg, ["x"])
+    with pytest.raises(ConfigValueError, match="engine.pp_size=2: needs engine.weight_sync=disk .*resolves to tensor"):
+        compose(["cluster=slurm_gpu_small", "engine.tp_size=4", "engine.pp_size=2"])  # 8 GPUs, but CUDA IPC
     cfg = copy.deepcopy(gpu_cfg)
     cfg.train.pipeline_parallel = 4
     with pytest.raises(LayoutError, match=r"cluster.core.tasks_per_node=8: cell 0 has 2 node\(s\) x 8 task.*= 32 rank"):
@@ -219,8 +222,8 @@ def test_dry_run_writes_script_and_resolved_config(tmp_path, capsys):
     resolved = OmegaConf.to_object(saved)
     assert resolved.seed == 7 and resolved.cluster.mooncake.protocol == "rdma" and resolved.output_dir == str(tmp_path)
     assert (tmp_path / "slurm").is_dir()
-    with pytest.raises(SystemExit, match="engine.tp_size=8: cell 0 has 2 node.* of 8 GPUs"):
-        submit_main(["--dry-run", "--out", str(tmp_path), "cluster=slurm_gpu", "engine.tp_size=8"])
+    with pytest.raises(SystemExit, match="engine.tp_size=16: with engine.pp_size=2 holds 32 GPUs, but cell 0 has 2"):
+        submit_main(["--dry-run", "--out", str(tmp_path), "cluster=slurm_gpu", "engine.tp_size=16"])
     with pytest.raises(SystemExit, match="scheduler='colocate' runs on one machine.*scheduler=colocate_cells"):
         submit_main(["--dry-run", "--out", str(tmp_path), "cluster=slurm_gpu", "scheduler=colocate"])
 

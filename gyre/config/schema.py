@@ -241,6 +241,9 @@ class EngineConfig:
     num_threads: int = ranged(1, AT_LEAST_1)  # torch threads of the embedded engine
     startup_timeout_s: float = ranged(120.0, POSITIVE)  # how long the engine may take to answer /health
     tp_size: int = ranged(1, AT_LEAST_1)  # sglang: tensor-parallel GPUs per server
+    # sglang: pipeline stages per server (--pp-size); a server holds tp_size x pp_size GPUs. Above 1 needs
+    # weight_sync=disk: SGLang's weight-update groups rank engine ranks by TP rank only
+    pp_size: int = ranged(1, AT_LEAST_1)
     # sglang: GPU memory share for weights + KV cache
     mem_fraction_static: float = ranged(0.85, Range(0, 1, low_open=True, high_open=True), why="e.g. 0.8")
     device: str = "cpu"  # embedded: torch device of the model and KV cache ("cuda" on a GPU machine)

@@ -84,6 +84,13 @@ def check_engine(e: EngineConfig) -> None:
     check_fields(e, "engine.")
     if e.backend == "embedded" and e.tp_size != 1:
         _fail("engine.tp_size", e.tp_size, "the embedded engine runs on one device; use engine.backend=sglang for TP")
+    if e.backend == "embedded" and e.pp_size != 1:
+        _fail("engine.pp_size", e.pp_size, "the embedded engine runs on one device; use engine.backend=sglang for PP")
+    if e.pp_size > 1 and resolved_weight_sync(e) != "disk":
+        _fail("engine.pp_size", e.pp_size,
+              f"needs engine.weight_sync=disk (it resolves to {resolved_weight_sync(e)}): SGLang 0.5.23 ranks a "
+              "weight-update group's engine ranks rank_offset + tp_rank (weight_updater.py), the same in every "
+              "pipeline stage, and tensor updates go to TP ranks only")  # fmt: skip
     if e.hicache_storage_backend and not e.enable_hierarchical_cache:
         _fail("engine.hicache_storage_backend", e.hicache_storage_backend,
               "needs engine.enable_hierarchical_cache=true (SGLang's storage tier sits under HiCache)")  # fmt: skip
@@ -134,6 +141,8 @@ def check_engine_for_model(e: EngineConfig, m: ModelConfig) -> None:
     if kv % e.tp_size and e.tp_size % kv:
         _fail("engine.tp_size", e.tp_size,
               f"neither divides nor is a multiple of model.num_query_groups={kv} (KV heads)")  # fmt: skip
+    if e.pp_size > m.num_layers:
+        _fail("engine.pp_size", e.pp_size, f"exceeds model.num_layers={m.num_layers}: a stage without a layer")
     if e.max_context_tokens > m.max_position_embeddings:
         _fail("engine.max_context_tokens", e.max_context_tokens,
               f"exceeds model.max_position_embeddings={m.max_position_embeddings}")  # fmt: skip
@@ -237,18 +246,19 @@ def check_cells(cfg: RunConfig) -> None:
 
 def check_engine_in_cells(cfg: RunConfig) -> None:
     """What a cell job can honour with SGLang engines: the controller routes to one engine URL per cell, so
-    a cell holds one SGLang server (engine.tp_size covers its GPUs, over several nodes if need be), and
+    a cell holds one SGLang server (engine.tp_size x pp_size covers its GPUs, over several nodes if need be), and
     SGLang has no per-request KV export for rerouting with migration."""
     if cfg.engine.backend != "sglang":
         return
     if cfg.sched.kv_migration:
         _fail("sched.kv_migration", True, "SGLang engines have no per-request KV export; set sched.kv_migration=false")
     for i, cell in enumerate([cfg.cluster.core, *cfg.cluster.satellites]):
-        gpus = cell.gpus_per_node * cell.nodes
-        if cell.gpus_per_node and gpus != cfg.engine.tp_size:
+        gpus, span = cell.gpus_per_node * cell.nodes, cfg.engine.tp_size * cfg.engine.pp_size
+        if cell.gpus_per_node and gpus != span:
             _fail("engine.tp_size", cfg.engine.tp_size,
-                  f"cell {i} has {cell.nodes} node(s) of {cell.gpus_per_node} GPUs: one SGLang server per cell "
-                  f"must span them all (engine.tp_size={gpus}); the controller routes to one engine per cell")  # fmt: skip
+                  f"with engine.pp_size={cfg.engine.pp_size} holds {span} GPUs, but cell {i} has {cell.nodes} node(s) "
+                  f"of {cell.gpus_per_node} GPUs: one SGLang server per cell must span them all (tp_size x pp_size = "
+                  f"{gpus}); the controller routes to one engine per cell")  # fmt: skip
         if cell.gpus_per_node:
             check_weight_sync_on_gpus(cfg.engine, i, cell.nodes)
 

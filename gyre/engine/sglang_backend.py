@@ -125,10 +125,12 @@ def sglang_server_args(
     dist_init_addr: str = "",
     key_dir: str | Path | None = None,
     routed_experts: bool = False,
+    key_file: str | None = None,
 ) -> list[str]:
     """The `python -m sglang.launch_server` arguments for one server of a cell (on one of its nodes when
     the server spans `nnodes`; every node of it gets the same arguments but --node-rank). The admin key's
-    file goes to `key_dir` (a directory every node of the server reads; default: a private temporary one)."""
+    file goes to `key_dir` (a directory every node of the server reads; default: a private temporary one);
+    `key_file` names one instead and writes nothing (the command lines a generated script shows)."""
     if cfg.backend != "sglang":
         raise ValueError(f"engine.backend={cfg.backend!r}: SGLang command lines are for engine.backend=sglang")
     if not 0 < port < 65536:
@@ -151,8 +153,10 @@ def sglang_server_args(
     # The run's key for every route but /health*: admin routes for the controller and cells only, and
     # /server_info, which lists the server args (the admin key among them), closed as well. From a file of
     # SGLang's --config, mode 0600: never on a command line, which /proc/<pid>/cmdline shows to anyone.
-    argv += ["--config", str(sglang_key_config(key_dir))]
+    argv += ["--config", key_file if key_file is not None else str(sglang_key_config(key_dir))]
     argv += _feature_args(cfg, routed_experts)
+    if cfg.pp_size > 1:
+        argv += ["--pp-size", str(cfg.pp_size)]
     if nnodes > 1:
         if not dist_init_addr:
             raise ValueError("a server over several nodes needs dist_init_addr (its first node's host:port)")
@@ -272,38 +276,40 @@ def plan_servers(
     port: int | None = None,
     key_dir: str | Path | None = None,
     routed_experts: bool = False,
+    key_file: str | None = None,
 ) -> list[ServerLaunch]:
-    """Every SGLang process of a cell: one server per tensor-parallel group of engine.tp_size GPUs.
+    """Every SGLang process of a cell: one server per group of engine.tp_size x pp_size GPUs.
 
     nodes: the cell's hosts, this one first ("" or one entry: this host only). gpus_per_node=0: unknown,
-    one server over tp_size GPUs from engine.base_gpu_id. When tp_size exceeds a node, a server spans
-    tp_size / gpus_per_node nodes (--nnodes, --node-rank, --dist-init-addr on its first node).
+    one server over tp_size x pp_size GPUs from engine.base_gpu_id. When a server's GPUs exceed a node, it spans
+    (tp_size x pp_size) / gpus_per_node nodes (--nnodes, --node-rank, --dist-init-addr on its first node).
     """
     nodes = list(nodes or [""])
-    tp = cfg.tp_size
+    span = cfg.tp_size * cfg.pp_size
+    what = f"engine.tp_size={cfg.tp_size}" + (f" x pp_size={cfg.pp_size} ({span} GPUs)" if cfg.pp_size > 1 else "")
     base = port or cfg.port
     if len(nodes) > 1 and not cfg.port:
         raise ValueError("engine.port=0 cannot pick free ports on other nodes; set engine.port (e.g. 30000)")
     base = base or free_port(cfg.host)
-    if gpus_per_node <= 0 or tp <= gpus_per_node:
-        if gpus_per_node > 0 and gpus_per_node % tp:
-            raise ValueError(f"engine.tp_size={tp} does not divide the cell's {gpus_per_node} GPUs per node")
-        per_node = gpus_per_node // tp if gpus_per_node > 0 else 1
+    if gpus_per_node <= 0 or span <= gpus_per_node:
+        if gpus_per_node > 0 and gpus_per_node % span:
+            raise ValueError(f"{what} does not divide the cell's {gpus_per_node} GPUs per node")
+        per_node = gpus_per_node // span if gpus_per_node > 0 else 1
         launches = []
         for n, node in enumerate(nodes):
             for k in range(per_node):
                 server, server_port = n * per_node + k, base + k
-                gpu = cfg.base_gpu_id + k * tp
+                gpu = cfg.base_gpu_id + k * span
                 argv = sglang_server_args(model_path, cfg, server_port, model, weight_version, base_gpu_id=gpu,
-                                          key_dir=key_dir, routed_experts=routed_experts)  # fmt: skip
+                                          key_dir=key_dir, routed_experts=routed_experts, key_file=key_file)  # fmt: skip
                 launches.append(ServerLaunch(server, node, 0, server_port, argv))
         return launches
-    if tp % gpus_per_node or len(nodes) % (tp // gpus_per_node):
+    if span % gpus_per_node or len(nodes) % (span // gpus_per_node):
         raise ValueError(
-            f"engine.tp_size={tp} over nodes of {gpus_per_node} GPUs needs whole nodes: a multiple of "
+            f"{what} over nodes of {gpus_per_node} GPUs needs whole nodes: a multiple of "
             f"{gpus_per_node} whose node count divides the cell's {len(nodes)} nodes"
         )
-    nnodes = tp // gpus_per_node
+    nnodes = span // gpus_per_node
     if any(not n for n in nodes):
         raise ValueError(f"a server over {nnodes} nodes needs the cell's host names; got {nodes}")
     launches = []
@@ -312,8 +318,8 @@ def plan_servers(
         addr = f"{group[0]}:{base + DIST_INIT_PORT_OFFSET}"
         for rank, node in enumerate(group):
             argv = sglang_server_args(model_path, cfg, base, model, weight_version, nnodes=nnodes, node_rank=rank,
-                                      dist_init_addr=addr, key_dir=key_dir,
-                                      routed_experts=routed_experts)  # fmt: skip
+                                      dist_init_addr=addr, key_dir=key_dir, routed_experts=routed_experts,
+                                      key_file=key_file)  # fmt: skip
             launches.append(ServerLaunch(server, node, rank, base, argv))
     return launches
 

@@ -189,6 +189,7 @@ def render_sbatch(cfg: RunConfig, step: Step, layout: ScriptLayout) -> str:
         f"# The cell job: {step.num_tasks} ranks, one MPI world over every component. Rank 0 (the controller) and",
         "# the core cell's ranks on component 0, satellite i's on component i; each cell's first rank starts its",
         "# engine, and all its ranks hold its Megatron replica (tensor/pipeline shards when it has several).",
+        *_engine_lines(cfg),
         "set +e",
     ]
     lines += (
@@ -198,6 +199,24 @@ def render_sbatch(cfg: RunConfig, step: Step, layout: ScriptLayout) -> str:
     )
     lines += [*_wait_lines("$job"), *_controller_status_lines(), *_requeue_lines(cluster), 'exit "$status"', ""]
     return "\n".join(lines)
+
+
+def _engine_lines(cfg: RunConfig) -> list[str]:
+    """What each cell's first rank starts when the engine is SGLang (gyre.engine.sglang_backend.plan_servers, the
+    same call), as comments: <...> are what the run knows only then (hosts, weights, its key file)."""
+    if cfg.engine.backend != "sglang":
+        return []
+    from gyre.engine.sglang_backend import launch_command, plan_servers
+
+    lines = ["# Its SGLang servers, per cell (started by the cell's first rank, on the other nodes through srun):"]
+    for i, res in enumerate(cells(cfg)):
+        nodes = [f"<cell{i}-node{j}>" for j in range(res.nodes)]
+        plan = plan_servers("<weights>", cfg.engine, cfg.model, nodes, res.gpus_per_node, weight_version="<version>",
+                            routed_experts=cfg.rl.routing_replay, key_file="<log dir>/engine-admin-key.yaml")  # fmt: skip
+        for launch in plan:
+            cmd = launch_command(cfg.engine, launch, local_node=nodes[0])
+            lines.append(f"#   cell {i} on {launch.node}: {shlex.join(cmd)}")
+    return lines
 
 
 def _guarded_start_lines(step: Step, layout: ScriptLayout, cluster: ClusterConfig) -> list[str]:
