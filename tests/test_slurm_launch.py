@@ -101,7 +101,9 @@ def test_cells_of_several_ranks_lay_out_their_tasks_on_their_nodes():
 def test_layouts_the_cell_runtime_cannot_hold_fail_with_the_key_to_change(gpu_cfg):
     cfg = copy.deepcopy(gpu_cfg)
     cfg.engine.pp_size = 1
-    with pytest.raises(LayoutError, match="engine.tp_size=8: with engine.pp_size=1 holds 8 GPUs, but cell 0 has 2 node"):
+    with pytest.raises(
+        LayoutError, match="engine.tp_size=8: with engine.pp_size=1 holds 8 GPUs, but cell 0 has 2 node"
+    ):
         plan_step(cfg, ["x"])
     with pytest.raises(ConfigValueError, match="engine.pp_size=2: needs engine.weight_sync=disk .*resolves to tensor"):
         compose(["cluster=slurm_gpu_small", "engine.tp_size=4", "engine.pp_size=2"])  # 8 GPUs, but CUDA IPC
