@@ -179,3 +179,23 @@ def test_the_generic_transport_imports_no_engine_internals() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+
+
+@pytest.mark.unit
+def test_a_cell_waiting_for_the_policy_stops_when_the_controller_stops_first(tmp_path) -> None:
+    """A run refused while the controller builds its warm start (a harness whose first request cannot fit): the
+    one cell in the controller's process waited for policy.json until its 60 s join timed out; now the
+    controller's Shutdown ends the wait. Mail after the policy is written leaves the paths to the cell."""
+    from gyre.comm.local_control import CELL_RANK, local_control_planes
+    from gyre.comm.messages import Shutdown
+    from gyre.sched.runtime import POLICY_FILE, policy_paths
+
+    controller, cell = local_control_planes()
+    controller.send(CELL_RANK, Shutdown("the controller stopped", finalize=False))
+    with pytest.raises(RuntimeError, match="the controller stopped before writing policy.json"):
+        policy_paths(tmp_path, cell, "start-1")
+    paths = {"start_id": "start-1", "model": {}, "checkpoint_dir": "c", "tokenizer_dir": "t", "resume_from": ""}
+    (tmp_path / POLICY_FILE).write_text(json.dumps({**paths, "version": 0}))
+    controller.send(CELL_RANK, Shutdown("later", finalize=False))
+    got = policy_paths(tmp_path, cell, "start-1")
+    assert got["tok"].name == "t" and got["version"] == 0 and cell.has_mail()

@@ -111,7 +111,8 @@ def check_vocab_splits(vocab_size: int, tensor_parallel: int) -> None:
 
 def policy_paths(out: Path, cp: ControlPlane, start_id: str) -> dict[str, Any]:
     """What the controller wrote for this start (building a warm start takes minutes; if it fails, the
-    controller's error ends the job). A policy.json of an earlier start (a requeued job) is not this one."""
+    controller's error ends the job, and a controller in this process tells the cell to stop: that ends the
+    wait at once). A policy.json of an earlier start (a requeued job) is not this one."""
     path = out / POLICY_FILE
 
     def written() -> dict[str, Any] | None:
@@ -121,7 +122,16 @@ def policy_paths(out: Path, cp: ControlPlane, start_id: str) -> dict[str, Any]:
             return None
         return paths if paths.get("start_id") == start_id else None
 
-    paths = cp.wait_for(written, None)
+    def written_or_stopped() -> dict[str, Any] | None:
+        paths = written()
+        if paths is None and cp.has_mail():
+            paths = written()  # the controller writes it before it sends anything: mail without it is a stop
+            if paths is None:
+                env = cp.recv(timeout=0)
+                raise RuntimeError(f"the controller stopped before writing {POLICY_FILE} ({env and env.body})")
+        return paths
+
+    paths = cp.wait_for(written_or_stopped, None)
     return {
         "model_cfg": ModelConfig(**paths["model"]),
         "ckpt": Path(paths["checkpoint_dir"]),
@@ -161,6 +171,8 @@ def run_cell(start: RunStart, cp: ControlPlane) -> bool:
         from gyre.warm_start import Policy
 
         have_paths.wait()
+        if "model_cfg" not in got:  # no policy: the controller stopped first (policy_paths raised)
+            return
         got["policy"] = Policy(got["model_cfg"], got["tok"], got["ckpt"])
         got["trainer"] = build_replica(cfg, got["policy"], got["resume_from"], None if in_process else threads)
 
