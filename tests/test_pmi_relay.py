@@ -43,21 +43,28 @@ def test_a_client_that_is_not_pmi1_passes_through_as_it_comes() -> None:
     assert lines.feed(b"pmi_version=2;") == [b"pmi_version=2;"]
 
 
-def test_the_command_talks_through_the_relay_and_its_exit_status_is_the_relays() -> None:
+def _relayed(code: str, **popen) -> tuple[subprocess.Popen, socket.socket]:
+    """`python -c code` behind the relay, with a socket pair standing for Slurm's PMI fd: (process, Slurm's end)."""
     slurm, theirs = socket.socketpair()
+    proc = subprocess.Popen(
+        [*RELAY, sys.executable, "-c", code],
+        env={**os.environ, "PMI_FD": str(theirs.fileno())},
+        pass_fds=(theirs.fileno(),),
+        stdout=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
+    theirs.close()
+    return proc, slurm
+
+
+def test_the_command_talks_through_the_relay_and_its_exit_status_is_the_relays() -> None:
     client = (
         "import os, socket; s = socket.socket(fileno=int(os.environ['PMI_FD']));"
         "s.sendall(b'cmd=init pmi_version=1 pmi_subversion=1\\n'); assert s.recv(100) == b'cmd=response_to_init\\n';"
         "s.sendall(b'cmd=get_maxes\\n'); print(s.recv(200).decode(), end='', flush=True); raise SystemExit(3)"
     )
-    proc = subprocess.Popen(
-        [*RELAY, sys.executable, "-c", client],
-        env={**os.environ, "PMI_FD": str(theirs.fileno())},
-        pass_fds=(theirs.fileno(),),
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    theirs.close()
+    proc, slurm = _relayed(client)
     assert slurm.recv(1024) == b"cmd=init pmi_version=1 pmi_subversion=1\n"
     slurm.sendall(b"cmd=response_to_init\n")
     assert slurm.recv(1024) == b"cmd=get_maxes\n"
@@ -69,20 +76,11 @@ def test_the_command_talks_through_the_relay_and_its_exit_status_is_the_relays()
 
 
 def test_step_signals_reach_the_command_only_and_a_killed_command_kills_the_relay() -> None:
-    slurm, theirs = socket.socketpair()
     code = (
         "import os, signal, time; signal.signal(signal.SIGUSR2, lambda *_: print('usr2', flush=True));"
         "print('up', flush=True); signal.pause(); time.sleep(0.2); os.kill(os.getpid(), signal.SIGKILL)"
     )
-    proc = subprocess.Popen(
-        [*RELAY, sys.executable, "-c", code],
-        env={**os.environ, "PMI_FD": str(theirs.fileno())},
-        pass_fds=(theirs.fileno(),),
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its own process group, as a Slurm task's: the signal goes to both
-    )
-    theirs.close()
+    proc, slurm = _relayed(code, start_new_session=True)  # its own process group, as a Slurm task's
     assert proc.stdout.readline() == "up\n"
     time.sleep(0.5)  # the relay's handlers are set before it starts the command; this lets them both be ready
     os.killpg(proc.pid, signal.SIGUSR2)

@@ -42,16 +42,21 @@ def _ranks(text: str) -> list[tuple[int, int, str, str]]:
     return [(int(m[1]), int(m[2]), m[3], m[5]) for m in LINE.finditer(text)]
 
 
-def test_het_job_across_three_nodes_gives_each_rank_its_cell(tmp_path):
+def _run_cell_job(tmp_path: Path, argv: list[str]) -> tuple[str, str]:
+    """The slurm_cpu cell job's script with `argv` as each rank's command, submitted and waited for: (job, state)."""
     cfg = _cpu_cfg()
     script = tmp_path / "job.sbatch"
     script.write_text(
-        render_sbatch(cfg, plan_step(cfg, PROBE), ScriptLayout(log_dir=str(tmp_path), config_path="(test)"))
+        render_sbatch(cfg, plan_step(cfg, argv), ScriptLayout(log_dir=str(tmp_path), config_path="(test)"))
     )
     proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     job = proc.stdout.strip().split(";")[0]
-    state = _wait_for_end(job)
+    return job, _wait_for_end(job)
+
+
+def test_het_job_across_three_nodes_gives_each_rank_its_cell(tmp_path):
+    job, state = _run_cell_job(tmp_path, PROBE)
     assert state == "COMPLETED", state + "".join(p.read_text() for p in tmp_path.glob("*batch.out"))
     ranks = sorted(r for p in tmp_path.glob(f"{job}_cells_*.out") for r in _ranks(p.read_text()))
     # the controller (rank 0) and the core cell share component 0; then one rank per satellite
@@ -75,15 +80,7 @@ def test_the_cell_jobs_mpi_world_starts_through_slurms_pmi_in_requests_it_reads_
     came up (gyre/sched/launch/pmi_relay.py). In the script's MPI world (PMI_DEBUG: MPICH prints each request and
     reply) every put would fit that read whatever its bytes, and every request does."""
     monkeypatch.setenv("PMI_DEBUG", "1")  # sbatch --export=ALL: the ranks' MPICH prints its PMI requests
-    cfg = _cpu_cfg()
-    script = tmp_path / "job.sbatch"
-    script.write_text(
-        render_sbatch(cfg, plan_step(cfg, MPI_PROBE), ScriptLayout(log_dir=str(tmp_path), config_path="(test)"))
-    )
-    proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    job = proc.stdout.strip().split(";")[0]
-    state = _wait_for_end(job)
+    job, state = _run_cell_job(tmp_path, MPI_PROBE)
     logs = "".join(p.read_text() for p in sorted(tmp_path.glob(f"{job}_cells_*.out")))
     assert state == "COMPLETED", logs[-3000:]
     assert logs.count("world 4 sum 4") == 4, logs[-3000:]
