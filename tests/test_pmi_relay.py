@@ -95,3 +95,15 @@ def test_without_slurms_pmi_the_command_runs_as_itself() -> None:
         [*RELAY, sys.executable, "-c", "import os; print(os.getppid())"], capture_output=True, env=env
     )
     assert proc.returncode == 0 and int(proc.stdout) == os.getpid()  # exec'd: its parent is this test, not a relay
+
+
+def test_a_reply_to_a_command_already_gone_is_dropped_and_its_status_kept() -> None:
+    code = (
+        "import os, socket; socket.socket(fileno=int(os.environ['PMI_FD'])).sendall(b'cmd=get_maxes\\n'); os._exit(5)"
+    )
+    proc, slurm = _relayed(code, stderr=subprocess.PIPE)
+    assert slurm.recv(1024) == b"cmd=get_maxes\n"
+    time.sleep(0.5)  # the command has exited: its end of the pair is closed
+    slurm.sendall(b"cmd=maxes rc=0 vallen_max=1024\n" * 1000)
+    assert proc.wait(timeout=30) == 5 and "Traceback" not in proc.stderr.read()
+    slurm.close()

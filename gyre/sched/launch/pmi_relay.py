@@ -18,6 +18,7 @@ whole step (the command gets them itself) and exits as the command did."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import selectors
@@ -100,13 +101,17 @@ def relay(client: socket.socket, slurm: socket.socket, child: subprocess.Popen) 
             if not data:  # one side closed. Slurm is never told: an EOF before `init` is fatal to its step daemon
                 sel.unregister(key.fileobj)
                 if key.fileobj is slurm:
-                    client.shutdown(socket.SHUT_WR)
+                    with contextlib.suppress(OSError):
+                        client.shutdown(socket.SHUT_WR)
                 continue
-            if key.fileobj is client:
-                for request in requests.feed(data):
-                    slurm.sendall(request)
-            else:
-                client.sendall(data if requests.mode == "raw" else replies.feed(data))
+            try:
+                if key.fileobj is client:
+                    for request in requests.feed(data):
+                        slurm.sendall(request)
+                else:
+                    client.sendall(data if requests.mode == "raw" else replies.feed(data))
+            except OSError:  # the other side is gone (the command died mid-request): what it sent goes nowhere
+                sel.unregister(key.fileobj)
         if child.poll() is not None and not sel.select(timeout=0):
             return
 
