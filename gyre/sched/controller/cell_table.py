@@ -4,7 +4,8 @@
 process is gone (its liveness connection closed, gyre.sched.liveness; on this host also seen through
 /proc) or it has owed an answer for longer than `sched.cell_timeout_s`. `Outbox` sends control
 messages without waiting and matches the acks that come back, so micro-batch completions, role
-switches and weight syncs can overlap.
+switches and weight syncs can overlap. A cell's error is fatal unless the Outbox's `excuse` names a reason
+it is not (a stop signal reached the cell's engine as well: gyre.sched.controller.orchestrator).
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ class Outbox:
     timeout_s: float
     waiting: dict[int, tuple[int, Any, float]] = field(default_factory=dict)  # seq -> (rank, body, sent)
     forgotten: set[int] = field(default_factory=set)  # ranks declared dead: a late ack from one is dropped
+    # why a failed `body` is no error ("": it is one); an excused ack comes back with its error set
+    excuse: Callable[[Any], str] = lambda body: ""
 
     def send(self, rank: int, body: Any) -> int:
         seq = self.cp.send(rank, body)
@@ -108,7 +111,10 @@ class Outbox:
                 raise ControlError(f"unexpected control message from rank {env.src}: {type(ack).__name__}")
             _, body, _ = self.waiting.pop(ack.seq)
             if ack.error:
-                raise ControlError(f"{type(body).__name__} failed on rank {ack.rank}: {ack.error}")
+                failed = f"{type(body).__name__} failed on rank {ack.rank}: {ack.error}"
+                if not (why := self.excuse(body)):
+                    raise ControlError(failed)
+                print(f"gyre: {failed} ({why})", flush=True)
             got.append((body, ack))
         return got
 
@@ -130,7 +136,8 @@ class Outbox:
         on_other: Callable[[Any, Ack], None],
         check_dead: Callable[[], list[int]],
     ) -> dict[int, Ack]:
-        """Send each rank its message and wait for all acks; other acks go to `on_other` meanwhile."""
+        """Send each rank its message and wait for all acks (an excused failure's with its error set); other acks
+        go to `on_other` meanwhile."""
         seqs = {self.send(rank, body): rank for rank, body in messages.items()}
         acks: dict[int, Ack] = {}
 

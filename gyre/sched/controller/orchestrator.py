@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from gyre.comm.address import engine_reachable
 from gyre.comm.control import ControlError, ControlPlane
-from gyre.comm.messages import Hello, RoleSwitch, SaveCheckpoint, Shutdown
+from gyre.comm.messages import Hello, RoleSwitch, SaveCheckpoint, Shutdown, WeightVersion
 from gyre.config.schema import LogprobDistribution, RunConfig
 from gyre.health import ExclusionWatch
 from gyre.metrics import MetricsWriter, plot_learning_curve
@@ -62,6 +62,10 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
 IN_PROCESS_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
+# Slurm signals every process of a step, each cell's engine too (the cells ignore the signal, the engines stop):
+# a role switch or weight load that fails while the run stops is no error. An engine that died of the signal
+# can report before the controller's own handler has run: the controller waits this long for it.
+STEP_SIGNAL_GRACE_S = 3.0
 ENGINE_PROBE_S = 15.0  # how long the controller tries to reach each engine before the first rollout
 MAX_ENGINE_FAILURES = 5  # calls in a row an engine fails (the proxy routing around it) before its cell is dead
 
@@ -83,6 +87,18 @@ class StopRequest:
         # os.write, not print: a handler may run in the middle of another print to the same stream
         os.write(2, f"\ngyre: {self.name} received: checkpointing and stopping now (rollouts in flight are "
                     "abandoned; an update in progress completes)\n".encode())  # fmt: skip
+
+    def excuse(self, body: object, grace_s: float = STEP_SIGNAL_GRACE_S) -> str:
+        """Why a cell's failed role switch or weight load (`body`) is no error: the stop signal, here now or within
+        `grace_s`, reached the cell's engine too. "" otherwise (the failure is one). From the main thread."""
+        if not isinstance(body, (RoleSwitch, WeightVersion)):
+            return ""
+        deadline = time.monotonic() + grace_s
+        while not self.name and time.monotonic() < deadline:
+            time.sleep(0.05)  # the signal's handler runs on this thread, between these sleeps
+        if not self.name:
+            return ""
+        return f"after {self.name}, which reaches the engines too; the run stops at its last completed step"
 
 
 def policy_config(cfg: RunConfig) -> PolicyConfig:
@@ -120,7 +136,7 @@ class Controller:
         self.pcfg = policy_config(cfg)
         self.metrics = MetricsWriter(out, open_trackers(cfg, out))
         self.timeline = Timeline(self.pcfg.n_cells)
-        self.outbox = Outbox(cp, cfg.sched.cell_timeout_s)
+        self.outbox = Outbox(cp, cfg.sched.cell_timeout_s, excuse=self.stop_request.excuse)
         self.call_log = CallLog(out / "calls.jsonl")
         truncated = cfg.rl.logprob_distribution is LogprobDistribution.truncated
         keys = RolloutKeys()
@@ -296,7 +312,10 @@ class Controller:
             self.log(row | {"seconds": round(w.write_s, 4), "waited_s": round(w.waited_s, 4), "blocked_s": 0.0})
 
     def decide_and_switch(self) -> None:
-        """Ask the policy, log a decision that moves cells with what it saw, and make its switches."""
+        """Ask the policy, log a decision that moves cells with what it saw, and make its switches; none once a
+        stop signal came (the loop stops next)."""
+        if self.stop_signal:
+            return
         with self.watch.phase("decide"):
             t0 = time.monotonic()
             states, load = self.states(), self.load()
@@ -339,6 +358,8 @@ class Controller:
         self.cells_died(self.dead())
         self.failing_engines()
         self.faults.tick(self.table, len(self.call_log), self.proxy.router.in_flight())
+        if self.stop_signal:  # the engines got it too: the run stops next, no engine is started again
+            return
         for c in self.table.serving():  # an engine died under a living cell: route around it, start another
             if c.local and c.engine_pid > 0 and not pid_alive(c.engine_pid):
                 self.proxy.set_engines([u for u in self.proxy.engines() if u != c.engine_url])
@@ -348,6 +369,8 @@ class Controller:
                     acks = self.outbox.call({c.rank: RoleSwitch(c.index, "rollout")}, self.train.on_ack, self.dead)
                 except CellDied as e:
                     self.cells_died(e.ranks)
+                    continue
+                if acks[c.rank].error:  # excused: the run is stopping
                     continue
                 c.engine_url, c.engine_pid = acks[c.rank].detail["engine_url"], acks[c.rank].detail["engine_pid"]
                 self.proxy.set_engines([*self.proxy.engines(), c.engine_url])

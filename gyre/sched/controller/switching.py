@@ -83,6 +83,10 @@ class Switcher:
             acks = self.outbox.call(msgs, on_other, lambda: [c.rank for c in self.table.newly_dead()])
         except CellDied as e:
             return e.ranks
+        for c in [c for c in cells if acks[c.rank].error]:  # excused (the run is stopping): it keeps its role
+            self.timeline.set_role(c.index, before[c.index])
+            c.role = before[c.index]
+        cells = [c for c in cells if not acks[c.rank].error]
         latency = time.monotonic() - start
         for c in cells:
             detail = acks[c.rank].detail
