@@ -183,41 +183,12 @@ def test_colocate_cells_survive_a_killed_satellite_and_a_killed_engine(tmp_path:
     assert all("2" not in r["contributors"] for r in steps)
 
 
-def test_stopped_cell_job_resumes_from_its_checkpoint(tmp_path: Path) -> None:
-    """SIGTERM to `launch.run` mid-run: rank 0 checkpoints the completed steps, the job exits 75; the same
-    command resumes there and finishes, every step trained once."""
-    out = tmp_path / "elastic"
-    args = ["scheduler=elastic", *WORKLOAD, "steps=3", "tasks.tool_time_s=0.5", f"output_dir={out}"]
-    args += [f"hydra.run.dir={tmp_path / 'hydra'}"]
-    cmd = [sys.executable, "-m", "launch.run", *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 600
-        while '"event": "step"' not in (
-            (out / "metrics.jsonl").read_text() if (out / "metrics.jsonl").exists() else ""
-        ):
-            assert proc.poll() is None and time.monotonic() < deadline, "no step completed"
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        first, _ = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
-    assert proc.returncode == 75, first[-3000:]
-    stopped = json.loads((out / "checkpoint" / "state.json").read_text())
-    assert 1 <= stopped["next_step"] < 3 and json.loads((out / "summary.json").read_text())["stopped_by"] == "SIGUSR2"
-    second = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=800)
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert f"resuming {out} from {out / 'checkpoint'} at step {stopped['next_step']} of 3" in second.stdout
-    final = json.loads((out / "checkpoint" / "state.json").read_text())
-    assert [r["step"] for r in final["ledger"]] == [0, 1, 2] and len(final["starts"]) == 2
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if r["event"] == "step"] == [0, 1, 2]
-
-
 def test_cells_of_two_ranks_train_tensor_parallel_and_resume(tmp_path: Path) -> None:
     """A core and a satellite of 2 ranks each, train.tensor_parallel=2: every living cell trains each step
-    (colocate_cells), the satellite's shards reduce to the core's, the engines serve the gathered weights;
-    stopped after a step, each rank's shard is in the checkpoint, and the same command resumes with them."""
+    (colocate_cells), the satellite's shards reduce to the core's, the engines serve the gathered weights.
+    SIGTERM to `launch.run` after a step (passed to rank 0 as SIGUSR2): rank 0 checkpoints the completed steps,
+    each rank's shard among them, the job exits 75, and the same command resumes there: every step trained
+    once. (The elastic scheduler's stop and resume: tests/test_slurm_cell_job.py, under Slurm.)"""
     out = tmp_path / "cells"
     layout = ["train.tensor_parallel=2", "cluster.core.tasks_per_node=2", "cluster.satellites=[{tasks_per_node:2}]"]
     # micro-batches of 512 tokens: enough of them in every step for both cells to train some
@@ -246,9 +217,12 @@ def test_cells_of_two_ranks_train_tensor_parallel_and_resume(tmp_path: Path) -> 
     assert proc.returncode == 75, first[-3000:]
     assert {p.name for p in (out / "checkpoint" / "trainer").glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
     stopped = json.loads((out / "checkpoint" / "state.json").read_text())
+    assert 1 <= stopped["next_step"] < 3 and json.loads((out / "summary.json").read_text())["stopped_by"] == "SIGUSR2"
     second = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=800)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert f"resuming {out} from {out / 'checkpoint'} at step {stopped['next_step']} of 3" in second.stdout
+    final = json.loads((out / "checkpoint" / "state.json").read_text())
+    assert [r["step"] for r in final["ledger"]] == [0, 1, 2] and len(final["starts"]) == 2
     cells = json.loads((out / "cells.json").read_text())
     assert [c["cell"] for c in cells] == [0, 1] and len({c["engine_url"] for c in cells}) == 2
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
