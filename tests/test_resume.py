@@ -1,5 +1,6 @@
-"""Preemption-safe resume: checkpoint atomicity, moving unfinished steps aside, the stop signal, and the
-main job stopped by SIGTERM mid-run and started again on the same output_dir."""
+"""Preemption-safe resume: checkpoint atomicity, moving unfinished steps aside, the stop signal, a run killed
+mid-step. The main job stopped by SIGTERM mid-run and started again on the same output_dir: under Slurm, in
+tests/test_slurm_requeue.py."""
 
 import contextlib
 import json
@@ -24,7 +25,6 @@ from resume_job import (
     adam_steps,
     assert_each_rollout_once,
     calls_by_rollout,
-    in_flight_after_trained_step,
     mid_step_with_a_group_done,
     process_tree,
     shard_ids_by_step,
@@ -43,7 +43,7 @@ from gyre.proxy.synthetic import make_record
 from gyre.resume import checkpoint as checkpoint_module
 from gyre.resume.checkpoint import Checkpointer, load_checkpoint, save_checkpoint
 from gyre.resume.kept_groups import restore_groups
-from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionGuard
+from gyre.resume.preemption import Preempted, PreemptionGuard
 from gyre.resume.recovery import ResumeError, prepare_resume
 from gyre.resume.state import RunState, find_checkpoint, write_state
 from gyre.tasks.grading import Grade
@@ -355,44 +355,6 @@ def test_main_job_sbatch_matches_golden():
     if os.environ.get("GYRE_UPDATE_GOLDEN"):
         path.write_text(text)
     assert text == path.read_text(), "main_job.sbatch changed; if intended, regenerate with GYRE_UPDATE_GOLDEN=1"
-
-
-@pytest.mark.integration
-def test_main_job_stopped_by_sigterm_resumes_where_it_stopped(tmp_path, tmp_path_factory):
-    out = tmp_path / "run"
-    cache = tmp_path_factory.getbasetemp() / "resume-warm-start"
-    args = tiny_args(cache, out, tmp_path / "hydra", "checkpoint_every=0")  # only the stop writes a checkpoint
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    log1 = tmp_path / "first.log"
-    with log1.open("w") as f:
-        first = subprocess.Popen([sys.executable, "-m", "launch.run", *args], cwd=ROOT, stdout=f, stderr=f, env=env)
-    try:
-        stopped_in = wait_for("rollouts after a trained step", lambda: in_flight_after_trained_step(out), 300,
-                              lambda: first.poll() is None)  # fmt: skip
-        first.send_signal(signal.SIGTERM)
-        assert first.wait(timeout=60) == PREEMPTED_EXIT_CODE, log1.read_text()[-3000:]
-    finally:
-        if first.poll() is None:
-            first.kill()
-    text = log1.read_text()
-    assert "SIGTERM received: checkpointing and stopping now" in text, text[-3000:]
-    assert f"stopped by SIGTERM before step {stopped_in}" in text
-    st = state(out)
-    assert st["next_step"] == stopped_in and [r["step"] for r in st["ledger"]] == list(range(stopped_in))
-    trained_before = sum(1 for r in st["ledger"] if r["trained"])
-    assert trained_before >= 1 and adam_steps(out) == trained_before
-
-    again = subprocess.run([sys.executable, "-m", "launch.run", *args], cwd=ROOT, capture_output=True, text=True,
-                           timeout=300, env=env)  # fmt: skip
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert f"resuming {out} from {out / 'checkpoint'} at step {stopped_in} of {STEPS}" in again.stdout, again.stdout
-    assert f"moved outputs of unfinished steps >= {stopped_in} aside" in again.stdout
-    final = assert_each_rollout_once(out)
-    assert [r["start"] for r in final["ledger"]] == [0] * stopped_in + [1] * (STEPS - stopped_in)
-    assert [s["from_step"] for s in final["starts"]] == [0, stopped_in]
-    (aside,) = (out / "preempted").iterdir()
-    abandoned = {json.loads(line)["rollout_id"] for line in (aside / "calls.jsonl").read_text().splitlines()}
-    assert abandoned and all(rid.startswith(f"s{stopped_in}-") for rid in abandoned)
 
 
 def _kill_job(proc: subprocess.Popen, out: Path, scheduler: str) -> None:

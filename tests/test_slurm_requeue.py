@@ -3,13 +3,22 @@ with `scancel --batch --signal=TERM`, which the script passes on and then requeu
 `scontrol requeue`. Each time it resumes from its checkpoint, and the shards hold every rollout of every
 step exactly once (local cluster of slurm/cluster.sh)."""
 
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from resume_job import ROOT, STEPS, assert_each_rollout_once, in_flight_after_trained_step, tiny_args, wait_until
+from resume_job import (
+    ROOT,
+    STEPS,
+    adam_steps,
+    assert_each_rollout_once,
+    in_flight_after_trained_step,
+    tiny_args,
+    wait_until,
+)
 from slurm_jobs import job_active, wait_for_end
 
 from gyre.config.load import compose
@@ -58,6 +67,14 @@ def test_stopped_main_job_resumes_from_its_checkpoint(tmp_path, tmp_path_factory
     final = assert_each_rollout_once(out)
     expected_starts = [0] * first_resume + [1] * (second_resume - first_resume) + [2] * (STEPS - second_resume)
     assert [r["start"] for r in final["ledger"]] == expected_starts
+    assert adam_steps(out) == sum(1 for r in final["ledger"] if r["trained"]), "optimizer state not carried over"
+    for resumed in (first_resume, second_resume):
+        assert f"moved outputs of unfinished steps >= {resumed} aside" in text, text[-4000:]
+    asides = sorted((out / "preempted").iterdir())
+    assert [int(a.name[len("step") : len("step00000")]) for a in asides] == [first_resume, second_resume]
+    for aside, step in zip(asides, (first_resume, second_resume), strict=True):  # what each stop abandoned
+        abandoned = {json.loads(line)["rollout_id"] for line in (aside / "calls.jsonl").read_text().splitlines()}
+        assert abandoned and all(rid.startswith(f"s{step}-") for rid in abandoned), abandoned
     assert [(s.get("slurm_job_id"), s.get("slurm_restart_count", "0")) for s in final["starts"]] == [
         (job, "0"),
         (job, "1"),
