@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from gyre.sched.launch.pmi_relay import VALLEN_MAX, Pmi1Lines, cap_maxes
+from gyre.sched.launch.pmi_relay import VALLEN_MAX, Pmi1Lines, Replies, cap_maxes, name_world
 
 pytestmark = pytest.mark.unit
 RELAY = [sys.executable, "-m", "gyre.sched.launch.pmi_relay", "--"]
@@ -24,6 +24,20 @@ def test_get_maxes_answer_is_capped_and_other_replies_pass_unchanged() -> None:
     assert cap_maxes(b"cmd=maxes rc=0 vallen_max=512\n") == b"cmd=maxes rc=0 vallen_max=512\n"  # already lower
     get = b"cmd=get_result rc=0 value=vallen_max=1024\n"
     assert cap_maxes(get) == get
+
+
+def test_the_kvsname_given_to_the_command_is_the_starts_own() -> None:
+    """Slurm's JOBID.STEPID repeats after a requeue and on a new cluster; MPICH names its shared memory after it."""
+    assert name_world(b"cmd=my_kvsname rc=0 kvsname=100000.0\n", b"17") == b"cmd=my_kvsname rc=0 kvsname=100000.0.17\n"
+    assert name_world(b"cmd=my_kvsname rc=0 kvsname=100000.0\n", b"") == b"cmd=my_kvsname rc=0 kvsname=100000.0\n"
+    get = b"cmd=get_result rc=0 value=kvsname=1\n"
+    assert name_world(get, b"17") == get
+    replies = Replies(b"99")  # split anywhere, both rewrites apply, nothing else changes
+    out = replies.feed(b"cmd=maxes rc=0 kvsname_max=256 keylen_max=64 vallen_max=1024\ncmd=my_kvs")
+    out += replies.feed(b"name rc=0 kvsname=7.2\ncmd=barrier_out\n")
+    assert out == f"cmd=maxes rc=0 kvsname_max=256 keylen_max=64 vallen_max={VALLEN_MAX}\n".encode() + (
+        b"cmd=my_kvsname rc=0 kvsname=7.2.99\ncmd=barrier_out\n"
+    )
 
 
 def test_requests_are_handed_on_whole_lines_and_whole_mcmd_blocks() -> None:

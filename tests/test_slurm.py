@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import cloudpickle
@@ -42,16 +43,23 @@ def _ranks(text: str) -> list[tuple[int, int, str, str]]:
     return [(int(m[1]), int(m[2]), m[3], m[5]) for m in LINE.finditer(text)]
 
 
-def _run_cell_job(tmp_path: Path, argv: list[str]) -> tuple[str, str]:
-    """The slurm_cpu cell job's script with `argv` as each rank's command, submitted and waited for: (job, state)."""
+def _run_cell_job(tmp_path: Path, argv: list[str], held: Callable[[str], None] | None = None) -> tuple[str, str]:
+    """The slurm_cpu cell job's script with `argv` as each rank's command, submitted and waited for: (job, state).
+    `held`: called with the job's id while the job is held, before it may start."""
     cfg = _cpu_cfg()
     script = tmp_path / "job.sbatch"
     script.write_text(
         render_sbatch(cfg, plan_step(cfg, argv), ScriptLayout(log_dir=str(tmp_path), config_path="(test)"))
     )
-    proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60)
+    hold = ["--hold"] if held else []
+    proc = subprocess.run(["sbatch", "--parsable", *hold, str(script)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     job = proc.stdout.strip().split(";")[0]
+    if held:
+        try:
+            held(job)
+        finally:
+            subprocess.run(["scontrol", "release", job], check=True, timeout=30)
     return job, _wait_for_end(job)
 
 
@@ -92,6 +100,39 @@ def test_the_cell_jobs_mpi_world_starts_through_slurms_pmi_in_requests_it_reads_
     worst = max(len(r[: r.index(" value=") + len(" value=")]) + 2 * ((vallen - 2) // 2) + 1 for r in puts)
     assert worst <= 1024, f"vallen_max={vallen}: a put of {worst} bytes would be cut by Slurm's read"
     assert max(len(r) + 1 for r in requests) <= 1024
+
+
+def _fnv1a(text: str) -> int:
+    """The 32-bit FNV-1a hash MPICH names a world's shared memory by (HASH_FNV of src/mpl/include/uthash.h)."""
+    h = 2166136261
+    for byte in text.encode():
+        h = ((h ^ byte) * 16777619) & 0xFFFFFFFF
+    return h
+
+
+def test_a_world_never_opens_the_shared_memory_a_dead_world_of_its_name_left(tmp_path):
+    """MPICH names the shared memory a node's ranks meet in after the kvsname (/dev/shm/mpich_shm_<FNV-1a>_<node>),
+    and Slurm's kvsname, JOBID.STEPID, comes again after a requeue and on a new cluster: a world that died leaves
+    its segments, and one sized for fewer ranks failed all three starts of a later world of that name
+    ("MPIDI_POSIX_comm_bootstrap: Out of memory"). With such segments under every name this job's starts would
+    have had, its world comes up at the first start (gyre/sched/launch/pmi_relay.py: the start's own kvsname)."""
+    planted = []
+
+    def plant(job: str) -> None:
+        for step in range(3):  # the script's three starts are steps 0, 1 and 2
+            for node in range(3):
+                path = Path(f"/dev/shm/mpich_shm_{_fnv1a(f'{job}.{step}'):x}_{node}")
+                path.write_bytes(b"\1" * 4096)  # a dead world's: ready, and smaller than two ranks need
+                planted.append(path)
+
+    try:
+        job, state = _run_cell_job(tmp_path, MPI_PROBE, held=plant)
+        logs = "".join(p.read_text() for p in sorted(tmp_path.glob(f"{job}_*.out")))
+        assert state == "COMPLETED" and logs.count("world 4 sum 4") == 4, logs[-3000:]
+        assert "did not come up" not in logs and all(p.read_bytes() == b"\1" * 4096 for p in planted)
+    finally:
+        for path in planted:
+            path.unlink(missing_ok=True)
 
 
 def _where() -> tuple[int, int, str]:

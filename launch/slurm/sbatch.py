@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from gyre.config.schema import CellResources, ClusterConfig, RunConfig
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE
+from gyre.sched.launch.pmi_relay import WORLD_NONCE_VAR
 from gyre.sched.launch.slurm_env import EXIT_STATUS_VAR, HET_TASKS_VAR, START_ATTEMPT_VAR, WORLD_UP_VAR
 from launch.slurm.plan import ComponentLayout, Step, cells, component_layout
 
@@ -136,7 +137,8 @@ def rank_argv(step: Step) -> list[str]:
 def _srun_lines(step: Step, layout: ScriptLayout) -> list[str]:
     """One srun over every component (`srun A : B : C`): a single MPI_COMM_WORLD across the het job."""
     mpi = [f"--mpi={step.mpi}"] if step.mpi else []
-    lines = []
+    # the relay makes MPICH's name for the world this start's own: its shared memory never meets a dead world's
+    lines = [] if step.mpi.startswith("pmix") else [f'export {WORLD_NONCE_VAR}="$(date +%s%N)"']
     for i, comp in enumerate(step.components):
         # a task that fails does not end the others: the controller decides whether the run goes on without it
         keep = ["--kill-on-bad-exit=0"]

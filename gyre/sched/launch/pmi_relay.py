@@ -13,6 +13,15 @@ on the heap, so whether a start works depends on the machine and the run: a CI r
 MPI_Init). The relay answers MPICH's `get_maxes` with a `vallen_max` whose requests always fit, and hands each
 request on in one write. Anything that is not PMI-1 (a PMI-2 client) passes through untouched.
 
+MPICH also names the shared memory its ranks on a node meet in after the kvsname (`/dev/shm/mpich_shm_%x_%d`, the
+FNV hash of the kvsname and the node's index: src/mpid/ch4/shm/posix/posix_init.c), and Slurm's kvsname is
+JOBID.STEPID: the same again after a requeue, and on any cluster whose job ids start over (the local test clusters
+all start at 100000). A world that dies in or after MPI_Init leaves its segments behind, and the next world of that
+name opens them instead of its own: with a segment sized for fewer ranks every start fails ("MPIDI_POSIX_comm_
+bootstrap: Out of memory"; a two-host test lost its three starts to segments an earlier cluster on the machine
+left). The relay hands MPICH the kvsname with the start's GYRE_WORLD_NONCE (set by the script for each start)
+appended; Slurm ignores the kvsname a client sends back (pmi1.c: "not used").
+
 The relay stays for the command's life (MPICH speaks PMI again at finalize), ignores the signals Slurm sends the
 whole step (the command gets them itself) and exits as the command did."""
 
@@ -33,12 +42,20 @@ SLURM_READ = 1024  # the bytes Slurm's PMI-1 server reads per request
 REQUEST_OVERHEAD = 128
 VALLEN_MAX = SLURM_READ - REQUEST_OVERHEAD  # MPICH's segments then hex-encode to at most VALLEN_MAX - 2 characters
 STEP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT)
+WORLD_NONCE_VAR = "GYRE_WORLD_NONCE"  # the same for every rank of a start, another for each start (the script's)
 _MAXES = re.compile(rb"^(cmd=maxes\b.*\bvallen_max=)(\d+)", re.MULTILINE)
+_KVSNAME = re.compile(rb"^(cmd=my_kvsname\b.*\bkvsname=)(\S+)", re.MULTILINE)
 
 
 def cap_maxes(line: bytes) -> bytes:
     """Slurm's answer to `get_maxes`, with vallen_max lowered to VALLEN_MAX; other lines unchanged."""
     return _MAXES.sub(lambda m: m[1] + str(min(int(m[2]), VALLEN_MAX)).encode(), line)
+
+
+def name_world(line: bytes, nonce: bytes) -> bytes:
+    """Slurm's answer to `get_my_kvsname`, its JOBID.STEPID followed by `.nonce` (none: unchanged); other lines
+    unchanged."""
+    return _KVSNAME.sub(lambda m: m[1] + m[2] + b"." + nonce, line) if nonce else line
 
 
 PMI1_INIT = b"cmd=init pmi_version=1"
@@ -76,10 +93,12 @@ class Pmi1Lines:
 
 
 class Replies:
-    """Slurm's replies, passed on line by line with `get_maxes`'s answer capped (cap_maxes)."""
+    """Slurm's replies, passed on line by line with `get_maxes`'s answer capped (cap_maxes) and the kvsname made
+    the start's own (name_world)."""
 
-    def __init__(self) -> None:
+    def __init__(self, nonce: bytes = b"") -> None:
         self.buf = b""
+        self.nonce = nonce
 
     def feed(self, data: bytes) -> bytes:
         self.buf += data
@@ -87,11 +106,11 @@ class Replies:
         if i < 0:
             return b""
         done, self.buf = self.buf[: i + 1], self.buf[i + 1 :]
-        return cap_maxes(done)
+        return name_world(cap_maxes(done), self.nonce)
 
 
-def relay(client: socket.socket, slurm: socket.socket, child: subprocess.Popen) -> None:
-    requests, replies = Pmi1Lines(), Replies()
+def relay(client: socket.socket, slurm: socket.socket, child: subprocess.Popen, nonce: bytes = b"") -> None:
+    requests, replies = Pmi1Lines(), Replies(nonce)
     sel = selectors.DefaultSelector()
     sel.register(client, selectors.EVENT_READ)
     sel.register(slurm, selectors.EVENT_READ)
@@ -130,7 +149,7 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, lambda *_: None)
     child = subprocess.Popen(argv, env={**os.environ, "PMI_FD": str(theirs.fileno())}, pass_fds=(theirs.fileno(),))
     theirs.close()
-    relay(client, slurm, child)
+    relay(client, slurm, child, re.sub(r"[^0-9A-Za-z_-]", "", os.environ.get(WORLD_NONCE_VAR, "")).encode())
     code = child.wait()
     if code < 0:  # killed by a signal: end the same way, so that Slurm reports what happened to the rank
         if -code in STEP_SIGNALS:
