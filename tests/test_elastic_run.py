@@ -183,12 +183,12 @@ def test_colocate_cells_survive_a_killed_satellite_and_a_killed_engine(tmp_path:
     assert all("2" not in r["contributors"] for r in steps)
 
 
-def test_cells_of_two_ranks_train_tensor_parallel_and_resume(tmp_path: Path) -> None:
+def test_cells_of_two_ranks_train_tensor_parallel_and_stop_with_every_shard(tmp_path: Path) -> None:
     """A core and a satellite of 2 ranks each, train.tensor_parallel=2: every living cell trains each step
     (colocate_cells), the satellite's shards reduce to the core's, the engines serve the gathered weights.
     SIGTERM to `launch.run` after a step (passed to rank 0 as SIGUSR2): rank 0 checkpoints the completed steps,
-    each rank's shard among them, the job exits 75, and the same command resumes there: every step trained
-    once. (The elastic scheduler's stop and resume: tests/test_slurm_cell_job.py, under Slurm.)"""
+    each rank's shard among them, and the job exits 75. (The resume from those shards, and the elastic
+    scheduler's stop and resume: tests/test_slurm_cell_job.py, under Slurm.)"""
     out = tmp_path / "cells"
     layout = ["train.tensor_parallel=2", "cluster.core.tasks_per_node=2", "cluster.satellites=[{tasks_per_node:2}]"]
     # micro-batches of 512 tokens: enough of them in every step for both cells to train some
@@ -218,17 +218,13 @@ def test_cells_of_two_ranks_train_tensor_parallel_and_resume(tmp_path: Path) -> 
     assert {p.name for p in (out / "checkpoint" / "trainer").glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
     stopped = json.loads((out / "checkpoint" / "state.json").read_text())
     assert 1 <= stopped["next_step"] < 3 and json.loads((out / "summary.json").read_text())["stopped_by"] == "SIGUSR2"
-    second = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=800)
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert f"resuming {out} from {out / 'checkpoint'} at step {stopped['next_step']} of 3" in second.stdout
-    final = json.loads((out / "checkpoint" / "state.json").read_text())
-    assert [r["step"] for r in final["ledger"]] == [0, 1, 2] and len(final["starts"]) == 2
+    assert [r["step"] for r in stopped["ledger"]] == list(range(stopped["next_step"]))
     cells = json.loads((out / "cells.json").read_text())
     assert [c["cell"] for c in cells] == [0, 1] and len({c["engine_url"] for c in cells}) == 2
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["event"] == "step"]
-    assert [r["step"] for r in steps] == [0, 1, 2]
+    assert [r["step"] for r in steps] == list(range(stopped["next_step"]))
     assert all(set(r["contributors"]) == {"0", "1"} for r in steps), [r["contributors"] for r in steps]
     assert all(sum(r["contributors"].values()) == r["micro_batches"] for r in steps)
-    calls = [json.loads(line) for line in (out / "calls.jsonl").read_text().splitlines()]
-    assert {c["weight_version"] for c in calls} >= {"0", "1", "2"}  # both engines served each new version
+    # the satellite's two ranks pulled their shards of each new version (its engine then serves them gathered)
+    assert all(len(r["sync_pulled_bytes"]["1"]) == 2 and min(r["sync_pulled_bytes"]["1"]) > 0 for r in steps), steps

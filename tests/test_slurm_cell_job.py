@@ -265,6 +265,9 @@ def test_cells_of_two_ranks_one_spanning_two_hosts_stopped_mid_run_resume(
     rows = [r for r in rows if r["event"] == "step"]
     assert [r["step"] for r in rows] == list(range(steps))
     assert all(set(r["contributors"]) == {"0", "1"} for r in rows)
+    assert all(sum(r["contributors"].values()) == r["micro_batches"] for r in rows)
+    calls = [json.loads(line) for line in (out / "calls.jsonl").read_text().splitlines()]
+    assert {c["weight_version"] for c in calls} >= {"0", "1", "2"}  # the engines served each version, resumed too
     # each satellite rank pulled its own shard of each version from the core's rank (across hosts), about half
     pulled = [r["sync_pulled_bytes"]["1"] for r in rows]
     assert all(len(p) == 2 and 0.45 < p[0] / sum(p) < 0.55 for p in pulled), pulled
