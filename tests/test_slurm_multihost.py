@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 from conftest import CELL_WORKLOAD, slurm_host_modes
+from slurm_jobs import job_record
 from test_slurm_cell_job import ROOT, _wait_for_end, job_logs
 
+from gyre.sched.launch.local import DEAD_CELLS_EXIT_CODE
 from launch.submit import main as submit_main
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
@@ -69,12 +71,14 @@ def test_a_node_resolving_itself_to_127_0_1_1_is_refused_before_the_cells_start(
 @pytest.mark.parametrize("slurm_hosts", NETNS, indirect=True)
 def test_an_unreachable_engine_is_a_dead_cell_and_the_job_fails(tmp_path: Path, slurm_hosts: str, capsys) -> None:
     """Cell 2's engine seen at an address where nothing listens (injected): the run goes on without it,
-    lists it as dead with the reason, and the job fails (sched.allow_dead_cells is not set)."""
+    lists it as dead with the reason, and the job fails with the controller's exit code 3 (DEAD_CELLS_EXIT_CODE:
+    sched.allow_dead_cells is not set; the job that allows them: tests/test_slurm_cell_job.py)."""
     out = tmp_path / "run"
     job = submit(out, capsys, "sched.faults=[unreachable_engine:2:after_calls:0]")
     state = _wait_for_end(job, 600)
     logs = job_logs(out)
     assert state == "FAILED", f"{state}\n{logs}"
+    assert job_record(job).get("ExitCode") == f"{DEAD_CELLS_EXIT_CODE}:0", f"{job_record(job)}\n{logs}"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 1 and summary["dead_cells"] == [2], summary
     assert "is unreachable from the controller" in summary["dead_cell_reasons"]["2"]
