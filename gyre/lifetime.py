@@ -6,7 +6,8 @@ Linux's PR_SET_PDEATHSIG signals a child when its parent *thread* exits, not its
   thread that asked for them (an engine a cell's thread starts, restarted later from another thread);
 - `tie_to_this_thread` is a `preexec_fn` for children the forking thread waits on anyway (a harness, a
   checker): the thread outlives them unless the process dies.
-Both arm the signal in the child before exec and kill the child at once if its parent already died
+`pid_alive` tells whether a process still runs (a zombie does not). Both tying functions arm the signal in the
+child before exec and kill the child at once if its parent already died
 (the race the kernel leaves open), and give the child the default action of the signals a run is stopped
 or attacked with: an ignored signal survives exec, so a run started under `nohup` (SIGHUP) or as a shell's
 background job (SIGINT, SIGQUIT) would otherwise hand that to every engine, harness and checker. Elsewhere
@@ -90,3 +91,13 @@ def spawn_tied(argv: list[str], sig: int = signal.SIGTERM, **popen_kwargs: Any) 
     if _prctl is None:
         return subprocess.Popen(argv, **popen_kwargs)
     return _FORKER.call(lambda: subprocess.Popen(argv, preexec_fn=tie_to_this_thread(sig), **popen_kwargs))
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (Linux's /proc; False where there is none)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"

@@ -75,3 +75,30 @@ def test_a_tied_child_does_not_inherit_signals_its_parent_ignores():
     stop = (1 << (signal.SIGHUP - 1)) | (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGQUIT - 1))
     assert plain & stop == stop  # a plain Popen inherits them
     assert tied & stop == 0 and spawned & stop == 0
+
+
+@pytest.mark.unit
+def test_the_weights_a_killed_cell_left_in_memory_go_when_the_next_cell_starts(tmp_path):
+    """A cell keeps the weights its engine restarts from in /dev/shm and removes them when it stops; a SIGKILLed
+    cell cannot (a full run of this suite left ~20 of them, with a real model each would hold gigabytes of the
+    node's memory). The next cell removes every such directory of this user whose process is gone, and nothing
+    else: a living cell's, one whose name has no pid, anything not a cell's."""
+    from gyre.sched.cell.engine import SCRATCH_PREFIX, cell_scratch, remove_orphaned_scratch
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    orphan = tmp_path / f"{SCRATCH_PREFIX}{gone.pid}-k3x_9q2a"
+    (orphan / "current").mkdir(parents=True)
+    (orphan / "current" / "model.safetensors").write_bytes(b"\0" * 4096)
+    living = tmp_path / f"{SCRATCH_PREFIX}{os.getpid()}-a1b2c3d4"
+    nameless = tmp_path / f"{SCRATCH_PREFIX}a1b2c3d4"  # an older release's name: whose it was is unknown
+    other = tmp_path / f"gyre-something-{gone.pid}-x"
+    for path in (living, nameless, other):
+        path.mkdir()
+    assert remove_orphaned_scratch(tmp_path) == [orphan]
+    assert not orphan.exists() and living.is_dir() and nameless.is_dir() and other.is_dir()
+    scratch = cell_scratch()  # in /dev/shm here, named after this process
+    try:
+        assert scratch.parent == Path("/dev/shm") and scratch.name.startswith(f"{SCRATCH_PREFIX}{os.getpid()}-")
+    finally:
+        scratch.rmdir()

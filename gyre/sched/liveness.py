@@ -6,7 +6,7 @@ crash in native code, srun ending the task), its kernel closes the connection an
 end-of-file on its next look, a fraction of a second later. Without this, a rank on another host was
 declared dead only once it had owed an answer for `sched.cell_timeout_s` (120 s), the step it held a
 micro-batch of stalled meanwhile (a rank on the controller's host is also seen through /proc:
-gyre.sched.controller.cell_table.pid_alive). A host that vanishes without closing anything (power, network) is caught by
+gyre.lifetime.pid_alive). A host that vanishes without closing anything (power, network) is caught by
 TCP keepalive after about KEEPALIVE_S, or by `sched.cell_timeout_s` when an answer is owed first.
 """
 

@@ -24,15 +24,39 @@ from typing import TYPE_CHECKING
 from gyre.config.schema import EngineConfig
 from gyre.engine.engine import EngineSetup, RolloutEngine, make_engine
 from gyre.engine.switch import join_rollout, leave_rollout, update_while_serving
+from gyre.lifetime import pid_alive
 
 if TYPE_CHECKING:  # torch loads in the cell while its engine starts
     import torch
 
 
+SCRATCH_PREFIX = "gyre-cell-weights-"  # then the cell's pid, "-", tempfile's random letters
+
+
 def cell_scratch() -> Path:
-    """A fresh directory for the weights a cell's engine restarts from, in memory (/dev/shm) where there is one."""
+    """A fresh directory for the weights a cell's engine restarts from, in memory (/dev/shm) where there is one,
+    named after this process. A cell removes its own when it stops; one that was killed cannot, and a model's
+    weights would hold the node's memory: those of this user's cells whose process is gone go first."""
     shm = Path("/dev/shm")
-    return Path(tempfile.mkdtemp(prefix="gyre-cell-weights-", dir=shm if shm.is_dir() else None))
+    base = shm if shm.is_dir() else Path(tempfile.gettempdir())
+    remove_orphaned_scratch(base)
+    return Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir=base))
+
+
+def remove_orphaned_scratch(base: Path) -> list[Path]:
+    """Remove the scratch directories in `base` that this user's cells left when they died (their pid no longer
+    runs); returns them. Another user's, and a living process's, stay."""
+    removed = []
+    for path in base.glob(f"{SCRATCH_PREFIX}*-*"):
+        pid = path.name[len(SCRATCH_PREFIX) :].split("-", 1)[0]
+        try:
+            mine = path.is_dir() and not path.is_symlink() and path.stat().st_uid == os.getuid()
+        except OSError:  # removed meanwhile
+            continue
+        if mine and pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 class CellEngine:

@@ -19,6 +19,7 @@ from typing import Any
 
 from gyre.comm.control import ControlError, ControlPlane
 from gyre.comm.messages import Ack, Role
+from gyre.lifetime import pid_alive
 from gyre.sched.liveness import LivenessWatch
 from gyre.sched.policy import CellState
 
@@ -45,15 +46,6 @@ class Cell:
     @property
     def local(self) -> bool:
         return self.host == socket.gethostname()
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"
 
 
 @dataclass

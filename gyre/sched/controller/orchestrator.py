@@ -26,6 +26,7 @@ from gyre.comm.control import ControlError, ControlPlane
 from gyre.comm.messages import Hello, RoleSwitch, SaveCheckpoint, Shutdown, WeightVersion
 from gyre.config.schema import LogprobDistribution, RunConfig
 from gyre.health import ExclusionWatch
+from gyre.lifetime import pid_alive
 from gyre.metrics import MetricsWriter, plot_learning_curve
 from gyre.model.tokenizer import Tokenizer
 from gyre.proxy.call_log import CallLog, CallRecord
@@ -35,7 +36,7 @@ from gyre.resume.preemption import Preempted
 from gyre.resume.recovery import ResumePoint, checkpoint_due, describe_start, task_pool_position
 from gyre.resume.state import RunState
 from gyre.sandbox import make_sandbox
-from gyre.sched.controller.cell_table import Cell, CellDied, CellTable, Outbox, kill_pid, pid_alive
+from gyre.sched.controller.cell_table import Cell, CellDied, CellTable, Outbox, kill_pid
 from gyre.sched.controller.context import ControllerContext
 from gyre.sched.controller.evaluation import EvalRunner
 from gyre.sched.controller.faults import FaultInjector
