@@ -45,7 +45,8 @@ def cell_scratch() -> Path:
 
 def remove_orphaned_scratch(base: Path) -> list[Path]:
     """Remove the scratch directories in `base` that this user's cells left when they died (their pid no longer
-    runs); returns them. Another user's, and a living process's, stay."""
+    runs); returns them. Another user's, and a living process's, stay. A node's cells share one pid namespace (as
+    under Slurm): a cell in a container with its own, sharing this /dev/shm, would look dead from here."""
     removed = []
     for path in base.glob(f"{SCRATCH_PREFIX}*-*"):
         pid = path.name[len(SCRATCH_PREFIX) :].split("-", 1)[0]
