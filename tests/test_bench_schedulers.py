@@ -39,6 +39,7 @@ def test_report_gives_medians_with_their_spread() -> None:
     table = report({"elastic": [run(100), run(90), run(120)], "async": [run(200), run(150), run(180)]})
     assert table["elastic"]["wall_spread_s"] == {"median": 100.0, "min": 90.0, "max": 120.0}
     assert table["elastic"]["cpu_s"]["controller"] == {"median": 10.0, "min": 9.0, "max": 12.0}
+    assert table["elastic"]["over_bound"] == 2.0  # the median of each run's wall over its own bound
     assert table["elastic_speedup_vs_async"] == 1.667  # the median of 2.0, 1.667, 1.5
     assert table["elastic_speedup_vs_async_spread"] == {"median": 1.667, "min": 1.5, "max": 2.0}
 

@@ -11,16 +11,9 @@ import yaml
 
 from gyre.harness.builtin import rollout_tool_factor
 from gyre.sched import policy
-from gyre.sim.bound import lower_bound, workload_bound
-from gyre.sim.calibrate import (
-    Calibration,
-    RunRecord,
-    calibrate,
-    calibrate_predictive,
-    fit_rollouts,
-    read_run,
-    split_session,
-)
+from gyre.sim.bound import lower_bound
+from gyre.sim.calibrate import Calibration, RunRecord, calibrate, read_run
+from gyre.sim.predict import at_sharing, fit_costs, predict, run_bound, split_gaps, workload_of
 from gyre.sim.simulator import simulate
 from gyre.sim.workload import Call, CellModel, Rollout, RunShape, Trace, Workload, tool_factor
 
@@ -177,56 +170,6 @@ def test_calibration_reads_a_run(tmp_path: Path) -> None:
     assert not calibrate([read_run(tmp_path)]).cell.group_write_blocks
 
 
-# the cross-prediction of the recorded benchmark (tools/sim_data/bench17_runs.json.gz) before the trace was
-# separated from the source scheduler's contention: median 16.4%, worst 40.0% off the diagonal
-CROSS_MEDIAN_BOUND = 0.17
-CROSS_WORST_BOUND = 0.41
-
-
-def test_cross_prediction_of_the_recorded_benchmark() -> None:
-    """Calibrated on one scheduler's runs alone, the simulator predicts the other schedulers' walls."""
-    from tools.sim_schedulers import SCHEDULERS, cross_predict, load_records
-
-    cross = cross_predict(load_records(None))
-    assert set(cross["table"]) == {"sigma0.5", "sigma1.0", "trainheavy"}
-    for rows in cross["table"].values():
-        assert set(rows) == set(SCHEDULERS) and all(set(r) == set(SCHEDULERS) for r in rows.values())
-    assert cross["repeat_noise"]["n"] == 18  # trainheavy: 3 repeats of each scheduler, each against the other 2
-    assert cross["median_error"] < CROSS_MEDIAN_BOUND
-    assert cross["worst_error"] < CROSS_WORST_BOUND
-
-
-def test_workload_bound_is_one_for_every_scheduler(tmp_path: Path) -> None:
-    """The workload's bound takes each rollout as quick as any run saw it, whichever scheduler ran it: a
-    scheduler that slows its sessions does not raise it."""
-    write_run(tmp_path)
-    quick = read_run(tmp_path)
-    slow = RunRecord.from_json(quick.to_json())
-    slow.scheduler = "colocate_cells"
-    for s in slow.sessions.values():  # every tool gap and the time outside the harness twice as long
-        outside = s["seconds"] - s["harness_s"]
-        s["harness_s"] += sum(c[3] for c in s["calls"])
-        s["calls"] = [[p, d, dur, 2 * gap] for p, d, dur, gap in s["calls"]]
-        s["seconds"] = s["harness_s"] + 2 * outside
-    least = fit_rollouts([slow, quick], calibrate([quick]).shape, least=True)
-    assert least == calibrate([quick]).rollouts
-    assert workload_bound([slow, quick]).seconds == pytest.approx(workload_bound([quick, slow]).seconds)
-    assert workload_bound([slow, quick]).seconds < lower_bound(*_own(slow)).seconds
-
-
-def _own(run: RunRecord) -> tuple[CellModel, RunShape, Trace]:
-    cal = calibrate([run])
-    return cal.cell, cal.shape, cal.trace()
-
-
-def test_workload_bound_holds_for_every_recorded_run() -> None:
-    from tools.sim_schedulers import load_records
-
-    for runs in load_records(None).values():
-        bound = workload_bound(list(runs.values())).seconds
-        assert all(r.wall_s >= bound for r in runs.values())
-
-
 def test_the_writer_thread_takes_group_writes_off_the_loop() -> None:
     """Written by the loop, a group's 2 s shard holds every decision; on the writer's thread only its
     micro-batches wait: the cells switch meanwhile, half a second saved here."""
@@ -250,23 +193,106 @@ def test_shared_cpus_stretch_the_harness_engine_and_trainer() -> None:
     assert shared.train_slowdown == pytest.approx(1.5)
 
 
-def test_a_session_splits_into_tool_sleeps_and_its_own_cpu_work() -> None:
-    """With the harness's tool sleep known, what is left between and after the calls, and outside the
-    harness, is the session's own CPU work; without it, the gaps stay as measured."""
-    sess = {"seconds": 9.5, "harness_s": 9.0, "calls": [[10, 5, 1.0, 2.05], [10, 5, 1.0, 4.02], [10, 5, 0.5, 0.3]]}
-    sleeps, cpu = split_session(sess, 2.0)
-    assert sleeps == [2.0, 4.0, 0.0] and cpu == pytest.approx(0.5 + 0.05 + 0.02 + 0.3)
-    assert split_session(sess, None) == ([2.05, 4.02, 0.3], pytest.approx(0.5))
+def test_a_session_splits_into_tool_sleeps_and_the_harness_own_seconds(tmp_path: Path) -> None:
+    """Each gap after a call holds a whole number of the rollout's tool sleeps (one per tool call of the
+    reply) and the harness's own seconds; the workload keeps the sleeps and takes the rest from the costs."""
+    write_run(tmp_path)
+    run = read_run(tmp_path)
+    run.shape["tool_time_s"], run.shape["tool_time_sigma"] = 0.5, 0.0
+    sess = {"seconds": 9.5, "harness_s": 9.0, "calls": [[10, 5, 1.0, 1.02], [10, 5, 1.0, 0.01], [10, 5, 0.5, 0.8]]}
+    assert split_gaps(run, "s0-g0-r0", sess) == [
+        (1.0, pytest.approx(0.02)),  # two tool calls
+        (0.0, pytest.approx(0.01)),  # a reply without a usable tool call: sent again at once
+        (0.5, pytest.approx(0.3)),  # the final tool call, then the harness's end
+    ]
+    run.sessions = {"s0-g0-r0": sess}
+    costs = fit_costs([run])
+    assert (costs.gap_s, costs.last_s, costs.outside_s) == (pytest.approx(0.015), pytest.approx(0.3), 0.5)
+    (rollout,) = workload_of(run, costs).by_step[0]
+    assert [c.tool_s for c in rollout.calls] == [pytest.approx(1.015), pytest.approx(0.015), pytest.approx(0.8)]
+    assert [(c.prefill, c.decode) for c in rollout.calls] == [(10, 5)] * 3 and rollout.overhead_s == 0.5
 
 
-def test_a_predictive_calibration_reproduces_the_runs_it_was_fitted_on() -> None:
-    """Costs divided by the contention each session met, then simulated under the same scheduler: the wall
-    it was fitted on, within the replay's own error; the shared CPUs come from the runs' records."""
+def test_a_run_is_predicted_from_another_run_costs_on_its_own_workload(tmp_path: Path) -> None:
+    """The costs carry the engine, not the sessions: a run whose calls were twice as slow (an engine
+    shared with more sessions) predicts the quick run's wall on the quick run's workload all the same
+    except for the engine's seconds, and a bound at shared costs is one for both runs."""
+    write_run(tmp_path)
+    quick = read_run(tmp_path)
+    slow = RunRecord.from_json(quick.to_json())
+    slow.scheduler = "colocate_cells"
+    slow.calls = [(t, n, d, 2 * s) for t, n, d, s in slow.calls]
+    for s in slow.sessions.values():  # the same tokens and tool seconds, every call twice as long
+        s["calls"] = [[p, d, 2 * dur, gap] for p, d, dur, gap in s["calls"]]
+    costs_quick, costs_slow = fit_costs([quick]), fit_costs([slow])
+    assert costs_slow.cell.call_s == pytest.approx(2 * costs_quick.cell.call_s, rel=1e-3)
+    assert workload_of(slow, costs_quick).by_step == workload_of(quick, costs_quick).by_step
+    engine_s = sum(d for s in quick.sessions.values() for _, _, d, _ in s["calls"]) / 2  # a session per cell
+    assert predict(costs_slow, quick).wall_s == pytest.approx(predict(costs_quick, quick).wall_s + engine_s, rel=0.02)
+    shared = fit_costs([quick, slow])
+    assert run_bound(shared, quick) == pytest.approx(run_bound(shared, slow))
+    assert run_bound(shared, quick) < lower_bound(*_own(slow)).seconds
+
+
+def test_costs_move_to_a_layout_that_shares_the_cpus_differently(tmp_path: Path) -> None:
+    """Fitted where 2 cells own 2 CPUs, predicting 3 cells on the same 2: a cell's engine and training at
+    2/3 of a CPU (1.5x the seconds), the harnesses' own work among 4 jobs instead of 3 (4/3x)."""
+    write_run(tmp_path)
+    two = read_run(tmp_path)
+    two.shape["cpus"] = 2
+    three = RunRecord.from_json(two.to_json())
+    three.shape["n_cells"] = 3
+    costs = fit_costs([two])
+    assert (costs.cells_per_cpu, costs.harnesses_per_cpu) == (1.0, 1.5)
+    moved = at_sharing(costs, three)
+    assert moved.cell.call_s == pytest.approx(1.5 * costs.cell.call_s)
+    assert moved.cell.session_tps == pytest.approx(costs.cell.session_tps / 1.5)
+    assert moved.cell.train_tps == pytest.approx(costs.cell.train_tps / 1.5)
+    assert moved.outside_s == pytest.approx(costs.outside_s * 4 / 3) and moved.last_s == pytest.approx(
+        costs.last_s * 4 / 3
+    )
+    assert at_sharing(costs, two) is costs  # the same layout: as fitted
+
+
+def _own(run: RunRecord) -> tuple[CellModel, RunShape, Trace]:
+    cal = calibrate([run])
+    return cal.cell, cal.shape, cal.trace()
+
+
+# the recorded benchmark (tools/sim_data/bench29_runs.json.gz: tools/bench_schedulers.py, 3 repeats
+# interleaved of each scheduler, 6 steps; disjoint2 at tails sigma 0.5 and 1.0 and training ~ rollouts,
+# shared3 at sigma 0.5), predicted by `python -m tools.sim_schedulers --cross`. On the three tail workloads
+# (both layouts): 1b median 6.1%, worst 24.0%; 1c median 5.4%, worst 24.7%, the worst all of one run whose
+# controller stood 65 s with the update waiting (docs/benchmarks.md; the policy's update_waits rule came after
+# it). With training ~ rollouts the harnesses' own CPU work saturates the CPUs under the schedulers that run
+# twice the sessions at once, which the costs do not model: over all four, 1b median 7.2% (worst 66.0%), 1c
+# median 8.5% (worst 63.9%)
+MEDIAN_BOUND = 0.10
+TAILS_WORST_BOUND = 0.25
+
+
+def test_cross_prediction_of_the_recorded_benchmark() -> None:
+    """Costs from one scheduler's runs alone predict every other run of the workload, and costs from one
+    workload's runs of one scheduler every run of the other workloads and layouts."""
+    from tools.sim_schedulers import SCHEDULERS, cross_predict, held_out, load_records
+
+    records = load_records(None)
+    assert set(records) == {"disjoint2/sigma0.5", "disjoint2/sigma1.0", "disjoint2/trainheavy", "shared3/sigma0.5"}
+    cross, held = cross_predict(records), held_out(records)
+    for rows in cross["table"].values():
+        assert set(rows) == set(SCHEDULERS) and all(set(r) == set(SCHEDULERS) for r in rows.values())
+    assert cross["predictions"] == 4 * 3 * 6  # each of 9 runs of a workload from the 2 schedulers not its own
+    assert held["predictions"] == 4 * 3 * 27  # each calibration: every run of the 3 other workloads
+    assert cross["median_error"] <= MEDIAN_BOUND and held["median_error"] <= MEDIAN_BOUND
+    tails = {wl: runs for wl, runs in records.items() if "trainheavy" not in wl}
+    for result in (cross_predict(tails), held_out(tails)):
+        assert result["median_error"] <= MEDIAN_BOUND
+        assert result["worst_error"] <= TAILS_WORST_BOUND
+
+
+def test_every_recorded_run_is_above_its_bound() -> None:
     from tools.sim_schedulers import load_records
 
-    runs = load_records(None)["sigma0.5"]
-    elastic = [r for r in runs.values() if r.scheduler == "elastic"]
-    cal = calibrate_predictive(elastic)
-    assert cal.cell.cpus == 2 and all(r.cpu_s > 0 for r in cal.rollouts.values())
-    wall = simulate("elastic", cal.cell, cal.shape, cal.trace()).wall_s
-    assert wall == pytest.approx(elastic[0].wall_s, rel=0.05)
+    for runs in load_records(None).values():
+        costs = fit_costs(list(runs.values()))
+        assert all(r.wall_s >= run_bound(costs, r) for r in runs.values())

@@ -2,15 +2,19 @@
 
     python -m tools.sim_schedulers [--out DIR] [--bench DIR [--save-data]] [--quick] [--cross]
 
-1. Validation: every run of the local benchmark (tools/bench_schedulers.py, layout disjoint2, three
-   workloads) is simulated from its own calibration (its sessions, micro-batches, switches, steps, the
-   controller's shard writes), fitted now from the run's records; the medians over repeats beside the
-   measured medians, and what the model gives without the shard writes. The records of the recorded
-   benchmark are in tools/sim_data/bench17_runs.json.gz; `--bench DIR` reads a benchmark's output
-   directory instead (DIR/<workload>/<scheduler>-<repeat>/), `--save-data` stores its records there.
-   1b. Cross-prediction: calibrated on one scheduler's runs alone, the other schedulers' walls predicted
-   (`--cross` prints only this). 1c. One lower bound per workload, the same for every scheduler, and
-   each scheduler's distance from it.
+1. Validation: every run of the recorded local benchmark (tools/bench_schedulers.py: layouts disjoint2 and
+   shared3, tails sigma 0.5 and 1.0, training as costly as rollouts) is simulated from its own calibration
+   (its sessions, micro-batches, switches, steps, the controller's shard writes), fitted now from the run's
+   records; the medians over repeats beside the measured medians. The records are in
+   tools/sim_data/bench29_runs.json.gz; `--bench DIR` reads a benchmark's output directories instead (each
+   directory under DIR that holds run directories is a workload: DIR/<layout>/<workload>/<scheduler>-<n>/),
+   `--save-data` stores their records there.
+   1b. Cross-prediction (`--cross` prints 1b and 1c only): costs fitted from one scheduler's runs alone
+   (gyre.sim.predict), every run of the other schedulers predicted on its own workload (its sessions'
+   tokens and tool sleeps). 1c. Held-out workloads: costs from one workload's runs of one scheduler, every
+   run of the other workloads and layouts predicted. 1d. Each run's lower bound on its own workload at
+   costs shared by every scheduler, and every scheduler simulated on the same work: the speedups the
+   policies give on equal work, and the most any scheduler could be faster than each baseline.
 2. The reference system's scale: the 2.4T setting (4 cells of 48 nodes x 8 GPUs) and the 122B setting
    (24 and 32 nodes), with the throughputs and costs below stated as assumptions, beside the reference
    table; GPU utilisation of each scheduler and the lower bound (gyre.sim.bound).
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import statistics
 import time
 from dataclasses import asdict, replace
@@ -32,16 +37,16 @@ from typing import Any
 
 from gyre.config.schema import CELL_SCHEDULERS as SCHEDULERS
 from gyre.sched.policy import KEEP_TRAINING
-from gyre.sim.bound import alone_seconds, lower_bound, workload_bound
-from gyre.sim.calibrate import Calibration, RunRecord, calibrate, calibrate_predictive, read_run, workload_facts
+from gyre.sim.bound import alone_seconds, lower_bound
+from gyre.sim.calibrate import Calibration, RunRecord, calibrate, read_run
+from gyre.sim.predict import Costs, fit_costs, predict, run_bound
 from gyre.sim.simulator import SimResult, simulate
 from gyre.sim.workload import CellModel, RunShape, Workload
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT / "tools" / "sim_data" / "bench17_runs.json.gz"
-WORKLOADS = {"sigma0.5": "tool-time tail sigma=0.5", "sigma1.0": "sigma=1.0", "trainheavy": "training ~ rollouts"}
+DATA = ROOT / "tools" / "sim_data" / "bench29_runs.json.gz"
+WORKLOADS = {"sigma0.5": "tail sigma 0.5", "sigma1.0": "tail sigma 1.0", "trainheavy": "training ~ rollouts"}
 HOUR = 3600.0
-PREDICTIVE = "tool sleeps as the harness draws them; CPU work, engine and training costs with the source's contention divided out"
 
 # ----- the reference system's scale: assumptions, not measurements -----
 # 2.4T MoE: SGLang at 128 concurrent 700K-token sessions a cell: 40 tokens/s for one call alone, 3200 tokens/s
@@ -123,43 +128,29 @@ def load_calibrations(bench: Path | None) -> dict[str, dict[str, Calibration]]:
 
 
 def load_records(bench: Path | None) -> dict[str, dict[str, RunRecord]]:
+    """workload -> run name -> its record: from a bench_schedulers output directory (every directory under
+    `bench` that holds run directories, by its path: DIR/<layout>/<workload>/<scheduler>-<n>/), or from DATA."""
     if bench is not None:
-        return {
-            wl: {d.name: read_run(d) for d in sorted((bench / wl).iterdir()) if (d / "summary.json").exists()}
-            for wl in WORKLOADS
-            if (bench / wl).is_dir()
-        }
+        out: dict[str, dict[str, RunRecord]] = {}
+        runs = sorted(Path(d) for d, _, files in os.walk(bench, followlinks=True) if "summary.json" in files)
+        for run in runs:
+            out.setdefault(str(run.parent.relative_to(bench)), {})[run.name] = read_run(run)
+        return out
     data = json.loads(gzip.decompress(DATA.read_bytes()))
-    out = {wl: {name: RunRecord.from_json(r) for name, r in d["runs"].items()} for wl, d in data.items()}
-    for wl, runs in out.items():
-        facts = facts_of_bench_args(data[wl]["bench_args"])
-        for r in runs.values():
-            r.shape = {**facts, **r.shape}  # records from before they carried these (gyre.sim.calibrate.workload_facts)
-    return out
+    return {wl: {name: RunRecord.from_json(r) for name, r in d["runs"].items()} for wl, d in data.items()}
 
 
-def facts_of_bench_args(args: list[str]) -> dict[str, Any]:
-    """The tool sleep and shared CPUs of a stored benchmark's runs, from the arguments it ran with (over
-    tools/bench_schedulers.py's workload)."""
-    from tools.bench_schedulers import WORKLOAD
-
-    given = dict(a.split("=", 1) for a in [*WORKLOAD, *args])
-    cfg = {"sched": {"cpu_sets": given.get("sched.cpu_sets", "[]").strip("[]").split(",")},
-           "tasks": {"tool_time_s": float(given.get("tasks.tool_time_s", 0.0)),
-                     "tool_time_sigma": float(given.get("tasks.tool_time_sigma", 1.0))}}  # fmt: skip
-    cfg["sched"]["cpu_sets"] = [c for c in cfg["sched"]["cpu_sets"] if c]
-    return workload_facts(cfg)
+def label(workload: str) -> str:
+    layout, _, name = workload.rpartition("/")
+    return f"{layout} {WORKLOADS.get(name, name)}".strip()
 
 
 def save_records(bench: Path) -> None:
     """Store a benchmark's run records (what calibration reads from each run directory) as DATA."""
     data = {}
     for wl, runs in load_records(bench).items():
-        args = (
-            json.loads((bench / wl / "results.json").read_text())["extra"]
-            if (bench / wl / "results.json").exists()
-            else []
-        )
+        results = bench / wl / "results.json"
+        args = json.loads(results.read_text())["extra"] if results.exists() else []
         data[wl] = {"bench_args": args, "runs": {name: r.to_json() for name, r in runs.items()}}
     DATA.parent.mkdir(parents=True, exist_ok=True)
     DATA.write_bytes(gzip.compress(json.dumps(data).encode()))
@@ -196,113 +187,161 @@ def validate(cals: dict[str, dict[str, Calibration]]) -> dict[str, Any]:
 
 
 def print_validation(table: dict[str, Any]) -> None:
-    print("\n1. Validation: local benchmark (2 one-CPU cells), each run simulated from its own calibration")
-    print(f"{'workload':24s} {'scheduler':15s} {'measured s':>10s} {'simulated s':>11s} {'error':>7s} {'bound s':>8s} "
+    print("\n1. Validation: the local benchmark, each run simulated from its own calibration")
+    print(f"{'workload':30s} {'scheduler':15s} {'measured s':>10s} {'simulated s':>11s} {'error':>7s} {'bound s':>8s} "
           f"{'no shard writes':>15s} {'shard write':>11s}")  # fmt: skip
     for wl, rows in table.items():
         for sched in SCHEDULERS:
             r = rows[sched]
             off = r["no_shard_writes_s"] / r["measured_s"] - 1
-            print(f"{WORKLOADS[wl]:24s} {sched:15s} {r['measured_s']:10.1f} {r['simulated_s']:11.1f} "
+            print(f"{label(wl):30s} {sched:15s} {r['measured_s']:10.1f} {r['simulated_s']:11.1f} "
                   f"{r['error']:+7.1%} {r['bound_s']:8.1f} {r['no_shard_writes_s']:7.1f} ({off:+5.1%}) "
                   f"{r['group_write_s']:9.2f} s")  # fmt: skip
         runs = "; ".join(f"{s} {rows[s]['measured_runs']}" for s in SCHEDULERS)
-        print(f"{'':24s} same order: {rows['same_order']} (measured {' < '.join(rows['order']['measured_s'])}); "
+        print(f"{'':30s} same order: {rows['same_order']} (measured {' < '.join(rows['order']['measured_s'])}); "
               f"measured runs: {runs}")  # fmt: skip
 
 
-def cross_predict(records: dict[str, dict[str, RunRecord]], predictive: bool = False) -> dict[str, Any]:
-    """Calibrate on one scheduler's runs of a workload alone and predict every scheduler's wall on it;
-    `predictive`: with gyre.sim.calibrate.calibrate_predictive (the source's contention divided out, the
-    target's simulated on the shared CPUs), else with each rollout replayed as the source measured it.
-
-    The validation above replays each run from its own records, so it cannot tell a model that predicts
-    from one that copies; here the off-diagonal cells (a scheduler the calibration never saw) are the test.
-    Returns workload -> calibrated-on -> predicted scheduler -> {measured_s, simulated_s, error}, plus the
-    median and worst absolute error off the diagonal."""
+def cross_predict(records: dict[str, dict[str, RunRecord]]) -> dict[str, Any]:
+    """Costs fitted from one scheduler's runs of a workload alone (gyre.sim.predict.fit_costs), every other
+    run of the workload predicted on its own workload (its sessions' tokens and tool sleeps; nothing its
+    scheduler did) and shape. Returns workload -> calibrated-on -> predicted scheduler -> {measured_s: the
+    median wall, simulated_s: the median prediction, error: the median of the runs' errors, worst: the
+    largest}; the diagonal (a scheduler's own runs, fitted) in the table but not in the summary; plus the
+    median and worst error over every run predicted off the diagonal, one error a run and calibration."""
     table: dict[str, Any] = {}
     off: list[float] = []
     for wl, runs in records.items():
-        walls = {s: statistics.median(r.wall_s for r in runs.values() if r.scheduler == s) for s in SCHEDULERS}
         rows: dict[str, Any] = {}
         for src in SCHEDULERS:
-            mine = [r for r in runs.values() if r.scheduler == src]
-            cal = calibrate_predictive(mine) if predictive else calibrate(mine)
+            costs = fit_costs([r for r in runs.values() if r.scheduler == src])
             rows[src] = {}
             for tgt in SCHEDULERS:
-                sim = simulate(tgt, cal.cell, cal.shape, cal.trace()).wall_s
-                err = sim / walls[tgt] - 1
-                rows[src][tgt] = {
-                    "measured_s": round(walls[tgt], 2),
-                    "simulated_s": round(sim, 2),
-                    "error": round(err, 4),
-                }
+                mine = [r for r in runs.values() if r.scheduler == tgt]
+                rows[src][tgt] = predicted(costs, mine)
                 if tgt != src:
-                    off.append(abs(err))
+                    off += [abs(e) for e in rows[src][tgt]["errors"]]
         table[wl] = rows
-    return {"table": table, "median_error": round(statistics.median(off), 4), "worst_error": round(max(off), 4),
-            "repeat_noise": repeat_noise(records)}  # fmt: skip
+    return {"table": table, **summary(off), "repeat_noise": repeat_noise(records)}
+
+
+def held_out(records: dict[str, dict[str, RunRecord]]) -> dict[str, Any]:
+    """Costs fitted from one workload's runs of one scheduler, every run of the other workloads (another
+    tail, training as costly as rollouts, another layout: 3 cells sharing the CPUs) predicted. Returns
+    calibrated-on workload -> scheduler -> predicted workload -> as `cross_predict`, and the summary."""
+    table: dict[str, Any] = {}
+    off: list[float] = []
+    for src_wl, src_runs in records.items():
+        table[src_wl] = {}
+        for src in SCHEDULERS:
+            costs = fit_costs([r for r in src_runs.values() if r.scheduler == src])
+            row = {wl: predicted(costs, list(runs.values())) for wl, runs in records.items() if wl != src_wl}
+            off += [abs(e) for r in row.values() for e in r["errors"]]
+            table[src_wl][src] = row
+    return {"table": table, **summary(off)}
+
+
+def predicted(costs: Costs, runs: list[RunRecord]) -> dict[str, Any]:
+    walls = [predict(costs, r).wall_s for r in runs]
+    errors = [w / r.wall_s - 1 for w, r in zip(walls, runs, strict=True)]
+    return {"measured_s": round(statistics.median(r.wall_s for r in runs), 2),
+            "simulated_s": round(statistics.median(walls), 2), "error": round(statistics.median(errors), 4),
+            "worst": round(max(errors, key=abs), 4), "errors": [round(e, 4) for e in errors]}  # fmt: skip
+
+
+def summary(errors: list[float]) -> dict[str, Any]:
+    if not errors:
+        return {"median_error": None, "worst_error": None, "predictions": 0}
+    return {"median_error": round(statistics.median(errors), 4), "worst_error": round(max(errors), 4),
+            "predictions": len(errors)}  # fmt: skip
 
 
 def repeat_noise(records: dict[str, dict[str, RunRecord]]) -> dict[str, float] | None:
-    """What the same scheduler's repeats say about the data: each run, simulated from its own calibration,
-    against every other repeat of its scheduler on its workload (median and worst absolute error). A
-    cross-prediction cannot be judged finer than this: the runs themselves disagree by as much."""
+    """How far a run's wall is from each other repeat of its scheduler on its workload (median and worst
+    relative difference): what a prediction from the scheduler's measured walls alone would err by."""
     errors = []
     for runs in records.values():
         for name, run in runs.items():
-            others = [r.wall_s for n, r in runs.items() if n != name and r.scheduler == run.scheduler]
-            if others:
-                cal = calibrate([run])
-                sim = simulate(run.scheduler, cal.cell, cal.shape, cal.trace()).wall_s
-                errors += [abs(sim / w - 1) for w in others]
+            errors += [
+                abs(run.wall_s / r.wall_s - 1) for n, r in runs.items() if n != name and r.scheduler == run.scheduler
+            ]
     if not errors:
         return None
     return {"median_error": round(statistics.median(errors), 4), "worst_error": round(max(errors), 4), "n": len(errors)}
 
 
-def print_cross(cross: dict[str, Any], title: str = "each rollout replayed as measured") -> None:
-    print(f"\n1b. Cross-prediction ({title}): calibrated on one scheduler's runs alone, each scheduler's wall "
-          "predicted (error against its measured median; the diagonal, in brackets, was fitted)")  # fmt: skip
-    print(f"{'workload':24s} {'calibrated on':15s} " + " ".join(f"{s:>15s}" for s in SCHEDULERS))
+def print_cross(cross: dict[str, Any]) -> None:
+    print("\n1b. Cross-prediction: costs from one scheduler's runs alone, every run of each scheduler predicted on its "
+          "own workload (median error of its runs; the diagonal, in brackets, was fitted)")  # fmt: skip
+    print(f"{'workload':30s} {'calibrated on':15s} " + " ".join(f"{s:>15s}" for s in SCHEDULERS))
     for wl, rows in cross["table"].items():
         for src in SCHEDULERS:
             cells = [f"({e:+.1%})" if t == src else f"{e:+.1%}" for t in SCHEDULERS for e in [rows[src][t]["error"]]]
-            print(f"{WORKLOADS.get(wl, wl):24s} {src:15s} " + " ".join(f"{c:>15s}" for c in cells))
-    print(f"off the diagonal: median error {cross['median_error']:.1%}, worst {cross['worst_error']:.1%}")
+            print(f"{label(wl):30s} {src:15s} " + " ".join(f"{c:>15s}" for c in cells))
+    print(f"off the diagonal ({cross['predictions']} runs predicted): median error {cross['median_error']:.1%}, "
+          f"worst {cross['worst_error']:.1%}")  # fmt: skip
     if noise := cross["repeat_noise"]:
-        print(f"the data's own spread: a run's replay against the other repeats of its scheduler, median "
+        print(f"the measured walls' own spread (a run against each other repeat of its scheduler): median "
               f"{noise['median_error']:.1%}, worst {noise['worst_error']:.1%} ({noise['n']} pairs)")  # fmt: skip
 
 
+def print_held_out(held: dict[str, Any]) -> None:
+    if not held["predictions"]:
+        return
+    print("\n1c. Held-out workloads: costs from one workload's runs of one scheduler, every run of the other "
+          "workloads and layouts predicted (median error; worst in brackets)")  # fmt: skip
+    for src_wl, rows in held["table"].items():
+        for src, row in rows.items():
+            parts = [f"{label(wl)} {r['error']:+.1%} ({r['worst']:+.1%})" for wl, r in row.items()]
+            print(f"{label(src_wl) + ' ' + src:45s} " + "; ".join(parts))
+    print(f"all ({held['predictions']} runs predicted): median error {held['median_error']:.1%}, worst "
+          f"{held['worst_error']:.1%}")  # fmt: skip
+
+
 def workload_bounds(records: dict[str, dict[str, RunRecord]]) -> dict[str, Any]:
-    """Each workload's one bound (gyre.sim.bound.workload_bound) and every scheduler's distance from it, beside
-    the bound each scheduler's own runs give (what over_bound used to compare)."""
+    """Each run's bound on its own workload at costs fitted from all runs of the benchmark (every scheduler's):
+    the same costs for every scheduler, so a scheduler that slows its engines or harnesses does not raise its
+    bound; and every scheduler simulated on every run's workload at those costs: the walls each would take
+    on the same work (a run's policy decides how many tool calls its sessions make: its workload is its own)."""
     out: dict[str, Any] = {}
     for wl, runs in records.items():
-        bound = workload_bound(list(runs.values()))
-        rows: dict[str, Any] = {"bound_s": round(bound.seconds, 2), "chain_s": round(bound.chain_s, 2),
-                                "work_s": round(bound.work_s, 2)}  # fmt: skip
+        costs = fit_costs(list(runs.values()))
+        bounds = {n: run_bound(costs, r) for n, r in runs.items()}
+        same_work = {s: [predict(costs, r, s).wall_s for r in runs.values()] for s in SCHEDULERS}
+        rows: dict[str, Any] = {}
         for sched in SCHEDULERS:
-            mine = [r for r in runs.values() if r.scheduler == sched]
-            wall = statistics.median(r.wall_s for r in mine)
-            own = statistics.median(
-                lower_bound(c.cell, c.shape, c.trace()).seconds for c in (calibrate([r]) for r in mine)
-            )
-            rows[sched] = {"measured_s": round(wall, 2), "over_bound": round(wall / bound.seconds, 3),
-                           "own_bound_s": round(own, 2), "over_own_bound": round(wall / own, 3)}  # fmt: skip
+            mine = {n: r for n, r in runs.items() if r.scheduler == sched}
+            rows[sched] = {
+                "measured_s": round(statistics.median(r.wall_s for r in mine.values()), 2),
+                "bound_s": round(statistics.median(bounds[n] for n in mine), 2),
+                "over_bound": round(statistics.median(r.wall_s / bounds[n] for n, r in mine.items()), 3),
+                "same_work_s": round(statistics.median(same_work[sched]), 2),
+            }
+        e, b = same_work["elastic"], list(bounds.values())
+        rows["same_work_speedup"] = {s: paired(same_work[s], e) for s in SCHEDULERS if s != "elastic"}
+        rows["same_work_over_bound"] = paired(e, b)
+        # what no scheduler can beat a baseline by on this work: the baseline's wall over the bound
+        rows["ceiling"] = {s: paired(same_work[s], b) for s in SCHEDULERS if s != "elastic"}
         out[wl] = rows
     return out
 
 
+def paired(walls: list[float], others: list[float]) -> float:
+    """The median ratio of two lists of walls on the same runs' workloads."""
+    return round(statistics.median(w / o for w, o in zip(walls, others, strict=True)), 3)
+
+
 def print_workload_bounds(bounds: dict[str, Any]) -> None:
-    print("\n1c. One bound per workload (each rollout as quick as any run saw it; engine and training costs from "
-          "all runs): each scheduler's median wall over it, and over the bound of its own runs")  # fmt: skip
+    print("\n1d. Each run's lower bound on its own workload (costs from all runs of its benchmark): each scheduler's "
+          "median wall over it; and every scheduler simulated on every run's workload (the same work)")  # fmt: skip
     for wl, rows in bounds.items():
-        parts = [f"{s} {rows[s]['over_bound']:.2f}x (own {rows[s]['over_own_bound']:.2f}x of {rows[s]['own_bound_s']:.0f} s)"
-                 for s in SCHEDULERS]  # fmt: skip
-        print(f"{WORKLOADS.get(wl, wl):24s} bound {rows['bound_s']:6.1f} s (chain {rows['chain_s']:.0f}, "
-              f"work {rows['work_s']:.0f}): " + "; ".join(parts))  # fmt: skip
+        parts = [f"{s} {rows[s]['measured_s']:.0f} s, {rows[s]['over_bound']:.2f}x its bound" for s in SCHEDULERS]
+        print(f"{label(wl):30s} measured: " + "; ".join(parts))
+        same = "; ".join(f"{s} {rows[s]['same_work_s']:.0f} s" for s in SCHEDULERS)
+        speed = ", ".join(f"{v:.2f}x {s}" for s, v in rows["same_work_speedup"].items())
+        print(f"{'':30s} same work: {same}; elastic {speed}, {rows['same_work_over_bound']:.2f}x the bound")
+        ceiling = ", ".join(f"{v:.2f}x {s}" for s, v in rows["ceiling"].items())
+        print(f"{'':30s} the most any scheduler can be faster than each baseline on this work: {ceiling}")
 
 
 # ----- 2. the reference scale -----
@@ -457,18 +496,18 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     bench = Path(args.bench) if args.bench else None
-    results: dict[str, Any] = {"cross": cross_predict(load_records(bench))}
-    results["cross_predictive"] = cross_predict(load_records(bench), predictive=True)
+    records = load_records(bench)
+    results: dict[str, Any] = {"cross": cross_predict(records), "held_out": held_out(records)}
     if args.cross:
         print_cross(results["cross"])
-        print_cross(results["cross_predictive"], PREDICTIVE)
-        (out / "cross.json").write_text(json.dumps({k: results[k] for k in ("cross", "cross_predictive")}, indent=1))
+        print_held_out(results["held_out"])
+        (out / "cross.json").write_text(json.dumps({k: results[k] for k in ("cross", "held_out")}, indent=1))
         return
     results["validation"] = validate(load_calibrations(bench))
     print_validation(results["validation"])
     print_cross(results["cross"])
-    print_cross(results["cross_predictive"], PREDICTIVE)
-    results["workload_bounds"] = workload_bounds(load_records(bench))
+    print_held_out(results["held_out"])
+    results["workload_bounds"] = workload_bounds(records)
     print_workload_bounds(results["workload_bounds"])
     settings = {
         "2.4T, 4 cells x 48 nodes x 8 GPUs": REF_24T,

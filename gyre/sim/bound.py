@@ -9,10 +9,9 @@ Two bounds; the larger holds.
 - work: every cell-second goes to rollouts (a session holds 1/capacity of a cell for its whole
   duration) or to training micro-batches, so the total divided by the number of cells.
 
-`workload_bound` gives one bound per workload, the same for every scheduler: from all its recorded runs
-pooled, each rollout as quick as any run saw it (the harness and tool seconds no scheduler can take
-away), with the engine and training costs calibrated from all of them. A bound computed from each run's
-own records instead moves with the run: a scheduler that slows its sessions raises its own bound.
+gyre.sim.predict.run_bound gives a run's bound on its own workload (its sessions' tokens and tool sleeps)
+at costs fitted from other runs, the same costs for every scheduler: a bound computed from a run's own
+records moves with the run (a scheduler that slows its sessions raises its own bound).
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gyre.sim.calibrate import RunRecord, calibrate, fit_rollouts
 from gyre.sim.simulator import RolloutSource
 from gyre.sim.workload import CellModel, Rollout, RunShape
 
@@ -58,13 +56,6 @@ def lower_bound(cell: CellModel, shape: RunShape, source: RolloutSource) -> Boun
         ends.append(trained + cell.reduce_s + cell.sync_s)
         work += sum(durations) / cell.capacity + train_cell_s
     return Bound(ends[-1], work / n)
-
-
-def workload_bound(runs: list[RunRecord]) -> Bound:
-    """The bound of the workload the runs share (any schedulers, any repeats), the same for each of them."""
-    cal = calibrate(runs)
-    cal.rollouts = fit_rollouts(runs, cal.shape, least=True)
-    return lower_bound(cal.cell, cal.shape, cal.trace())
 
 
 def _group_tokens(rollouts: list[Rollout]) -> dict[int, int]:

@@ -12,18 +12,16 @@ tasks, the same per-rollout tool factor).
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from gyre.sched.launch.affinity import available_cpus, parse_cpu_list
-from gyre.sim.simulator import SimResult, simulate
-from gyre.sim.workload import Call, CellModel, Rollout, RunShape, Trace, tool_factor
+from gyre.sim.workload import Call, CellModel, Rollout, RunShape, Trace
 
 
 @dataclass
@@ -280,9 +278,9 @@ def fit_engine(calls: list[tuple[float, int, int, float]]) -> tuple[float, float
     return a, b, c
 
 
-def fit_rollouts(runs: list[RunRecord], shape: RunShape, least: bool = False) -> dict[str, Rollout]:
+def fit_rollouts(runs: list[RunRecord], shape: RunShape) -> dict[str, Rollout]:
     """Each rollout id's representative: the measured session whose harness time is the median over the
-    runs, or with `least` the quickest (its overhead too the least seen), for a bound."""
+    runs."""
     by_id: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in runs:
         for rid, s in r.sessions.items():
@@ -293,9 +291,9 @@ def fit_rollouts(runs: list[RunRecord], shape: RunShape, least: bool = False) ->
     out = {}
     for rid, seen in by_id.items():
         seen = sorted(seen, key=lambda s: s["harness_s"])
-        rep = seen[0] if least else seen[len(seen) // 2]
+        rep = seen[len(seen) // 2]
         outside = [s["seconds"] - s["harness_s"] for s in seen]
-        overhead = min(outside) if least else statistics.median(outside)
+        overhead = statistics.median(outside)
         calls = tuple(Call(int(p), int(d), max(0.0, gap)) for p, d, _, gap in rep["calls"])
         group = int(rid.split("-")[1][1:])
         out[rid] = Rollout(rid, group, calls, max(0.0, overhead), round(tokens_per_rollout))
@@ -304,110 +302,3 @@ def fit_rollouts(runs: list[RunRecord], shape: RunShape, least: bool = False) ->
 
 def calibrate_dirs(run_dirs: list[Path]) -> Calibration:
     return calibrate([read_run(d) for d in run_dirs])
-
-
-# ----- a calibration that predicts other schedulers -----
-# A measured session mixes what no scheduler changes (the harness's tool sleeps, its tokens, its own CPU work
-# alone) with what the scheduler it ran under did to it (engine calls slowed by other calls and by the CPUs
-# the harnesses, engines and trainers share). Replaying a run from its records carries the second into any
-# prediction. Here each run is replayed once from its own records to learn what contention each session
-# and call met; the costs are divided by it, and the simulator applies the target scheduler's contention.
-
-
-def calibrate_predictive(runs: list[RunRecord], rounds: int = 4) -> Calibration:
-    """A calibration from `runs` (one scheduler's, typically) of the uncontended costs: each rollout's tool
-    sleeps and own CPU seconds, the engine's per-call and per-token costs, the shared CPUs (cell.cpus).
-    The contention each session met comes from a replay: first of each run's own records, then (`rounds`
-    times) of the calibration itself under the runs' scheduler, so that it reproduces what it was fitted on."""
-    base = calibrate(runs)
-    cpus = float(runs[0].shape.get("cpus") or math.inf)
-    replays = []
-    for run in runs:
-        own = calibrate([run])
-        replays.append(simulate(run.scheduler, own.cell, own.shape, own.trace()))
-    cal = _fit_uncontended(runs, replays, base, cpus)
-    fits = []
-    for _ in range(rounds):  # a replay's order of events jumps with small changes: the fits are averaged
-        replays = [simulate(run.scheduler, cal.cell, cal.shape, cal.trace()) for run in runs]
-        fits.append(_fit_uncontended(runs, replays, base, cpus))
-        cal = _mean_calibration(fits)
-    return cal
-
-
-def _mean_calibration(cals: list[Calibration]) -> Calibration:
-    """The fitted costs averaged: engine and training rates, each rollout's own CPU seconds."""
-    first = cals[0]
-    mean = {
-        k: statistics.fmean(getattr(c.cell, k) for c in cals)
-        for k in ("call_s", "session_tps", "decode_tps", "train_tps")
-    }
-    rollouts = {
-        rid: replace(r, cpu_s=statistics.fmean(c.rollouts[rid].cpu_s for c in cals))
-        for rid, r in first.rollouts.items()
-    }
-    return Calibration(replace(first.cell, **mean), first.shape, rollouts, first.measured)
-
-
-def _fit_uncontended(runs: list[RunRecord], replays: list[SimResult], base: Calibration, cpus: float) -> Calibration:
-    """Each measured cost divided by the contention its replay met."""
-    seen: dict[str, list[tuple[dict[str, Any], float, float]]] = defaultdict(list)  # rid -> (session, w, harness)
-    engine_rows: list[tuple[float, float, float, float]] = []  # (slowdown, decode, calls per cell, seconds)
-    probe = replace(base.cell, cpus=cpus)
-    for run, replay in zip(runs, replays, strict=True):
-        sleep_of = _sleeps(run)
-        for rid, sess in run.sessions.items():
-            sleeps, cpu = split_session(sess, sleep_of(rid))
-            jobs = replay.cpu_jobs_at_start.get(rid, 1.0)
-            seen[rid].append(({**sess, "sleeps": sleeps}, cpu / probe.slowdown(jobs), sess["harness_s"]))
-            for i, (_, dec, dur, _) in enumerate(sess["calls"]):
-                per_cell, call_jobs = replay.call_contention.get((rid, i), (1.0, 1.0))
-                engine_rows.append((probe.slowdown(call_jobs), float(dec), per_cell, dur))
-    call_s, per_token, per_token_shared = _fit_contended_engine(engine_rows)
-    train_slowdown = statistics.fmean(r.train_slowdown for r in replays)
-    cell = replace(
-        base.cell,
-        cpus=cpus,
-        train_tps=base.cell.train_tps * train_slowdown,
-        call_s=call_s,
-        session_tps=1.0 / per_token if per_token > 0 else 1e9,
-        decode_tps=1.0 / per_token_shared if per_token_shared > 0 else 1e9,
-    )
-    rollouts = {}
-    for rid, items in seen.items():
-        sess, w, _ = sorted(items, key=lambda x: x[2])[len(items) // 2]
-        calls = tuple(Call(int(p), int(d), sl) for (p, d, _, _), sl in zip(sess["calls"], sess["sleeps"], strict=True))
-        old = base.rollouts[rid]
-        rollouts[rid] = Rollout(rid, old.group, calls, 0.0, old.train_tokens, cpu_s=w)
-    return Calibration(cell, base.shape, rollouts, base.measured)
-
-
-def _sleeps(run: RunRecord) -> Any:
-    """rollout id -> the harness's tool sleep per tool call (None when the run's records do not say)."""
-    tool_s, sigma = run.shape.get("tool_time_s"), run.shape.get("tool_time_sigma", 0.0)
-    return lambda rid: tool_s * tool_factor(rid, sigma) if tool_s else None
-
-
-def split_session(sess: dict[str, Any], sleep: float | None) -> tuple[list[float], float]:
-    """A session's tool sleeps after each call (no scheduler changes them) and the rest of its time outside
-    engine calls: its own CPU work (start-up, grading, between tools), which contention stretches."""
-    gaps = [c[3] for c in sess["calls"]]
-    outside = max(0.0, sess["seconds"] - sess["harness_s"])
-    if not sleep:  # the sleeps are not known: the gaps as measured, only the time outside the harness is CPU
-        return gaps, outside
-    sleeps = [max(0, round(g / sleep)) * sleep for g in gaps[:-1]]
-    sleeps.append(sleep if gaps[-1] >= sleep else 0.0)  # the last: the final tool call's sleep, if it had one
-    return sleeps, outside + sum(max(0.0, g - s) for g, s in zip(gaps, sleeps, strict=True))
-
-
-def _fit_contended_engine(rows: list[tuple[float, float, float, float]]) -> tuple[float, float, float]:
-    """Least squares of a call's seconds = slowdown x (fixed + decode x (per token + per token x other calls
-    on its cell)): (fixed seconds, seconds per token alone, seconds per token per other call), each >= 0."""
-    import numpy as np
-
-    if len(rows) < 3:
-        return 0.0, 0.0, 0.0
-    x = np.array([[s, s * dec, s * dec * max(0.0, n - 1)] for s, dec, n, _ in rows])
-    y = np.array([dur for *_, dur in rows])
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-    a, b, c = (max(0.0, float(v)) for v in coef)
-    return a, b, c
