@@ -211,3 +211,22 @@ def test_elastic_starts_queued_sessions_while_training_waits_on_all_but_two_trai
     assert decide(before, cells("train", "train", "train", "train"), Load(queued=8, trainable=5)) == []
     with pytest.raises(ValueError, match="keep_training"):
         PolicyConfig("elastic", 3, 4, 1, keep_training=0)
+
+
+def test_elastic_frees_the_core_for_the_update_while_it_serves_and_a_satellite_idles() -> None:
+    """The update waits (only the core makes it) while the core serves the next step's sessions and the
+    satellite that trained the micro-batches sits idle: the satellite comes back first, then the core leaves.
+    Before, nothing moved until the sessions drained (a measured run stood 65 s with the update waiting)."""
+    two = PolicyConfig("elastic", n_cells=2, capacity=6, staleness=1)
+    stuck = cells("rollout", "train")
+    (back,) = decide(two, stuck, Load(queued=2, running=6, trainable=1, update=True))
+    assert back == Switch(1, "rollout") and back.reason == "update_waits"
+    (release,) = decide(two, cells("rollout", "rollout"), Load(queued=2, running=6, trainable=1, update=True))
+    assert release == Switch(0, "train") and release.reason == "training_waits"
+    assert decide(two, cells("train", "rollout"), Load(queued=2, running=6, trainable=1, update=True)) == []
+    # micro-batches waiting (not the update): the satellite takes them where it is
+    assert decide(two, stuck, Load(queued=2, running=6, trainable=1)) == []
+    # three cells: the core serves, two satellites idle in training: one comes back
+    assert decide(ELASTIC, cells("rollout", "train", "train"), Load(running=4, trainable=1, update=True)) == [
+        Switch(2, "rollout")
+    ]

@@ -337,8 +337,12 @@ class Simulation:
         return self.groups_left.get(step, 1) == 0
 
     def load(self) -> policy.Load:
-        trainable = ledger_rules.waiting_work(self.ledger, self.version, self.all_groups_in(self.version))
-        return policy.Load(len(self.queue), len(self.running), trainable if step_open(self, self.version) else 0)
+        step, groups_in = self.version, self.all_groups_in(self.version)
+        if not step_open(self, step):
+            return policy.Load(len(self.queue), len(self.running))
+        trainable = ledger_rules.waiting_work(self.ledger, step, groups_in)
+        update = ledger_rules.update_waits(self.ledger, step, groups_in)
+        return policy.Load(len(self.queue), len(self.running), trainable, update)
 
     def apply(self, switches: list[policy.Switch], record: bool, then: Callable[[], None]) -> None:
         """Releases first, then returns; each a blocking call as long as the switch takes."""

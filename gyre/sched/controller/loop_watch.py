@@ -64,6 +64,7 @@ class LoopWatch:
             "queued": load.queued,
             "running": load.running,
             "trainable": load.trainable,
+            "update": load.update,
             "decide_s": round(decide_s, 5),
             "loop_s": round(time.monotonic() - decide_s - self.woke, 4),
         }

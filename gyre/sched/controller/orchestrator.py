@@ -476,7 +476,7 @@ class Controller:
         """Eval sessions count only while an eval owns the cells: otherwise they keep no cell serving and call
         none back (they hold only slots no training session wants, gyre.sched.controller.sessions)."""
         queued, running = self.driver.level(evals=self.eval_owns_the_cells)
-        return Load(queued, running, self.train.waiting_work())
+        return Load(queued, running, self.train.waiting_work(), self.train.update_waits())
 
     def sample_level(self) -> None:
         queued, running = self.driver.level()

@@ -18,7 +18,7 @@ from gyre.sched.controller.cell_table import Cell, CellDied
 from gyre.sched.controller.context import ControllerContext
 from gyre.sched.controller.faults import FaultInjector
 from gyre.sched.controller.steps import StepBook
-from gyre.sched.policy.ledger import MicroBatchLedger, hand_out, step_ready, waiting_work
+from gyre.sched.policy.ledger import MicroBatchLedger, hand_out, step_ready, update_waits, waiting_work
 
 
 class TrainPlane:
@@ -70,6 +70,11 @@ class TrainPlane:
         """Work of the current step that no cell has taken (gyre.sched.policy.ledger.waiting_work)."""
         rec = self.book.steps.get(self.version)
         return 0 if rec is None else waiting_work(self.ledger, self.version, rec.all_shards_written)
+
+    def update_waits(self) -> bool:
+        """The waiting work is the step's update (gyre.sched.policy.ledger.update_waits): only the core makes it."""
+        rec = self.book.steps.get(self.version)
+        return rec is not None and update_waits(self.ledger, self.version, rec.all_shards_written)
 
     def ready(self) -> bool:
         rec = self.book.steps.get(self.version)

@@ -17,7 +17,8 @@ rollout cell (a cell's KV budget); the staleness bound decides which steps' roll
   when none trains: the next version gates the next step's rollouts, so it is the critical path.
   Idle training cells come back (satellites first) when sessions queue: all of them when nothing waits
   to train, else all but two (KEEP_TRAINING), so that the next step's rollouts start while the current
-  step trains.
+  step trains. When the step's update waits and the core serves while satellites train (nothing left
+  for them), an idle satellite comes back to serve in the core's place, and the core leaves next.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class Load:
     queued: int = 0  # sessions allowed to start (staleness) that wait for capacity
     running: int = 0  # sessions whose harness runs
     trainable: int = 0  # training work of the current step nobody has taken (micro-batches, or its update)
+    update: bool = False  # that work is the step's update, which only the core makes
 
     @property
     def level(self) -> int:
@@ -107,7 +109,9 @@ class Load:
 class Switch:
     cell: int
     role: Role
-    reason: str = field(default="", compare=False)  # surplus | training_waits | sessions_queue | colocate
+    reason: str = field(
+        default="", compare=False
+    )  # surplus | training_waits | update_waits | sessions_queue | colocate
 
 
 def initial_roles(p: PolicyConfig) -> tuple[Role, ...]:
@@ -151,6 +155,12 @@ def _elastic(p: PolicyConfig, alive: list[CellState], load: Load) -> list[Switch
         return [Switch(c.cell, "train", "surplus") for c in serving[: len(serving) - need]]
     if load.trainable > 0 and len(serving) == len(alive):  # training waits and nobody trains
         return [Switch(serving[0].cell, "train", "training_waits")]
+    core = next((c for c in alive if c.cell == 0), None)
+    if load.update and core is not None and core.role == "rollout":  # only the core makes the update: an idle
+        # trainer takes over its sessions first (it comes back to serve; the core then leaves as above)
+        idle = [c for c in alive if c.role == "train" and not c.busy]
+        if idle:
+            return [Switch(idle[-1].cell, "rollout", "update_waits")]
     if load.queued > 0 and len(serving) < need:  # sessions queue: bring idle cells back
         trainers = [c for c in alive if c.role == "train"]
         idle = sorted((c for c in trainers if not c.busy), key=lambda c: (c.cell == 0, -c.cell))

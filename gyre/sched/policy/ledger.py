@@ -129,6 +129,11 @@ def waiting_work(ledger: MicroBatchLedger, step: int, all_groups_in: bool) -> in
     return int(all_groups_in and ledger.open_work(step) == 0)
 
 
+def update_waits(ledger: MicroBatchLedger, step: int, all_groups_in: bool) -> bool:
+    """The work `waiting_work` counts is the step's update: every group in, every micro-batch done."""
+    return all_groups_in and ledger.open_work(step) == 0
+
+
 def step_ready(ledger: MicroBatchLedger, step: int, all_groups_in: bool, core_trains: bool) -> bool:
     """The step can be reduced: all its groups are in, every micro-batch is done, and the core trains
     (its memory holds the optimizer step, not its engine)."""
