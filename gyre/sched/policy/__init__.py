@@ -109,9 +109,8 @@ class Load:
 class Switch:
     cell: int
     role: Role
-    reason: str = field(
-        default="", compare=False
-    )  # surplus | training_waits | update_waits | sessions_queue | colocate
+    # surplus | training_waits | update_waits | sessions_queue | colocate
+    reason: str = field(default="", compare=False)
 
 
 def initial_roles(p: PolicyConfig) -> tuple[Role, ...]:

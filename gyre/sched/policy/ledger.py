@@ -126,7 +126,7 @@ def waiting_work(ledger: MicroBatchLedger, step: int, all_groups_in: bool) -> in
     every group is in and every micro-batch is done, which only the core can make."""
     if pending := ledger.pending(step):
         return pending
-    return int(all_groups_in and ledger.open_work(step) == 0)
+    return int(update_waits(ledger, step, all_groups_in))
 
 
 def update_waits(ledger: MicroBatchLedger, step: int, all_groups_in: bool) -> bool:
