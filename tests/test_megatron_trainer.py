@@ -77,6 +77,17 @@ def test_train_steps_reduce_cross_entropy():
     assert tr.train_step(batches, cross_entropy(0.5))["lr"] == 1e-5
 
 
+def test_a_learning_rate_of_zero_trains_and_leaves_every_weight_as_it_was():
+    """train.lr=0 (a frozen policy, tools/bench_schedulers.py): the step is computed, the optimizer steps,
+    and no weight moves by a bit, with weight decay too (AdamW scales it by the learning rate)."""
+    tr = MegatronTrainer(CFG, TrainConfig(lr=0.0, weight_decay=0.1, grad_clip=1.0, num_threads=1))
+    before = [p.detach().clone() for p in tr.model.parameters()]
+    for _ in range(2):
+        metrics = tr.train_step(fixed_batches(), cross_entropy(0.5))
+    assert tr.step == 2 and metrics["grad_norm"] > 0 and metrics["skipped_step"] == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(before, tr.model.parameters(), strict=True))
+
+
 def test_gradient_is_clipped_to_grad_clip():
     tr = MegatronTrainer(CFG, TrainConfig(lr=1.0, grad_clip=0.01, num_threads=1))
     tr.zero_grad()

@@ -7,7 +7,14 @@ cells, each rank pinned to the same CPUs by `sched.cpu_sets`, same per-cell sess
 seeds, tasks and number of steps. A busy machine must not decide the ranking: the schedulers run
 interleaved, one of each per repeat, the order rotated each repeat (colocate, async, elastic; async,
 elastic, colocate; ...) so none always runs first or last; figures are medians with their range over the
-repeats, and speedups are paired (each repeat's runs side by side, then the median). Beside each wall,
+repeats, and speedups are paired (each repeat's runs side by side, then the median). Every run does the
+same work: the policy is frozen (`train.lr=0`: each update computed, applied as zero) and each call is
+sampled from a seed of its rollout and prompt (`proxy.sampling_seed`), so every session makes the same calls
+and tool calls under every scheduler and in every repeat, and the walls differ by the schedule alone
+(`same_work`: the share of rollouts whose sampled tokens equal the first run's). With `--learn` the policy
+learns as in training, and each run draws its own work: how many tool calls a session makes is the
+policy's sample (357-585 tool sleeps a run of 6 steps on the same seeds), so three repeats rank the draws
+as much as the schedulers. Beside each wall,
 the CPU seconds each component used (controller with harnesses and tools, each cell's ranks, each
 engine: sampled from /proc) and the machine's load average while it ran, so that a wall inflated by
 other users' load shows as such. The workload has long-tail rollouts whose wall
@@ -24,6 +31,7 @@ arguments go to every run.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import json
 import os
@@ -53,6 +61,8 @@ WORKLOAD = [
     "sched.staleness=1",
     "seed=0",
 ]
+# the same work in every run (unless --learn): a frozen policy, each call sampled from its own seed
+SAME_WORK = ["train.lr=0", "proxy.sampling_seed=0"]
 
 
 # Equal hardware budget two ways. shared3: three cells share the CPUs (cells 0 and 2 on CPU 0, cell 1 on
@@ -96,6 +106,7 @@ def run_once(scheduler: str, steps: int, out: Path, extra: list[str]) -> dict[st
         "same_engine_followups": same_engine_followups(out / "calls.jsonl"),
         "would_recompute_tokens": summary["would_recompute_tokens"],
         "rollout_wall_max_s": max(r["rollout_wall_max_s"] for r in steps_rows),
+        "sampled": sampled_tokens(out / "calls.jsonl"),
         "role_seconds": summary["role_seconds"],
         "cpu_s": cpu.seconds(),
         "load_avg": cpu.load_avg(),
@@ -227,6 +238,26 @@ def add_bounds(results: dict[str, list[dict[str, Any]]]) -> None:
             r["bound_s"] = round(run_bound(costs, records[r["out"]]), 3)
 
 
+def sampled_tokens(calls_jsonl: Path) -> dict[str, str]:
+    """rollout id -> a digest of the tokens its calls sampled, in call order: two runs did the same work
+    where their digests agree."""
+    by_rollout: dict[str, list[tuple[int, list[int]]]] = {}
+    for line in calls_jsonl.read_text().splitlines():
+        row = json.loads(line)
+        by_rollout.setdefault(row["rollout_id"], []).append((row["call_id"], row["output_ids"]))
+    digest = lambda calls: hashlib.blake2b(json.dumps([ids for _, ids in sorted(calls)]).encode(), digest_size=8)  # noqa: E731
+    return {rid: digest(calls).hexdigest() for rid, calls in sorted(by_rollout.items())}  # call ids: arrival order
+
+
+def same_work(results: dict[str, list[dict[str, Any]]]) -> float:
+    """The share of rollouts, over every run, whose sampled tokens equal the first run's (1.0: every run
+    did the same work)."""
+    runs = [r["sampled"] for rs in results.values() for r in rs]
+    first = runs[0]
+    same = sum(1 for run in runs for rid, digest in run.items() if first.get(rid) == digest)
+    return round(same / sum(len(run) for run in runs), 4)
+
+
 def same_engine_followups(calls_jsonl: Path) -> float:
     """Share of a session's calls after its first that ran on the engine of its previous call (its
     context cached there, or moved there with the session)."""
@@ -268,6 +299,7 @@ def report(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "bound_s": statistics.median(r["bound_s"] for r in runs),
             "over_bound": round(statistics.median(r["wall_s"] / r["bound_s"] for r in runs), 3),
         }
+    table["same_work"] = same_work(results)
     for other, ratios in paired_speedups(results).items():
         table[f"elastic_speedup_vs_{other}"] = ratios["median"]
         table[f"elastic_speedup_vs_{other}_spread"] = ratios
@@ -286,8 +318,13 @@ def main() -> None:
         help="shared3: 3 cells sharing this machine's CPUs (the default mapping); disjoint2: 2 cells, one CPU each",
     )
     p.add_argument("--out", default=f"outputs/bench_schedulers_{time.strftime('%Y%m%d_%H%M%S')}")
+    p.add_argument(
+        "--learn",
+        action="store_true",
+        help="the policy learns (train.lr as configured, calls unseeded): each run draws its own work",
+    )
     args, extra = p.parse_known_args()
-    extra = [*LAYOUTS[args.layout], *extra]
+    extra = [*LAYOUTS[args.layout], *([] if args.learn else SAME_WORK), *extra]
     root = Path(args.out).resolve()
     root.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict[str, Any]]] = {s: [] for s in args.schedulers.split(",")}
@@ -296,6 +333,7 @@ def main() -> None:
             res = run_once(sched, args.steps, root / f"{sched}-{rep}", extra)
             results[sched].append(res)
             print(f"{sched:15s} run {rep}: {res['wall_s']:7.1f} s  reward {res['final_reward']:.3f}", flush=True)
+            (root / "progress.json").write_text(json.dumps(results, indent=1))  # a stopped benchmark keeps its runs
     add_bounds(results)
     table = report(results)
     meta = {"workload": WORKLOAD, "layout": args.layout, "extra": extra, "steps": args.steps}

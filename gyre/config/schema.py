@@ -520,7 +520,9 @@ class RLConfig:
 @dataclass
 class TrainConfig:
     backend: str = choice(TrainBackend.megatron, TrainBackend)  # the trainer (gyre/train: megatron-core)
-    lr: float = ranged(1e-3, POSITIVE)  # RL learning rate (AdamW)
+    # RL learning rate (AdamW); 0 freezes the policy: each update is computed and applied as zero, so runs of
+    # the same seeds (and proxy.sampling_seed) do the same work whatever the scheduler (tools/bench_schedulers.py)
+    lr: float = ranged(1e-3, NON_NEGATIVE, why="0: a frozen policy")
     weight_decay: float = ranged(0.0, NON_NEGATIVE)  # AdamW weight decay
     adam_beta2: float = ranged(0.95, Range(0, 1, high_open=True))  # AdamW beta2
     grad_clip: float = ranged(1.0, NON_NEGATIVE, why="0: no clipping")  # gradient norm clip
