@@ -3,11 +3,21 @@ range, paired speedups, CPU seconds per component."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 
-from tools.bench_schedulers import component_of, paired_speedups, process_tree, report, run_order, spread
+from tools.bench_schedulers import (
+    component_of,
+    paired_speedups,
+    process_tree,
+    report,
+    run_order,
+    same_work,
+    sampled_tokens,
+    spread,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -34,7 +44,7 @@ def test_report_gives_medians_with_their_spread() -> None:
         return {"wall_s": wall, "job_s": wall + 5, "final_reward": 0.5, "mean_reward": 0.4, "recomputed_tokens": 0,
                 "switch_s": {"rollout->train": [1.0], "train->rollout": []}, "would_recompute_tokens": 0,
                 "continued_calls": 0, "migrated_idle_sessions": 0, "same_engine_followups": 1.0, "bound_s": 50.0,
-                "cpu_s": {"controller": wall / 10, "cell1": 1.0}}  # fmt: skip
+                "cpu_s": {"controller": wall / 10, "cell1": 1.0}, "sampled": {"s0-g0-r0": "a", "s0-g0-r1": "b"}}  # fmt: skip
 
     table = report({"elastic": [run(100), run(90), run(120)], "async": [run(200), run(150), run(180)]})
     assert table["elastic"]["wall_spread_s"] == {"median": 100.0, "min": 90.0, "max": 120.0}
@@ -42,6 +52,25 @@ def test_report_gives_medians_with_their_spread() -> None:
     assert table["elastic"]["over_bound"] == 2.0  # the median of each run's wall over its own bound
     assert table["elastic_speedup_vs_async"] == 1.667  # the median of 2.0, 1.667, 1.5
     assert table["elastic_speedup_vs_async_spread"] == {"median": 1.667, "min": 1.5, "max": 2.0}
+    assert table["same_work"] == 1.0
+
+
+def test_same_work_compares_the_tokens_each_rollout_sampled(tmp_path) -> None:
+    """Two runs did the same work where each rollout's calls sampled the same tokens in the same order; the
+    call ids (the order calls arrived in the run) do not count."""
+
+    def calls(path, rows):
+        path.write_text(
+            "".join(json.dumps({"rollout_id": r, "call_id": i, "output_ids": ids}) + "\n" for r, i, ids in rows)
+        )
+        return sampled_tokens(path)
+
+    first = calls(tmp_path / "a.jsonl", [("r0", 1, [5, 6]), ("r1", 2, [7]), ("r0", 3, [8])])
+    same = calls(tmp_path / "b.jsonl", [("r1", 1, [7]), ("r0", 2, [5, 6]), ("r0", 7, [8])])
+    swapped = calls(tmp_path / "c.jsonl", [("r0", 1, [8]), ("r1", 2, [7]), ("r0", 3, [5, 6])])
+    assert same == first and swapped["r1"] == first["r1"] and swapped["r0"] != first["r0"]
+    runs = {"colocate_cells": [{"sampled": first}, {"sampled": same}], "elastic": [{"sampled": swapped}]}
+    assert same_work(runs) == round(5 / 6, 4)  # of 6 rollouts over 3 runs, one went its own way
 
 
 def test_cpu_seconds_are_told_apart_by_component() -> None:

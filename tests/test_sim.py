@@ -276,7 +276,7 @@ def test_cross_prediction_of_the_recorded_benchmark() -> None:
     workload's runs of one scheduler every run of the other workloads and layouts."""
     from tools.sim_schedulers import SCHEDULERS, cross_predict, held_out, load_records
 
-    records = load_records(None)
+    records = load_records(None, "learning")
     assert set(records) == {"disjoint2/sigma0.5", "disjoint2/sigma1.0", "disjoint2/trainheavy", "shared3/sigma0.5"}
     cross, held = cross_predict(records), held_out(records)
     for rows in cross["table"].values():
@@ -293,6 +293,29 @@ def test_cross_prediction_of_the_recorded_benchmark() -> None:
 def test_every_recorded_run_is_above_its_bound() -> None:
     from tools.sim_schedulers import load_records
 
-    for runs in load_records(None).values():
+    for runs in load_records(None, "learning").values():
         costs = fit_costs(list(runs.values()))
         assert all(r.wall_s >= run_bound(costs, r) for r in runs.values())
+
+
+def test_the_same_work_benchmark_ran_the_same_sessions_under_every_scheduler() -> None:
+    """tools/sim_data/bench30_runs.json.gz, recorded by tools/bench_schedulers.py's default (a frozen policy,
+    each call sampled from its rollout's and prompt's seed): every session of every colocate_cells and async run
+    made as many calls as in the workload's first run, each sampling as many tokens (what a record keeps of
+    them: the sampled tokens themselves matched too, bench_schedulers' `same_work`); elastic reroutes sessions, and a
+    prefix recomputed on another engine can differ in the last bits and flip a sampled token (3-17 of 192
+    rollouts a run there, the most where it switches most: training ~ rollouts), so a few of its sessions go
+    their own way; without the seeds nearly every session would. Every run is above its bound."""
+    from tools.sim_schedulers import load_records
+
+    records = load_records(None, "same-work")
+    assert set(records) == {"disjoint2/sigma0.5", "disjoint2/sigma1.0", "disjoint2/trainheavy", "shared3/sigma0.5"}
+    for wl, runs in records.items():
+        calls = {name: {rid: [c[1] for c in s["calls"]] for rid, s in r.sessions.items()} for name, r in runs.items()}
+        first = calls[min(n for n in runs if not n.startswith("elastic"))]
+        for name, sessions in calls.items():
+            differ = [rid for rid in first if sessions.get(rid) != first[rid]]
+            assert len(sessions) == len(first) == 6 * 32, (wl, name)
+            assert len(differ) <= (len(first) // 10 if name.startswith("elastic") else 0), (wl, name, differ)
+        costs = fit_costs(list(runs.values()))
+        assert all(r.wall_s >= run_bound(costs, r) for r in runs.values()), wl

@@ -1,20 +1,24 @@
 """Elastic vs colocate vs async in the simulator (gyre.sim): validation, the reference system's scale, a map.
 
-    python -m tools.sim_schedulers [--out DIR] [--bench DIR [--save-data]] [--quick] [--cross]
+    python -m tools.sim_schedulers [--out DIR] [--data same-work|learning] [--bench DIR [--save-data]]
+                                   [--quick] [--cross]
 
 1. Validation: every run of the recorded local benchmark (tools/bench_schedulers.py: layouts disjoint2 and
    shared3, tails sigma 0.5 and 1.0, training as costly as rollouts) is simulated from its own calibration
    (its sessions, micro-batches, switches, steps, the controller's shard writes), fitted now from the run's
-   records; the medians over repeats beside the measured medians. The records are in
-   tools/sim_data/bench29_runs.json.gz; `--bench DIR` reads a benchmark's output directories instead (each
-   directory under DIR that holds run directories is a workload: DIR/<layout>/<workload>/<scheduler>-<n>/),
-   `--save-data` stores their records there.
-   1b. Cross-prediction (`--cross` prints 1b and 1c only): costs fitted from one scheduler's runs alone
+   records; the medians over repeats beside the measured medians. Two recorded benchmarks
+   (`--data`): `same-work` (tools/sim_data/bench30_runs.json.gz, the default: a frozen policy, every run of a
+   workload the same sessions) and `learning` (bench29_runs.json.gz: the policy learns, each run draws its
+   own work); `--bench DIR` reads a benchmark's output directories instead (each directory under DIR that
+   holds run directories is a workload: DIR/<layout>/<workload>/<scheduler>-<n>/), `--save-data` stores their
+   records as the `--data` file.
+   1b. Cross-prediction (`--cross` prints 1b, 1c and 1e only): costs fitted from one scheduler's runs alone
    (gyre.sim.predict), every run of the other schedulers predicted on its own workload (its sessions'
    tokens and tool sleeps). 1c. Held-out workloads: costs from one workload's runs of one scheduler, every
    run of the other workloads and layouts predicted. 1d. Each run's lower bound on its own workload at
    costs shared by every scheduler, and every scheduler simulated on the same work: the speedups the
-   policies give on equal work, and the most any scheduler could be faster than each baseline.
+   policies give on equal work, and the most any scheduler could be faster than each baseline. 1e. Each
+   scheduler's costs fitted from its own runs: on the same work, what its schedule did to the machine.
 2. The reference system's scale: the 2.4T setting (4 cells of 48 nodes x 8 GPUs) and the 122B setting
    (24 and 32 nodes), with the throughputs and costs below stated as assumptions, beside the reference
    table; GPU utilisation of each scheduler and the lower bound (gyre.sim.bound).
@@ -44,7 +48,12 @@ from gyre.sim.simulator import SimResult, simulate
 from gyre.sim.workload import CellModel, RunShape, Workload
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT / "tools" / "sim_data" / "bench29_runs.json.gz"
+# the recorded benchmarks (tools/bench_schedulers.py; docs/benchmarks.md): its default, every scheduler on the
+# same work, and with --learn, where each run draws its own
+RECORDED = {
+    "same-work": ROOT / "tools" / "sim_data" / "bench30_runs.json.gz",
+    "learning": ROOT / "tools" / "sim_data" / "bench29_runs.json.gz",
+}
 WORKLOADS = {"sigma0.5": "tail sigma 0.5", "sigma1.0": "tail sigma 1.0", "trainheavy": "training ~ rollouts"}
 HOUR = 3600.0
 
@@ -121,23 +130,25 @@ def ref_122b(nodes: int) -> dict[str, Any]:
 
 
 # ----- 1. validation -----
-def load_calibrations(bench: Path | None) -> dict[str, dict[str, Calibration]]:
-    """workload -> run name -> the run's own calibration, fitted now from its records (the stored benchmark
-    in DATA, or a bench_schedulers output directory laid out as bench/<workload>/<scheduler>-<n>/)."""
-    return {wl: {name: calibrate([rec]) for name, rec in runs.items()} for wl, runs in load_records(bench).items()}
+def load_calibrations(bench: Path | None, data: str = "same-work") -> dict[str, dict[str, Calibration]]:
+    """workload -> run name -> the run's own calibration, fitted now from its records (the recorded benchmark
+    `data`, or a bench_schedulers output directory laid out as bench/<workload>/<scheduler>-<n>/)."""
+    records = load_records(bench, data)
+    return {wl: {name: calibrate([rec]) for name, rec in runs.items()} for wl, runs in records.items()}
 
 
-def load_records(bench: Path | None) -> dict[str, dict[str, RunRecord]]:
+def load_records(bench: Path | None, data: str = "same-work") -> dict[str, dict[str, RunRecord]]:
     """workload -> run name -> its record: from a bench_schedulers output directory (every directory under
-    `bench` that holds run directories, by its path: DIR/<layout>/<workload>/<scheduler>-<n>/), or from DATA."""
+    `bench` that holds run directories, by its path: DIR/<layout>/<workload>/<scheduler>-<n>/), or from the
+    recorded benchmark `data` (RECORDED)."""
     if bench is not None:
         out: dict[str, dict[str, RunRecord]] = {}
         runs = sorted(Path(d) for d, _, files in os.walk(bench, followlinks=True) if "summary.json" in files)
         for run in runs:
             out.setdefault(str(run.parent.relative_to(bench)), {})[run.name] = read_run(run)
         return out
-    data = json.loads(gzip.decompress(DATA.read_bytes()))
-    return {wl: {name: RunRecord.from_json(r) for name, r in d["runs"].items()} for wl, d in data.items()}
+    stored = json.loads(gzip.decompress(RECORDED[data].read_bytes()))
+    return {wl: {name: RunRecord.from_json(r) for name, r in d["runs"].items()} for wl, d in stored.items()}
 
 
 def label(workload: str) -> str:
@@ -145,16 +156,20 @@ def label(workload: str) -> str:
     return f"{layout} {WORKLOADS.get(name, name)}".strip()
 
 
-def save_records(bench: Path) -> None:
-    """Store a benchmark's run records (what calibration reads from each run directory) as DATA."""
-    data = {}
+def save_records(bench: Path, data: str) -> None:
+    """Store a benchmark's run records (what calibration reads from each run directory) as RECORDED[data],
+    with each workload's bench_schedulers arguments and, where it measured it, the share of rollouts that
+    sampled the same tokens in every run (`same_work`)."""
+    stored = {}
     for wl, runs in load_records(bench).items():
         results = bench / wl / "results.json"
-        args = json.loads(results.read_text())["extra"] if results.exists() else []
-        data[wl] = {"bench_args": args, "runs": {name: r.to_json() for name, r in runs.items()}}
-    DATA.parent.mkdir(parents=True, exist_ok=True)
-    DATA.write_bytes(gzip.compress(json.dumps(data).encode()))
-    print(f"sim_schedulers: {sum(len(d['runs']) for d in data.values())} run records in {DATA}")
+        meta = json.loads(results.read_text()) if results.exists() else {}
+        stored[wl] = {"bench_args": meta.get("extra", []), "same_work": meta.get("table", {}).get("same_work"),
+                      "runs": {name: r.to_json() for name, r in runs.items()}}  # fmt: skip
+    path = RECORDED[data]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(gzip.compress(json.dumps(stored).encode()))
+    print(f"sim_schedulers: {sum(len(d['runs']) for d in stored.values())} run records in {path}")
 
 
 def validate(cals: dict[str, dict[str, Calibration]]) -> dict[str, Any]:
@@ -331,6 +346,29 @@ def paired(walls: list[float], others: list[float]) -> float:
     return round(statistics.median(w / o for w, o in zip(walls, others, strict=True)), 3)
 
 
+def costs_by_scheduler(records: dict[str, dict[str, RunRecord]]) -> dict[str, Any]:
+    """Each scheduler's costs fitted from its own runs of a workload: on the same work (the same-work
+    benchmark) whatever differs between them is what the schedule did to the machine (CPU contention between
+    engines, trainers and the harnesses), which costs from one scheduler carry into a prediction of another."""
+    out: dict[str, Any] = {}
+    for wl, runs in records.items():
+        out[wl] = {}
+        for sched in SCHEDULERS:
+            c = fit_costs([r for r in runs.values() if r.scheduler == sched])
+            out[wl][sched] = {"session_tps": round(c.cell.session_tps, 1), "decode_tps": round(c.cell.decode_tps, 1),
+                              "call_s": round(c.cell.call_s, 4), "train_tps": round(c.cell.train_tps, 1),
+                              "last_s": round(c.last_s, 3), "outside_s": round(c.outside_s, 3)}  # fmt: skip
+    return out
+
+
+def print_costs(costs: dict[str, Any]) -> None:
+    print("\n1e. Each scheduler's costs from its own runs (engine decode tokens/s of a call alone and of a cell, "
+          "training tokens/s, the harness's own seconds after the last call and outside it)")  # fmt: skip
+    for wl, rows in costs.items():
+        for sched, c in rows.items():
+            print(f"{label(wl):30s} {sched:15s} " + "  ".join(f"{k} {v:g}" for k, v in c.items()))
+
+
 def print_workload_bounds(bounds: dict[str, Any]) -> None:
     print("\n1d. Each run's lower bound on its own workload (costs from all runs of its benchmark): each scheduler's "
           "median wall over it; and every scheduler simulated on every run's workload (the same work)")  # fmt: skip
@@ -484,29 +522,33 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(ROOT / "outputs" / "sim_schedulers"))
     p.add_argument("--bench", default=None, help="refit the validation from a bench_schedulers output directory")
-    p.add_argument("--save-data", action="store_true", help=f"store the run records of --bench as {DATA.name}")
+    p.add_argument("--data", choices=sorted(RECORDED), default="same-work", help="the recorded benchmark to read")
+    p.add_argument("--save-data", action="store_true", help="store the run records of --bench as --data's file")
     p.add_argument("--quick", action="store_true", help="a smaller map (6 steps) and the reference at 12 steps")
     p.add_argument("--cross", action="store_true", help="print only the cross-prediction table (1b) and stop")
     args = p.parse_args()
     if args.save_data:
         if not args.bench:
             p.error("--save-data stores the runs of --bench DIR")
-        save_records(Path(args.bench))
+        save_records(Path(args.bench), args.data)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     bench = Path(args.bench) if args.bench else None
-    records = load_records(bench)
+    records = load_records(bench, args.data)
     results: dict[str, Any] = {"cross": cross_predict(records), "held_out": held_out(records)}
+    results["costs"] = costs_by_scheduler(records)
     if args.cross:
         print_cross(results["cross"])
         print_held_out(results["held_out"])
-        (out / "cross.json").write_text(json.dumps({k: results[k] for k in ("cross", "held_out")}, indent=1))
+        print_costs(results["costs"])
+        (out / "cross.json").write_text(json.dumps({k: results[k] for k in ("cross", "held_out", "costs")}, indent=1))
         return
-    results["validation"] = validate(load_calibrations(bench))
+    results["validation"] = validate(load_calibrations(bench, args.data))
     print_validation(results["validation"])
     print_cross(results["cross"])
     print_held_out(results["held_out"])
+    print_costs(results["costs"])
     results["workload_bounds"] = workload_bounds(records)
     print_workload_bounds(results["workload_bounds"])
     settings = {
