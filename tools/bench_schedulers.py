@@ -11,7 +11,9 @@ repeats, and speedups are paired (each repeat's runs side by side, then the medi
 same work: the policy is frozen (`train.lr=0`: each update computed, applied as zero) and each call is
 sampled from a seed of its rollout and prompt (`proxy.sampling_seed`), so every session makes the same calls
 and tool calls under every scheduler and in every repeat, and the walls differ by the schedule alone
-(`same_work`: the share of rollouts whose sampled tokens equal the first run's). With `--learn` the policy
+(`same_work`: the share of rollouts whose sampled tokens equal the first run's; a session elastic moves to
+another engine has its prefix computed again there, which can differ in the last bits and flip a token:
+3-17 of 192 rollouts a run in the recorded benchmark). With `--learn` the policy
 learns as in training, and each run draws its own work: how many tool calls a session makes is the
 policy's sample (357-585 tool sleeps a run of 6 steps on the same seeds), so three repeats rank the draws
 as much as the schedulers. Beside each wall,
@@ -238,15 +240,21 @@ def add_bounds(results: dict[str, list[dict[str, Any]]]) -> None:
             r["bound_s"] = round(run_bound(costs, records[r["out"]]), 3)
 
 
+def calls_by_rollout(calls_jsonl: Path) -> dict[str, list[dict[str, Any]]]:
+    """rollout id -> its calls (the run's calls.jsonl rows) in the order it made them (call ids number the
+    run's calls in the order they arrived)."""
+    by_rollout: dict[str, list[dict[str, Any]]] = {}
+    for line in calls_jsonl.read_text().splitlines():
+        row = json.loads(line)
+        by_rollout.setdefault(row["rollout_id"], []).append(row)
+    return {rid: sorted(calls, key=lambda c: c["call_id"]) for rid, calls in sorted(by_rollout.items())}
+
+
 def sampled_tokens(calls_jsonl: Path) -> dict[str, str]:
     """rollout id -> a digest of the tokens its calls sampled, in call order: two runs did the same work
     where their digests agree."""
-    by_rollout: dict[str, list[tuple[int, list[int]]]] = {}
-    for line in calls_jsonl.read_text().splitlines():
-        row = json.loads(line)
-        by_rollout.setdefault(row["rollout_id"], []).append((row["call_id"], row["output_ids"]))
-    digest = lambda calls: hashlib.blake2b(json.dumps([ids for _, ids in sorted(calls)]).encode(), digest_size=8)  # noqa: E731
-    return {rid: digest(calls).hexdigest() for rid, calls in sorted(by_rollout.items())}  # call ids: arrival order
+    digest = lambda calls: hashlib.blake2b(json.dumps([c["output_ids"] for c in calls]).encode(), digest_size=8)  # noqa: E731
+    return {rid: digest(calls).hexdigest() for rid, calls in calls_by_rollout(calls_jsonl).items()}
 
 
 def same_work(results: dict[str, list[dict[str, Any]]]) -> float:
@@ -261,12 +269,7 @@ def same_work(results: dict[str, list[dict[str, Any]]]) -> float:
 def same_engine_followups(calls_jsonl: Path) -> float:
     """Share of a session's calls after its first that ran on the engine of its previous call (its
     context cached there, or moved there with the session)."""
-    by_rollout: dict[str, list[dict[str, Any]]] = {}
-    for line in calls_jsonl.read_text().splitlines():
-        row = json.loads(line)
-        by_rollout.setdefault(row["rollout_id"], []).append(row)
-    ordered = [sorted(calls, key=lambda c: c["call_id"]) for calls in by_rollout.values()]
-    pairs = [pair for calls in ordered for pair in itertools.pairwise(calls)]
+    pairs = [pair for calls in calls_by_rollout(calls_jsonl).values() for pair in itertools.pairwise(calls)]
     moved = sum(1 for a, b in pairs if a["engine_url"] != b["engine_url"])
     return round(1 - moved / len(pairs), 3) if pairs else 1.0
 

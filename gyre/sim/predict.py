@@ -4,8 +4,9 @@ A run's records mix two things. What no scheduler changes is the workload: each 
 prompt tokens its engine computes, the tokens it decodes) and the harness's tool sleeps after them (the
 built-in harness sleeps `tasks.tool_time_s` x the rollout's seeded factor per tool call,
 gyre.harness.builtin). It is not the same for two runs of one workload: the policy decides how many tool
-calls a reply makes and when a session finishes, and its samples differ between runs (a run of 6 steps
-made 202 tool calls in one repeat and 447 in another, on the same seeds). What the scheduler changes is
+calls a reply makes and when a session finishes, and a learning policy's samples differ between runs (357-585
+tool sleeps in runs of 6 steps of one workload on the same seeds; tools/bench_schedulers.py freezes the
+policy and seeds the calls so that they do not). What the scheduler changes is
 everything else: how long each call takes on an engine shared with other sessions, the harness's own CPU
 work around the sleeps, queueing for session capacity, switches, training, shard writes.
 
