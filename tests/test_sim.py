@@ -13,7 +13,7 @@ from gyre.harness.builtin import rollout_tool_factor
 from gyre.sched import policy
 from gyre.sim.bound import lower_bound
 from gyre.sim.calibrate import Calibration, RunRecord, calibrate, read_run
-from gyre.sim.predict import at_sharing, fit_costs, predict, run_bound, split_gaps, workload_of
+from gyre.sim.predict import Costs, fit_costs, measured_costs, predict, run_bound, split_gaps, workload_of
 from gyre.sim.simulator import simulate
 from gyre.sim.workload import Call, CellModel, Rollout, RunShape, Trace, Workload, tool_factor
 
@@ -111,8 +111,9 @@ def test_tool_factor_is_the_harness_draw() -> None:
     assert tool_factor("x", 0.0) == 1.0
 
 
-def write_run(d: Path) -> None:
-    """A cell job's outputs, by hand: 2 sessions of 2 calls, micro-batches of 1000 tokens in 0.5 s."""
+def write_run(d: Path, decodes: tuple[tuple[int, ...], ...] = ((10, 20), (10, 20))) -> None:
+    """A cell job's outputs, by hand: 2 sessions of 2 calls (or as many as `decodes` gives each, decoding as
+    many tokens), micro-batches of 1000 tokens in 0.5 s."""
     cfg = {"scheduler": "elastic", "steps": 1, "rl": {"groups_per_step": 1, "group_size": 2},
            "cluster": {"satellites": [{}]}, "train": {"micro_batch_tokens": 1000}, "harness": {"timeout_s": 90.0},
            "sched": {"staleness": 1, "micro_batches_in_flight": 1, "async_rollout_cells": 0, "capacity_per_cell": 3}}  # fmt: skip
@@ -128,10 +129,9 @@ def write_run(d: Path) -> None:
     calls = []
     for i in range(2):
         rid = f"s0-g0-r{i}"
-        # call k of decode 10 * (k + 1) tokens alone on engine e{i}: 0.02 s + 0.01 s a token; 1.5 s of tools after
+        # each call alone on engine e{i}: 0.02 s + 0.01 s a token decoded; 1.5 s of tools after
         t = 100.0 + 10 * i
-        for k in range(2):
-            dec = 10 * (k + 1)
+        for dec in decodes[i]:
             calls.append({"rollout_id": rid, "prompt_tokens": 50, "cached_tokens": 40, "output_ids": [0] * dec,
                           "t_start": t, "t_end": t + 0.02 + 0.01 * dec, "engine_url": f"e{i}"})  # fmt: skip
             t += 0.02 + 0.01 * dec + 1.5
@@ -191,6 +191,10 @@ def test_shared_cpus_stretch_the_harness_engine_and_trainer() -> None:
     assert shared.wall_s == pytest.approx(9.0)  # start-up 2 s, calls 2 s, the second micro-batch 2 s
     assert shared.cpu_jobs_at_start == {"s0-g0-r0": 2, "s0-g0-r1": 2}
     assert shared.train_slowdown == pytest.approx(1.5)
+    # the CPU work alone (2 s start-ups, 2 calls of 1 s on engines of one session each, 2 s of training) on 1 CPU
+    cpu_bound = lower_bound(replace(CELL, cpus=1), SHAPE, trace).cpu_s
+    assert cpu_bound == pytest.approx(6.0) and cpu_bound <= shared.wall_s
+    assert lower_bound(CELL, SHAPE, trace).cpu_s == 0.0  # CPUs of their own: no such bound
 
 
 def test_a_session_splits_into_tool_sleeps_and_the_harness_own_seconds(tmp_path: Path) -> None:
@@ -206,11 +210,12 @@ def test_a_session_splits_into_tool_sleeps_and_the_harness_own_seconds(tmp_path:
         (0.5, pytest.approx(0.3)),  # the final tool call, then the harness's end
     ]
     run.sessions = {"s0-g0-r0": sess}
-    costs = fit_costs([run])
-    assert (costs.gap_s, costs.last_s, costs.outside_s) == (pytest.approx(0.015), pytest.approx(0.3), 0.5)
+    costs = measured_costs([run])
+    assert (costs.gap_s, costs.own_s) == (pytest.approx(0.015), pytest.approx(0.5 + 0.3))  # outside, after the last
     (rollout,) = workload_of(run, costs).by_step[0]
-    assert [c.tool_s for c in rollout.calls] == [pytest.approx(1.015), pytest.approx(0.015), pytest.approx(0.8)]
-    assert [(c.prefill, c.decode) for c in rollout.calls] == [(10, 5)] * 3 and rollout.overhead_s == 0.5
+    assert [c.tool_s for c in rollout.calls] == [pytest.approx(1.015), pytest.approx(0.015), pytest.approx(0.5)]
+    assert [(c.prefill, c.decode) for c in rollout.calls] == [(10, 5)] * 3
+    assert (rollout.overhead_s, rollout.cpu_s) == (0.0, pytest.approx(0.8))  # its own work: CPU, as it starts
 
 
 def test_a_run_is_predicted_from_another_run_costs_on_its_own_workload(tmp_path: Path) -> None:
@@ -219,6 +224,7 @@ def test_a_run_is_predicted_from_another_run_costs_on_its_own_workload(tmp_path:
     except for the engine's seconds, and a bound at shared costs is one for both runs."""
     write_run(tmp_path)
     quick = read_run(tmp_path)
+    quick.shape["cpus"] = None  # CPUs of its own: the costs as measured
     slow = RunRecord.from_json(quick.to_json())
     slow.scheduler = "colocate_cells"
     slow.calls = [(t, n, d, 2 * s) for t, n, d, s in slow.calls]
@@ -234,24 +240,40 @@ def test_a_run_is_predicted_from_another_run_costs_on_its_own_workload(tmp_path:
     assert run_bound(shared, quick) < lower_bound(*_own(slow)).seconds
 
 
-def test_costs_move_to_a_layout_that_shares_the_cpus_differently(tmp_path: Path) -> None:
-    """Fitted where 2 cells own 2 CPUs, predicting 3 cells on the same 2: a cell's engine and training at
-    2/3 of a CPU (1.5x the seconds), the harnesses' own work among 4 jobs instead of 3 (4/3x)."""
-    write_run(tmp_path)
-    two = read_run(tmp_path)
-    two.shape["cpus"] = 2
-    three = RunRecord.from_json(two.to_json())
-    three.shape["n_cells"] = 3
-    costs = fit_costs([two])
-    assert (costs.cells_per_cpu, costs.harnesses_per_cpu) == (1.0, 1.5)
-    moved = at_sharing(costs, three)
-    assert moved.cell.call_s == pytest.approx(1.5 * costs.cell.call_s)
-    assert moved.cell.session_tps == pytest.approx(costs.cell.session_tps / 1.5)
-    assert moved.cell.train_tps == pytest.approx(costs.cell.train_tps / 1.5)
-    assert moved.outside_s == pytest.approx(costs.outside_s * 4 / 3) and moved.last_s == pytest.approx(
-        costs.last_s * 4 / 3
-    )
-    assert at_sharing(costs, two) is costs  # the same layout: as fitted
+@pytest.mark.parametrize("cpus", [1, 2])
+def test_costs_fitted_from_a_simulated_run_are_the_costs_it_ran_at(tmp_path: Path, cpus: int) -> None:
+    """A run made by the simulator at known costs on shared CPUs (two sessions of 4 calls, each call's and
+    session's seconds as long as its contention made them): the costs fitted from it are those costs alone
+    on a CPU, where the costs as measured are slower; on its own CPUs the run is as measured."""
+    write_run(tmp_path)  # the switches, micro-batches and steps of a hand-made run
+    run = read_run(tmp_path)
+    run.scheduler = "colocate_cells"
+    run.shape.update(cpus=cpus, tool_time_s=1.5, tool_time_sigma=0.0)
+    for i, sess in enumerate(run.sessions.values()):  # 4 calls of 10-40 tokens (and 5-20), 1.5 s sleeps after each
+        sess["calls"] = [[10, 10 * (k + 1) // (i + 1), 0.0, 1.5] for k in range(4)]
+    truth = Costs(replace(measured_costs([run]).cell, call_s=0.05, session_tps=50.0, decode_tps=1e9), 0.0, 0.4)
+    made = predict(truth, run)
+    cell = replace(truth.cell, cpus=cpus)
+    for rid, sess in run.sessions.items():
+        for k, call in enumerate(sess["calls"]):
+            per_cell, jobs = made.call_contention[(rid, k)]
+            call[2] = cell.call_seconds(Call(0, call[1], 0.0), per_cell) * cell.slowdown(jobs)
+        sess["harness_s"] = sum(c[2] + c[3] for c in sess["calls"])
+        sess["seconds"] = sess["harness_s"] + truth.own_s * cell.slowdown(made.cpu_jobs_at_start[rid])
+    run.micro_batches = [(t, t / truth.cell.train_tps * made.train_slowdown, f) for t, _, f in run.micro_batches]
+    run.calls = [(0.0, 1, c[1], c[2]) for s in run.sessions.values() for c in s["calls"]]  # a session a cell
+    measured, fitted = measured_costs([run]), fit_costs([run])
+    assert fitted.cell.call_s == pytest.approx(0.05, rel=0.05)
+    assert fitted.cell.session_tps == pytest.approx(50.0, rel=0.05)
+    assert fitted.own_s == pytest.approx(0.4, rel=0.05) and fitted.gap_s == 0.0
+    assert fitted.cell.train_tps == pytest.approx(truth.cell.train_tps, rel=0.05)
+    assert predict(fitted, run).wall_s == pytest.approx(made.wall_s, rel=0.02)
+    if cpus == 1:  # 2 sessions' work on 1 CPU: as measured, slower than alone
+        call = Call(0, 20, 0.0)
+        assert measured.cell.call_seconds(call, 1) > 1.1 * truth.cell.call_seconds(call, 1)
+        assert measured.own_s == pytest.approx(2 * truth.own_s)
+    run.shape["cpus"] = None
+    assert fit_costs([run]) == measured
 
 
 def _own(run: RunRecord) -> tuple[CellModel, RunShape, Trace]:
@@ -259,16 +281,13 @@ def _own(run: RunRecord) -> tuple[CellModel, RunShape, Trace]:
     return cal.cell, cal.shape, cal.trace()
 
 
-# the recorded benchmark (tools/sim_data/bench29_runs.json.gz: tools/bench_schedulers.py, 3 repeats
-# interleaved of each scheduler, 6 steps; disjoint2 at tails sigma 0.5 and 1.0 and training ~ rollouts,
-# shared3 at sigma 0.5), predicted by `python -m tools.sim_schedulers --cross`. On the three tail workloads
-# (both layouts): 1b median 6.1%, worst 24.0%; 1c median 5.4%, worst 24.7%, the worst all of one run whose
-# controller stood 65 s with the update waiting (docs/benchmarks.md; the policy's update_waits rule came after
-# it). With training ~ rollouts the harnesses' own CPU work saturates the CPUs under the schedulers that run
-# twice the sessions at once, which the costs do not model: over all four, 1b median 7.2% (worst 66.0%), 1c
-# median 8.5% (worst 63.9%)
+# the recorded same-work benchmark (tools/sim_data/bench30_runs.json.gz: tools/bench_schedulers.py, 3 repeats
+# interleaved of each scheduler, 6 steps; disjoint2 at tails sigma 0.5 and 1.0 and training ~ rollouts, shared3
+# at sigma 0.5), predicted by `python -m tools.sim_schedulers --cross` at costs alone on a CPU: 1b median 3.5%,
+# worst 17.6%; 1c median 3.2%, worst 17.5% (docs/benchmarks.md). Issue 29 asks for 10% and 20%. Costs as measured
+# (the source scheduler's contention in them) erred 12.3% / 78.1% and 11.1% / 65.1%
 MEDIAN_BOUND = 0.10
-TAILS_WORST_BOUND = 0.25
+WORST_BOUND = 0.20
 
 
 def test_cross_prediction_of_the_recorded_benchmark() -> None:
@@ -276,18 +295,15 @@ def test_cross_prediction_of_the_recorded_benchmark() -> None:
     workload's runs of one scheduler every run of the other workloads and layouts."""
     from tools.sim_schedulers import SCHEDULERS, cross_predict, held_out, load_records
 
-    records = load_records(None, "learning")
+    records = load_records(None, "same-work")
     assert set(records) == {"disjoint2/sigma0.5", "disjoint2/sigma1.0", "disjoint2/trainheavy", "shared3/sigma0.5"}
     cross, held = cross_predict(records), held_out(records)
     for rows in cross["table"].values():
         assert set(rows) == set(SCHEDULERS) and all(set(r) == set(SCHEDULERS) for r in rows.values())
     assert cross["predictions"] == 4 * 3 * 6  # each of 9 runs of a workload from the 2 schedulers not its own
     assert held["predictions"] == 4 * 3 * 27  # each calibration: every run of the 3 other workloads
-    assert cross["median_error"] <= MEDIAN_BOUND and held["median_error"] <= MEDIAN_BOUND
-    tails = {wl: runs for wl, runs in records.items() if "trainheavy" not in wl}
-    for result in (cross_predict(tails), held_out(tails)):
-        assert result["median_error"] <= MEDIAN_BOUND
-        assert result["worst_error"] <= TAILS_WORST_BOUND
+    for result in (cross, held):
+        assert result["median_error"] <= MEDIAN_BOUND and result["worst_error"] <= WORST_BOUND
 
 
 def test_every_recorded_run_is_above_its_bound() -> None:

@@ -43,7 +43,7 @@ from gyre.config.schema import CELL_SCHEDULERS as SCHEDULERS
 from gyre.sched.policy import KEEP_TRAINING
 from gyre.sim.bound import alone_seconds, lower_bound
 from gyre.sim.calibrate import Calibration, RunRecord, calibrate, read_run
-from gyre.sim.predict import Costs, fit_costs, predict, run_bound
+from gyre.sim.predict import Costs, fit_costs, measured_costs, predict, run_bound
 from gyre.sim.simulator import SimResult, simulate
 from gyre.sim.workload import CellModel, RunShape, Workload
 
@@ -347,26 +347,33 @@ def paired(walls: list[float], others: list[float]) -> float:
 
 
 def costs_by_scheduler(records: dict[str, dict[str, RunRecord]]) -> dict[str, Any]:
-    """Each scheduler's costs fitted from its own runs of a workload: on the same work (the same-work
-    benchmark) whatever differs between them is what the schedule did to the machine (CPU contention between
-    engines, trainers and the harnesses), which costs from one scheduler carry into a prediction of another."""
+    """Each scheduler's costs from its own runs of a workload, as they met them (`measured`) and alone on a CPU
+    (`fitted`, gyre.sim.predict.fit_costs): on the same work (the same-work benchmark) what differs between
+    the measured ones is what the schedule did to the machine (CPU contention between engines, trainers and
+    the harnesses); what differs between the fitted ones, what the model of it leaves out."""
     out: dict[str, Any] = {}
     for wl, runs in records.items():
         out[wl] = {}
         for sched in SCHEDULERS:
-            c = fit_costs([r for r in runs.values() if r.scheduler == sched])
-            out[wl][sched] = {"session_tps": round(c.cell.session_tps, 1), "decode_tps": round(c.cell.decode_tps, 1),
-                              "call_s": round(c.cell.call_s, 4), "train_tps": round(c.cell.train_tps, 1),
-                              "last_s": round(c.last_s, 3), "outside_s": round(c.outside_s, 3)}  # fmt: skip
+            mine = [r for r in runs.values() if r.scheduler == sched]
+            out[wl][sched] = {kind: cost_row(fit(mine)) for kind, fit in (("measured", measured_costs),
+                                                                        ("fitted", fit_costs))}  # fmt: skip
     return out
 
 
+def cost_row(c: Costs) -> dict[str, float]:
+    return {"session_tps": round(c.cell.session_tps, 1), "call_s": round(c.cell.call_s, 4),
+            "train_tps": round(c.cell.train_tps, 1), "own_s": round(c.own_s, 3)}  # fmt: skip
+
+
 def print_costs(costs: dict[str, Any]) -> None:
-    print("\n1e. Each scheduler's costs from its own runs (engine decode tokens/s of a call alone and of a cell, "
-          "training tokens/s, the harness's own seconds after the last call and outside it)")  # fmt: skip
+    print("\n1e. Each scheduler's costs from its own runs, as measured and alone on a CPU (fitted): engine decode "
+          "tokens/s of a call alone, seconds per call, training tokens/s, a session's own seconds outside calls "
+          "and tool sleeps")  # fmt: skip
     for wl, rows in costs.items():
-        for sched, c in rows.items():
-            print(f"{label(wl):30s} {sched:15s} " + "  ".join(f"{k} {v:g}" for k, v in c.items()))
+        for sched, kinds in rows.items():
+            parts = [f"{k} {kinds['measured'][k]:g} -> {kinds['fitted'][k]:g}" for k in kinds["measured"]]
+            print(f"{label(wl):30s} {sched:15s} " + "  ".join(parts))
 
 
 def print_workload_bounds(bounds: dict[str, Any]) -> None:

@@ -1,6 +1,6 @@
 """A lower bound on the wall time of any scheduler, for a workload, cells and staleness bound.
 
-Two bounds; the larger holds.
+Three bounds; the largest holds.
 - chain: rollouts of step s cannot start before version s - staleness exists (step s - staleness - 1
   trained); the step cannot be trained before its slowest rollout ends (each rollout at its own speed,
   alone on an engine), its last group's shard is written and its largest micro-batch trained; steps
@@ -8,6 +8,9 @@ Two bounds; the larger holds.
   weight sync.
 - work: every cell-second goes to rollouts (a session holds 1/capacity of a cell for its whole
   duration) or to training micro-batches, so the total divided by the number of cells.
+- cpu: on CPUs the engines, trainers and harnesses share (`CellModel.cpus`, one machine), the CPU work
+  alone (the sessions' own work, each engine's calls, at best `capacity` of them at once, and the
+  micro-batches) divided by the CPUs: however it is scheduled, the CPUs do no more than that a second.
 
 gyre.sim.predict.run_bound gives a run's bound on its own workload (its sessions' tokens and tool sleeps)
 at costs fitted from other runs, the same costs for every scheduler: a bound computed from a run's own
@@ -27,10 +30,11 @@ from gyre.sim.workload import CellModel, Rollout, RunShape
 class Bound:
     chain_s: float
     work_s: float
+    cpu_s: float = 0.0
 
     @property
     def seconds(self) -> float:
-        return max(self.chain_s, self.work_s)
+        return max(self.chain_s, self.work_s, self.cpu_s)
 
 
 def alone_seconds(r: Rollout, cell: CellModel, timeout_s: float) -> float:
@@ -41,7 +45,7 @@ def alone_seconds(r: Rollout, cell: CellModel, timeout_s: float) -> float:
 def lower_bound(cell: CellModel, shape: RunShape, source: RolloutSource) -> Bound:
     n = shape.n_cells
     ends: list[float] = []
-    work = 0.0
+    work = cpu = 0.0
     for step in range(shape.steps):
         rollouts = source.sample(step, shape)
         durations = [alone_seconds(r, cell, shape.timeout_s) for r in rollouts]
@@ -55,7 +59,9 @@ def lower_bound(cell: CellModel, shape: RunShape, source: RolloutSource) -> Boun
         trained = max(rollouts_end + cell.group_write_s + last_mb, prev + train_cell_s / n)
         ends.append(trained + cell.reduce_s + cell.sync_s)
         work += sum(durations) / cell.capacity + train_cell_s
-    return Bound(ends[-1], work / n)
+        calls = sum(cell.call_seconds(c, 1.0) for r in rollouts for c in r.calls)
+        cpu += sum(r.cpu_s for r in rollouts) + calls / cell.capacity + train_cell_s
+    return Bound(ends[-1], work / n, cpu / cell.cpus)
 
 
 def _group_tokens(rollouts: list[Rollout]) -> dict[int, int]:

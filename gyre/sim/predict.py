@@ -11,12 +11,18 @@ everything else: how long each call takes on an engine shared with other session
 work around the sleeps, queueing for session capacity, switches, training, shard writes.
 
 `Costs` is fitted from one set of runs (one scheduler's, one workload's, one layout's): the engine's
-per-call and per-token costs, training, switches, steps, and the harness's own seconds per tool gap, after
-the last call and outside the harness (start-up, grading). `predict` simulates any scheduler on another
-run's workload (`workload_of`: only its calls' tokens and its tool sleeps) and shape with those costs:
-the test of a model that predicts, since nothing the target scheduler did enters it. Costs fitted on one
-layout of a machine move to another by the CPU share (`at_sharing`): where 3 cells share 2 CPUs a cell's
-engine and trainer run at 2/3 of the CPU they had as 2 cells on 2.
+per-call and per-token costs, training, switches, steps, the harness's own seconds per tool gap and its
+own work outside calls and sleeps (sandbox start-up, the final tool, grading). On one machine every
+engine, trainer and harness shares the same CPUs, and what a cost measures depends on what else ran: under
+async one cell serves while its trainer's CPU takes the harnesses' work, and its engine decoded a call
+1.6-2x as fast as under colocate_cells on the same work. So `fit_costs` fits each cost as it would be
+alone on a CPU: it replays the runs under their own scheduler with the simulator's shared CPUs
+(`CellModel.cpus`: every CPU job, a busy engine, a training micro-batch, a session in its own work, runs
+at cpus / jobs of a CPU when jobs outnumber them), divides each call's, micro-batch's and session's
+measured seconds by the slowdown its replay met, and replays again at the costs so fitted until they
+settle. `predict` simulates any scheduler on another run's workload (`workload_of`: only its calls' tokens
+and its tool sleeps) and shape, on that run's CPUs, at those costs: the test of a model that predicts,
+since nothing the target scheduler did enters it, and the contention is the target's own, on its layout.
 """
 
 from __future__ import annotations
@@ -34,36 +40,20 @@ from gyre.sim.workload import Call, CellModel, Rollout, Trace, tool_factor
 
 @dataclass(frozen=True)
 class Costs:
-    """What a scheduler's runs say about the machine and the harness, apart from the workload."""
+    """What runs say about the machine and the harness, apart from the workload: each cost alone on a CPU
+    (`fit_costs`), or as the runs met it (`measured_costs`)."""
 
-    cell: CellModel  # engine, training, switch and step costs (its capacity is replaced by the target's)
+    cell: CellModel  # engine, training, switch and step costs (capacity and CPUs are the target's)
     gap_s: float  # the harness's own seconds between a call and the next, beyond its tool sleeps
-    last_s: float  # after the last call and before the first (start-up, the final tool), beyond tool sleeps
-    outside_s: float  # a session's seconds outside the harness (sandbox start-up, grading)
-    cells_per_cpu: float = 1.0  # the runs' cells over the CPUs they share (at least 1: a CPU each)
-    harnesses_per_cpu: float = 1.0  # the same with the controller's harnesses as one more job
+    own_s: float  # a session's own work outside calls and tool sleeps: start-up, the final tool's, grading
 
 
-def sharing(run: RunRecord) -> tuple[float, float]:
-    """How many cells, and cells plus the controller's harnesses, share each of the run's CPUs (at least 1).
-    On one machine a cell's engine and trainer, and the harnesses, run at their share of the CPUs they
-    share: costs fitted on one layout scale by these to another (gyre.sim.calibrate.workload_facts)."""
-    n, cpus = run.shape["n_cells"], run.shape.get("cpus") or math.inf
-    return max(1.0, n / cpus), max(1.0, (n + 1) / cpus)
+ROUNDS = 6  # replays of the fitted costs: 4-6 settle the recorded benchmarks' cross-prediction within 1%
 
 
-def at_sharing(costs: Costs, run: RunRecord) -> Costs:
-    """`costs` moved to the run's layout: CPU work slower (or faster) by the ratio of the CPU shares."""
-    cells, harnesses = sharing(run)
-    k, h = cells / costs.cells_per_cpu, harnesses / costs.harnesses_per_cpu
-    if k == 1.0 and h == 1.0:
-        return costs
-    c = costs.cell
-    cell = replace(c, call_s=c.call_s * k, session_tps=c.session_tps / k, decode_tps=c.decode_tps / k,
-                   train_tps=c.train_tps / k, to_train_s=c.to_train_s * k, to_rollout_s=c.to_rollout_s * k,
-                   reduce_s=c.reduce_s * k, sync_s=c.sync_s * k, group_write_s=c.group_write_s * h)  # fmt: skip
-    return replace(costs, cell=cell, gap_s=costs.gap_s * h, last_s=costs.last_s * h, outside_s=costs.outside_s * h,
-                   cells_per_cpu=cells, harnesses_per_cpu=harnesses)  # fmt: skip
+def cpus_of(run: RunRecord) -> float:
+    """The CPUs the run's harnesses, engines and trainers shared (inf: each had its own)."""
+    return float(run.shape.get("cpus") or math.inf)
 
 
 def sleep_of(run: RunRecord, rollout_id: str) -> float:
@@ -83,47 +73,114 @@ def split_gaps(run: RunRecord, rollout_id: str, session: dict[str, Any]) -> list
     return out
 
 
-def fit_costs(runs: list[RunRecord]) -> Costs:
-    """The costs of `runs` (any schedulers of one machine and harness): medians over their sessions."""
+def own_seconds(run: RunRecord, rollout_id: str, session: dict[str, Any]) -> float:
+    """A session's measured seconds outside its calls and tool sleeps, but for the gaps between calls:
+    outside the harness (sandbox start-up, grading) and after its last call beyond the sleeps."""
+    last = split_gaps(run, rollout_id, session)[-1][1] if session["calls"] else 0.0
+    return max(0.0, session["seconds"] - session["harness_s"]) + last
+
+
+def measured_costs(runs: list[RunRecord]) -> Costs:
+    """The costs as `runs` met them, the contention of their schedules in them: medians over their sessions,
+    the engine fitted on the calls in flight on it (gyre.sim.calibrate.fit_cell)."""
     if not runs:
         raise ValueError("fitting costs needs at least one run")
-    gaps, lasts, outside = [], [], []
-    for run in runs:
+    gaps = [rest for run in runs for rid, s in run.sessions.items() for _, rest in split_gaps(run, rid, s)[:-1]]
+    own = [own_seconds(run, rid, s) for run in runs for rid, s in run.sessions.items()]
+    return Costs(calibrate(runs).cell, _median(gaps), _median(own))
+
+
+def fit_costs(runs: list[RunRecord], rounds: int = ROUNDS) -> Costs:
+    """The costs of `runs` (any schedulers of one machine and harness) alone on a CPU: each round replays
+    every run under its own scheduler at the costs so far, on the run's CPUs, and divides each measured
+    call's, micro-batch's and session's seconds by the slowdown its replay met; the rounds' fits are
+    averaged (a replay's order of events jumps with small changes). Runs whose cells each had their own
+    CPUs are their measured costs."""
+    measured = costs = measured_costs(runs)
+    if all(cpus_of(r) == math.inf for r in runs):
+        return measured
+    fits: list[Costs] = []
+    for _ in range(rounds):
+        fits.append(_divide_contention(runs, measured, costs, [predict(costs, r) for r in runs]))
+        costs = _mean(fits)
+    return costs
+
+
+def _divide_contention(runs: list[RunRecord], measured: Costs, costs: Costs, replays: list[SimResult]) -> Costs:
+    """Each measured cost divided by the slowdown its replay (at `costs`) met on the run's CPUs."""
+    engine: list[tuple[float, float, float, float]] = []  # (slowdown, decode tokens, calls on its cell, seconds)
+    own: list[float] = []
+    for run, replay in zip(runs, replays, strict=True):
+        cell = replace(costs.cell, cpus=cpus_of(run))
         for rid, sess in run.sessions.items():
-            parts = split_gaps(run, rid, sess)
-            gaps += [rest for _, rest in parts[:-1]]
-            lasts += [rest for _, rest in parts[-1:]]
-            outside.append(max(0.0, sess["seconds"] - sess["harness_s"]))
-    med = lambda xs: statistics.median(xs) if xs else 0.0  # noqa: E731
-    cells, harnesses = (statistics.median(x) for x in zip(*(sharing(r) for r in runs), strict=True))
-    return Costs(calibrate(runs).cell, med(gaps), med(lasts), med(outside), cells, harnesses)
+            own.append(own_seconds(run, rid, sess) / cell.slowdown(replay.cpu_jobs_at_start.get(rid, 1.0)))
+            for i, (_, decode, seconds, _) in enumerate(sess["calls"]):
+                per_cell, jobs = replay.call_contention.get((rid, i), (1.0, 1.0))
+                engine.append((cell.slowdown(jobs), float(decode), per_cell, seconds))
+    call_s, per_token, per_token_shared = fit_contended_engine(engine)
+    cell = replace(
+        costs.cell,
+        call_s=call_s,
+        session_tps=1.0 / per_token if per_token > 0 else 1e9,
+        decode_tps=1.0 / per_token_shared if per_token_shared > 0 else 1e9,
+        train_tps=measured.cell.train_tps * statistics.fmean(r.train_slowdown for r in replays),
+    )
+    return replace(costs, cell=cell, own_s=_median(own))
+
+
+def fit_contended_engine(rows: list[tuple[float, float, float, float]]) -> tuple[float, float, float]:
+    """Least squares of a call's seconds = slowdown x (fixed + decode tokens x (per token + per token x other
+    calls on its cell)): (fixed seconds, seconds per token alone, seconds per token per other call), each
+    at least 0."""
+    import numpy as np
+
+    if len(rows) < 3:
+        return 0.0, 0.0, 0.0
+    x = np.array([[s, s * dec, s * dec * max(0.0, n - 1)] for s, dec, n, _ in rows])
+    y = np.array([seconds for *_, seconds in rows])
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    a, b, c = (max(0.0, float(v)) for v in coef)
+    return a, b, c
+
+
+def _mean(fits: list[Costs]) -> Costs:
+    rates = ("call_s", "session_tps", "decode_tps", "train_tps")
+    cell = replace(fits[0].cell, **{k: statistics.fmean(getattr(f.cell, k) for f in fits) for k in rates})
+    return replace(fits[0], cell=cell, own_s=statistics.fmean(f.own_s for f in fits))
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else 0.0
 
 
 def workload_of(run: RunRecord, costs: Costs) -> Trace:
-    """The run's workload (its sessions' tokens and tool sleeps) with the harness's own seconds of `costs`."""
+    """The run's workload (its sessions' tokens and tool sleeps) with the harness's own seconds of `costs`:
+    each gap's after its sleeps, and its work outside calls and sleeps as CPU work when the session starts."""
     shape = run_shape(run)
     tokens = statistics.median(run.step_tokens) / (shape.groups_per_step * shape.group_size) if run.step_tokens else 0
     by_step: dict[int, list[Rollout]] = {}
     for rid, sess in sorted(run.sessions.items()):
         parts = split_gaps(run, rid, sess)
         calls = tuple(
-            Call(int(p), int(d), slept + (costs.last_s if i == len(parts) - 1 else costs.gap_s))
+            Call(int(p), int(d), slept + (0.0 if i == len(parts) - 1 else costs.gap_s))
             for i, ((p, d, *_), (slept, _)) in enumerate(zip(sess["calls"], parts, strict=True))
         )
         step, group = int(rid[1:].split("-")[0]), int(rid.split("-")[1][1:])
-        by_step.setdefault(step, []).append(Rollout(rid, group, calls, costs.outside_s, round(tokens)))
+        by_step.setdefault(step, []).append(Rollout(rid, group, calls, 0.0, round(tokens), cpu_s=costs.own_s))
     return Trace(by_step)
 
 
+def at_run(costs: Costs, run: RunRecord) -> CellModel:
+    """The cell model of `costs` on the run's machine: its session capacity, its shared CPUs."""
+    return replace(costs.cell, capacity=run.shape["capacity"], cpus=cpus_of(run))
+
+
 def predict(costs: Costs, target: RunRecord, scheduler: str | None = None) -> SimResult:
-    """`scheduler` (the target's own by default) on the target run's workload and shape, at `costs`."""
-    costs = at_sharing(costs, target)
-    cell = replace(costs.cell, capacity=target.shape["capacity"])
-    return simulate(scheduler or target.scheduler, cell, run_shape(target), workload_of(target, costs))
+    """`scheduler` (the target's own by default) on the target run's workload, shape and CPUs, at `costs`."""
+    return simulate(scheduler or target.scheduler, at_run(costs, target), run_shape(target), workload_of(target, costs))
 
 
 def run_bound(costs: Costs, run: RunRecord) -> float:
-    """The lower bound (gyre.sim.bound) on the run's own workload and shape, at `costs`."""
-    costs = at_sharing(costs, run)
-    cell = replace(costs.cell, capacity=run.shape["capacity"])
-    return lower_bound(cell, run_shape(run), workload_of(run, costs)).seconds
+    """The lower bound (gyre.sim.bound) on the run's own workload, shape and CPUs, at `costs` (each alone on a
+    CPU: no schedule makes them faster)."""
+    return lower_bound(at_run(costs, run), run_shape(run), workload_of(run, costs)).seconds
