@@ -12,13 +12,14 @@
    own work); `--bench DIR` reads a benchmark's output directories instead (each directory under DIR that
    holds run directories is a workload: DIR/<layout>/<workload>/<scheduler>-<n>/), `--save-data` stores their
    records as the `--data` file.
-   1b. Cross-prediction (`--cross` prints 1b, 1c and 1e only): costs fitted from one scheduler's runs alone
-   (gyre.sim.predict), every run of the other schedulers predicted on its own workload (its sessions'
-   tokens and tool sleeps). 1c. Held-out workloads: costs from one workload's runs of one scheduler, every
+   1b. Cross-prediction (`--cross` prints 1b, 1c and 1e only): costs fitted from one scheduler's runs alone,
+   each alone on a CPU (gyre.sim.predict.fit_costs), every run of the other schedulers predicted on its own
+   workload (its sessions' tokens and tool sleeps) and CPUs. 1c. Held-out workloads: costs from one workload's runs of one scheduler, every
    run of the other workloads and layouts predicted. 1d. Each run's lower bound on its own workload at
    costs shared by every scheduler, and every scheduler simulated on the same work: the speedups the
    policies give on equal work, and the most any scheduler could be faster than each baseline. 1e. Each
-   scheduler's costs fitted from its own runs: on the same work, what its schedule did to the machine.
+   scheduler's costs from its own runs, as measured (on the same work, what its schedule did to the
+   machine) and fitted alone on a CPU (what the model of that leaves apart).
 2. The reference system's scale: the 2.4T setting (4 cells of 48 nodes x 8 GPUs) and the 122B setting
    (24 and 32 nodes), with the throughputs and costs below stated as assumptions, beside the reference
    table; GPU utilisation of each scheduler and the lower bound (gyre.sim.bound).
