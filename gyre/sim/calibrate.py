@@ -267,12 +267,18 @@ def fit_cell(runs: list[RunRecord], capacity: int) -> CellModel:
 def fit_engine(calls: list[tuple[float, int, int, float]]) -> tuple[float, float, float]:
     """Least squares of a call's seconds on decode tokens alone and decode tokens x other calls in flight:
     (fixed seconds, seconds per token alone, seconds per token per other call), each at least 0."""
+    return fit_engine_rows([(1.0, float(dec), float(n), dur) for _, n, dec, dur in calls])
+
+
+def fit_engine_rows(rows: list[tuple[float, float, float, float]]) -> tuple[float, float, float]:
+    """The same from rows of (slowdown, decode tokens, calls on its engine, seconds): a call's seconds =
+    slowdown x (fixed + decode tokens x (per token + per token x other calls)), each coefficient at least 0."""
     import numpy as np
 
-    if len(calls) < 3:
+    if len(rows) < 3:
         return 0.0, 0.0, 0.0
-    x = np.array([[1.0, dec, dec * (n - 1)] for _, n, dec, _ in calls])
-    y = np.array([dur for *_, dur in calls])
+    x = np.array([[s, s * dec, s * dec * max(0.0, n - 1)] for s, dec, n, _ in rows])
+    y = np.array([seconds for *_, seconds in rows])
     coef, *_ = np.linalg.lstsq(x, y, rcond=None)
     a, b, c = (max(0.0, float(v)) for v in coef)
     return a, b, c

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gyre.sim.bound import lower_bound
-from gyre.sim.calibrate import RunRecord, calibrate, run_shape
+from gyre.sim.calibrate import RunRecord, calibrate, fit_engine_rows, run_shape
 from gyre.sim.simulator import SimResult, simulate
 from gyre.sim.workload import Call, CellModel, Rollout, Trace, tool_factor
 
@@ -117,7 +117,7 @@ def _divide_contention(runs: list[RunRecord], measured: Costs, costs: Costs, rep
             for i, (_, decode, seconds, _) in enumerate(sess["calls"]):
                 per_cell, jobs = replay.call_contention.get((rid, i), (1.0, 1.0))
                 engine.append((cell.slowdown(jobs), float(decode), per_cell, seconds))
-    call_s, per_token, per_token_shared = fit_contended_engine(engine)
+    call_s, per_token, per_token_shared = fit_engine_rows(engine)
     cell = replace(
         costs.cell,
         call_s=call_s,
@@ -126,21 +126,6 @@ def _divide_contention(runs: list[RunRecord], measured: Costs, costs: Costs, rep
         train_tps=measured.cell.train_tps * statistics.fmean(r.train_slowdown for r in replays),
     )
     return replace(costs, cell=cell, own_s=_median(own))
-
-
-def fit_contended_engine(rows: list[tuple[float, float, float, float]]) -> tuple[float, float, float]:
-    """Least squares of a call's seconds = slowdown x (fixed + decode tokens x (per token + per token x other
-    calls on its cell)): (fixed seconds, seconds per token alone, seconds per token per other call), each
-    at least 0."""
-    import numpy as np
-
-    if len(rows) < 3:
-        return 0.0, 0.0, 0.0
-    x = np.array([[s, s * dec, s * dec * max(0.0, n - 1)] for s, dec, n, _ in rows])
-    y = np.array([seconds for *_, seconds in rows])
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-    a, b, c = (max(0.0, float(v)) for v in coef)
-    return a, b, c
 
 
 def _mean(fits: list[Costs]) -> Costs:
