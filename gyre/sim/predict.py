@@ -19,8 +19,8 @@ async one cell serves while its trainer's CPU takes the harnesses' work, and its
 alone on a CPU: it replays the runs under their own scheduler with the simulator's shared CPUs
 (`CellModel.cpus`: every CPU job, a busy engine, a training micro-batch, a session in its own work, runs
 at cpus / jobs of a CPU when jobs outnumber them), divides each call's, micro-batch's and session's
-measured seconds by the slowdown its replay met, and replays again at the costs so fitted until they
-settle. `predict` simulates any scheduler on another run's workload (`workload_of`: only its calls' tokens
+measured seconds by the slowdown its replay met, and replays again at the costs so fitted (`ROUNDS`
+rounds, their fits averaged). `predict` simulates any scheduler on another run's workload (`workload_of`: only its calls' tokens
 and its tool sleeps) and shape, on that run's CPUs, at those costs: the test of a model that predicts,
 since nothing the target scheduler did enters it, and the contention is the target's own, on its layout.
 """
@@ -48,7 +48,7 @@ class Costs:
     own_s: float  # a session's own work outside calls and tool sleeps: start-up, the final tool's, grading
 
 
-ROUNDS = 6  # replays of the fitted costs: 4-6 settle the recorded benchmarks' cross-prediction within 1%
+ROUNDS = 6  # replays of the fitted costs: from 4 on, the recorded benchmark's cross-prediction moves within a point
 
 
 def cpus_of(run: RunRecord) -> float:

@@ -54,7 +54,7 @@ class SimResult:
     capacity: int
     decisions: int = 0
     segments: list[tuple[int, str, float, float]] = field(default_factory=list)
-    # what contention each piece of work met (gyre.sim.calibrate fits the uncontended costs from a replay):
+    # what contention each piece of work met (gyre.sim.predict.fit_costs divides it out of measured costs):
     # rollout id -> CPU jobs when its own CPU work began; (rollout id, call) -> (calls per serving cell, CPU jobs)
     cpu_jobs_at_start: dict[str, float] = field(default_factory=dict)
     call_contention: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
