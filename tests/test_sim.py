@@ -293,11 +293,12 @@ WORST_BOUND = 0.20
 def test_cross_prediction_of_the_recorded_benchmark() -> None:
     """Costs from one scheduler's runs alone predict every other run of the workload, and costs from one
     workload's runs of one scheduler every run of the other workloads and layouts."""
-    from tools.sim_schedulers import SCHEDULERS, cross_predict, held_out, load_records
+    from tools.sim_schedulers import SCHEDULERS, cross_predict, held_out, load_records, scheduler_costs
 
     records = load_records(None, "same-work")
     assert set(records) == {"disjoint2/sigma0.5", "disjoint2/sigma1.0", "disjoint2/trainheavy", "shared3/sigma0.5"}
-    cross, held = cross_predict(records), held_out(records)
+    fitted = scheduler_costs(records)  # each scheduler's costs on each workload, for both
+    cross, held = cross_predict(records, fitted), held_out(records, fitted)
     for rows in cross["table"].values():
         assert set(rows) == set(SCHEDULERS) and all(set(r) == set(SCHEDULERS) for r in rows.values())
     assert cross["predictions"] == 4 * 3 * 6  # each of 9 runs of a workload from the 2 schedulers not its own

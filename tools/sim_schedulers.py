@@ -14,8 +14,8 @@
    records as the `--data` file.
    1b. Cross-prediction (`--cross` prints 1b, 1c and 1e only): costs fitted from one scheduler's runs alone,
    each alone on a CPU (gyre.sim.predict.fit_costs), every run of the other schedulers predicted on its own
-   workload (its sessions' tokens and tool sleeps) and CPUs. 1c. Held-out workloads: costs from one workload's runs of one scheduler, every
-   run of the other workloads and layouts predicted. 1d. Each run's lower bound on its own workload at
+   workload (its sessions' tokens and tool sleeps) and CPUs. 1c. Held-out workloads: costs from one
+   workload's runs of one scheduler, every run of the other workloads and layouts predicted. 1d. Each run's lower bound on its own workload at
    costs shared by every scheduler, and every scheduler simulated on the same work: the speedups the
    policies give on equal work, and the most any scheduler could be faster than each baseline. 1e. Each
    scheduler's costs from its own runs, as measured (on the same work, what its schedule did to the
@@ -218,19 +218,30 @@ def print_validation(table: dict[str, Any]) -> None:
               f"measured runs: {runs}")  # fmt: skip
 
 
-def cross_predict(records: dict[str, dict[str, RunRecord]]) -> dict[str, Any]:
+Fitted = dict[str, dict[str, Costs]]  # workload -> scheduler -> the costs of its runs there, alone on a CPU
+
+
+def scheduler_costs(records: dict[str, dict[str, RunRecord]]) -> Fitted:
+    """Each scheduler's costs fitted from its own runs of each workload (gyre.sim.predict.fit_costs), once for
+    1b, 1c and 1e."""
+    return {wl: {s: fit_costs([r for r in runs.values() if r.scheduler == s]) for s in SCHEDULERS}
+            for wl, runs in records.items()}  # fmt: skip
+
+
+def cross_predict(records: dict[str, dict[str, RunRecord]], fitted: Fitted | None = None) -> dict[str, Any]:
     """Costs fitted from one scheduler's runs of a workload alone (gyre.sim.predict.fit_costs), every other
     run of the workload predicted on its own workload (its sessions' tokens and tool sleeps; nothing its
     scheduler did) and shape. Returns workload -> calibrated-on -> predicted scheduler -> {measured_s: the
     median wall, simulated_s: the median prediction, error: the median of the runs' errors, worst: the
     largest}; the diagonal (a scheduler's own runs, fitted) in the table but not in the summary; plus the
     median and worst error over every run predicted off the diagonal, one error a run and calibration."""
+    fitted = fitted or scheduler_costs(records)
     table: dict[str, Any] = {}
     off: list[float] = []
     for wl, runs in records.items():
         rows: dict[str, Any] = {}
         for src in SCHEDULERS:
-            costs = fit_costs([r for r in runs.values() if r.scheduler == src])
+            costs = fitted[wl][src]
             rows[src] = {}
             for tgt in SCHEDULERS:
                 mine = [r for r in runs.values() if r.scheduler == tgt]
@@ -241,16 +252,17 @@ def cross_predict(records: dict[str, dict[str, RunRecord]]) -> dict[str, Any]:
     return {"table": table, **summary(off), "repeat_noise": repeat_noise(records)}
 
 
-def held_out(records: dict[str, dict[str, RunRecord]]) -> dict[str, Any]:
+def held_out(records: dict[str, dict[str, RunRecord]], fitted: Fitted | None = None) -> dict[str, Any]:
     """Costs fitted from one workload's runs of one scheduler, every run of the other workloads (another
     tail, training as costly as rollouts, another layout: 3 cells sharing the CPUs) predicted. Returns
     calibrated-on workload -> scheduler -> predicted workload -> as `cross_predict`, and the summary."""
+    fitted = fitted or scheduler_costs(records)
     table: dict[str, Any] = {}
     off: list[float] = []
-    for src_wl, src_runs in records.items():
+    for src_wl in records:
         table[src_wl] = {}
         for src in SCHEDULERS:
-            costs = fit_costs([r for r in src_runs.values() if r.scheduler == src])
+            costs = fitted[src_wl][src]
             row = {wl: predicted(costs, list(runs.values())) for wl, runs in records.items() if wl != src_wl}
             off += [abs(e) for r in row.values() for e in r["errors"]]
             table[src_wl][src] = row
@@ -347,7 +359,7 @@ def paired(walls: list[float], others: list[float]) -> float:
     return round(statistics.median(w / o for w, o in zip(walls, others, strict=True)), 3)
 
 
-def costs_by_scheduler(records: dict[str, dict[str, RunRecord]]) -> dict[str, Any]:
+def costs_by_scheduler(records: dict[str, dict[str, RunRecord]], fitted: Fitted) -> dict[str, Any]:
     """Each scheduler's costs from its own runs of a workload, as they met them (`measured`) and alone on a CPU
     (`fitted`, gyre.sim.predict.fit_costs): on the same work (the same-work benchmark) what differs between
     the measured ones is what the schedule did to the machine (CPU contention between engines, trainers and
@@ -357,8 +369,7 @@ def costs_by_scheduler(records: dict[str, dict[str, RunRecord]]) -> dict[str, An
         out[wl] = {}
         for sched in SCHEDULERS:
             mine = [r for r in runs.values() if r.scheduler == sched]
-            out[wl][sched] = {kind: cost_row(fit(mine)) for kind, fit in (("measured", measured_costs),
-                                                                        ("fitted", fit_costs))}  # fmt: skip
+            out[wl][sched] = {"measured": cost_row(measured_costs(mine)), "fitted": cost_row(fitted[wl][sched])}
     return out
 
 
@@ -533,7 +544,7 @@ def main() -> None:
     p.add_argument("--data", choices=sorted(RECORDED), default="same-work", help="the recorded benchmark to read")
     p.add_argument("--save-data", action="store_true", help="store the run records of --bench as --data's file")
     p.add_argument("--quick", action="store_true", help="a smaller map (6 steps) and the reference at 12 steps")
-    p.add_argument("--cross", action="store_true", help="print only the cross-prediction table (1b) and stop")
+    p.add_argument("--cross", action="store_true", help="print only the cross-prediction tables (1b, 1c, 1e) and stop")
     args = p.parse_args()
     if args.save_data:
         if not args.bench:
@@ -544,8 +555,9 @@ def main() -> None:
     t0 = time.monotonic()
     bench = Path(args.bench) if args.bench else None
     records = load_records(bench, args.data)
-    results: dict[str, Any] = {"cross": cross_predict(records), "held_out": held_out(records)}
-    results["costs"] = costs_by_scheduler(records)
+    fitted = scheduler_costs(records)
+    results: dict[str, Any] = {"cross": cross_predict(records, fitted), "held_out": held_out(records, fitted)}
+    results["costs"] = costs_by_scheduler(records, fitted)
     if args.cross:
         print_cross(results["cross"])
         print_held_out(results["held_out"])
