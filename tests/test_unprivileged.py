@@ -21,6 +21,7 @@ import sys
 import tempfile
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,12 +102,14 @@ def user_python(workdir: Path, prefix: list[str]) -> Path:
 def user() -> Iterator[User]:
     """USER (as root: made here and removed at the end; as a user already: that user), its HOME and Python."""
     closed = [str(d) for d in (ROOT, *ROOT.parents) if not d.stat().st_mode & 0o001]
-    assert not closed, f"the checkout must be reachable by another user to run as one: {closed} not searchable (o+x)"
+    made = os.geteuid() == 0
+    assert made or not closed, (
+        f"the checkout must be reachable by another user to run as one: {closed} not searchable (o+x)"
+    )
     workdir = Path(tempfile.mkdtemp(prefix="gyre-unpriv-"))
     workdir.chmod(0o755)
     home = workdir / "home"
     home.mkdir()
-    made = os.geteuid() == 0
     if made:
         uid, gid = ensure_user()
         os.chown(home, uid, gid)
@@ -114,11 +117,32 @@ def user() -> Iterator[User]:
     else:
         uid, prefix = os.geteuid(), []
     try:
-        yield User(prefix, home, user_python(workdir, prefix), uid)
+        with reachable_by(USER, closed):  # a checkout in a folder of mode 0700 (mktemp -d, a home): for the test's user
+            yield User(prefix, home, user_python(workdir, prefix), uid)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         if made:
             subprocess.run([shutil.which("userdel") or "/usr/sbin/userdel", USER], check=True, capture_output=True)
+
+
+@contextmanager
+def reachable_by(user: str, folders: list[str]) -> Iterator[None]:
+    """Folders of the checkout's path that other users may not search, opened to `user` alone by an ACL entry
+    while it runs (the checkout itself readable: pytest lists it; those above it searchable), then their ACLs
+    restored as they were."""
+    if not folders:
+        yield
+        return
+    setfacl, getfacl = shutil.which("setfacl"), shutil.which("getfacl")
+    assert setfacl and getfacl, f"{folders} are not searchable by other users and setfacl is missing (apt install acl)"
+    saved = subprocess.run([getfacl, "--absolute-names", *folders], check=True, capture_output=True, text=True).stdout
+    try:
+        for folder in folders:
+            rights = "rx" if folder == str(ROOT) else "x"
+            subprocess.run([setfacl, "-m", f"u:{user}:{rights}", folder], check=True, capture_output=True)
+        yield
+    finally:
+        subprocess.run([setfacl, "--restore=-"], input=saved, text=True, check=True, capture_output=True)
 
 
 def test_the_user_is_unprivileged_and_runs_this_checkout(user):

@@ -8,12 +8,13 @@ VENV=${VENV:-.venv}
 # libibverbs1: Mooncake Transfer Engine's wheel links it even for TCP (its import fails without it).
 # hdf5-tools: h5dump/h5ls, the standard HDF5 tools the shard tests read shards with.
 # bubblewrap: bwrap, the default sandbox of every harness and checker (sandbox.backend=bwrap).
+# acl: setfacl, with which tests/test_unprivileged.py lets its user search a checkout in a folder of mode 0700.
 # buildah, mmdebstrap: task environment images (gyre/tasks/images.py) and the bases tools/make_base_images makes.
 # gcc, libc6-dev: build the Harbor reward guard (gyre/tasks/runner_hooks/reward_guard.c) on first use.
 # python3-pytest ... python3-simplejson: what the tests of the real SWE-bench instances in examples/tasks/swebench_real
 # import when they run without their images (tasks.build_images=false), for the system python3 that bwrap sandboxes see
 # (/usr): pytest, Flask 2.3's and marshmallow 3.0's test dependencies. Their images get SWE-bench's pins from PyPI instead.
-GYRE_APT_PACKAGES=${GYRE_APT_PACKAGES-libibverbs1 hdf5-tools bubblewrap gcc libc6-dev buildah mmdebstrap python3-pytest python3-werkzeug python3-jinja2
+GYRE_APT_PACKAGES=${GYRE_APT_PACKAGES-libibverbs1 hdf5-tools bubblewrap acl gcc libc6-dev buildah mmdebstrap python3-pytest python3-werkzeug python3-jinja2
   python3-itsdangerous python3-click python3-blinker python3-dotenv python3-tz python3-simplejson}
 need_apt=()
 if command -v dpkg >/dev/null; then
