@@ -112,12 +112,18 @@ def test_without_slurms_pmi_the_command_runs_as_itself() -> None:
 
 
 def test_a_reply_to_a_command_already_gone_is_dropped_and_its_status_kept() -> None:
+    """Slurm answers after the command closed its end (it died mid-request): the relay drops the reply and still
+    exits as the command does. The command waits for a line before it exits, so that the reply always reaches a
+    relay that is still there (a relay whose command has exited may end before Slurm writes)."""
     code = (
-        "import os, socket; socket.socket(fileno=int(os.environ['PMI_FD'])).sendall(b'cmd=get_maxes\\n'); os._exit(5)"
+        "import os, socket, sys; s = socket.socket(fileno=int(os.environ['PMI_FD'])); s.sendall(b'cmd=get_maxes\\n');"
+        "s.close(); print('closed', flush=True); sys.stdin.readline(); os._exit(5)"
     )
-    proc, slurm = _relayed(code, stderr=subprocess.PIPE)
+    proc, slurm = _relayed(code, stdin=subprocess.PIPE, stderr=subprocess.PIPE)
     assert slurm.recv(1024) == b"cmd=get_maxes\n"
-    time.sleep(0.5)  # the command has exited: its end of the pair is closed
+    assert proc.stdout.readline() == "closed\n"  # its end of the pair is closed, the relay's write fails
     slurm.sendall(b"cmd=maxes rc=0 vallen_max=1024\n" * 1000)
+    proc.stdin.write("exit\n")
+    proc.stdin.flush()
     assert proc.wait(timeout=30) == 5 and "Traceback" not in proc.stderr.read()
     slurm.close()
