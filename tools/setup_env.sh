@@ -96,12 +96,25 @@ fi
 # mini-swe-agent harness: PyPI mini-swe-agent, pinned (gyre/harness/mini_swe_agent.py MINI_SWE_AGENT_VERSION), in
 # its own venv .gyre/mini-swe-agent (litellm's dependency pins are not gyre's), same interpreter as $VENV.
 MSWEA_VERSION=$(sed -n 's/^MINI_SWE_AGENT_VERSION = "\([^"]*\)".*/\1/p' gyre/harness/mini_swe_agent.py)
+# Installing it takes a minute or more (litellm's tree), so it is built once per version and interpreter under the
+# user's cache and copied into each checkout: gyre runs it as `<venv>/bin/python -m ...`, which a copied venv serves.
 MSWEA_VENV=.gyre/mini-swe-agent
-if ! "$MSWEA_VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('mini-swe-agent') != '$MSWEA_VERSION')" 2>/dev/null; then
-  echo "gyre setup: installing mini-swe-agent==$MSWEA_VERSION into $MSWEA_VENV"
-  mkdir -p .gyre
-  "$(readlink -f "$VENV/bin/python")" -m venv "$MSWEA_VENV"
-  "$MSWEA_VENV/bin/python" -m pip --disable-pip-version-check -q install "mini-swe-agent==$MSWEA_VERSION"
+mswea_ok() { "$1/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('mini-swe-agent') != '$MSWEA_VERSION')" 2>/dev/null; }
+if ! mswea_ok "$MSWEA_VENV"; then
+  BASE_PYTHON=$(readlink -f "$VENV/bin/python")
+  MSWEA_CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/gyre/mini-swe-agent-$MSWEA_VERSION-$(echo "$BASE_PYTHON" | sha1sum | cut -c1-12)
+  if ! mswea_ok "$MSWEA_CACHE"; then
+    echo "gyre setup: installing mini-swe-agent==$MSWEA_VERSION into $MSWEA_CACHE"
+    building=$MSWEA_CACHE.building.$$
+    rm -rf "$building" && mkdir -p "$(dirname "$MSWEA_CACHE")"
+    "$BASE_PYTHON" -m venv "$building"
+    "$building/bin/python" -m pip --disable-pip-version-check -q install "mini-swe-agent==$MSWEA_VERSION"
+    rm -rf "$MSWEA_CACHE" && mv "$building" "$MSWEA_CACHE"  # whole or not at all
+  fi
+  echo "gyre setup: copying mini-swe-agent==$MSWEA_VERSION from $MSWEA_CACHE into $MSWEA_VENV"
+  mkdir -p .gyre && rm -rf "$MSWEA_VENV"
+  cp -a "$MSWEA_CACHE" "$MSWEA_VENV"
+  mswea_ok "$MSWEA_VENV" || { echo "gyre setup: the copied $MSWEA_VENV does not run; remove $MSWEA_CACHE and re-run" >&2; exit 1; }
 fi
 if ! command -v strace >/dev/null; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
