@@ -336,3 +336,18 @@ def test_the_same_work_benchmark_ran_the_same_sessions_under_every_scheduler() -
             assert len(differ) <= (len(first) // 10 if name.startswith("elastic") else 0), (wl, name, differ)
         costs = fit_costs(list(runs.values()))
         assert all(r.wall_s >= run_bound(costs, r) for r in runs.values()), wl
+
+
+def test_capacity_sweep_changes_every_schedulers_capacity_and_keeps_the_runs_own() -> None:
+    """`--capacity`: at each run's own capacity (6 at disjoint2) the same walls as 1d's same work; fewer sessions
+    per cell take every scheduler longer, and no run's workload is changed otherwise."""
+    from tools.sim_schedulers import SCHEDULERS, capacity_sweep, load_records, workload_bounds
+
+    records = {"disjoint2/sigma0.5": load_records(None, "same-work")["disjoint2/sigma0.5"]}
+    assert {r.shape["capacity"] for r in records["disjoint2/sigma0.5"].values()} == {6}
+    sweep = capacity_sweep(records, [4, 6])["disjoint2/sigma0.5"]
+    own = workload_bounds(records)["disjoint2/sigma0.5"]
+    # the same simulations: only the rounding differs (1d keeps 2 decimals, 1f 1)
+    assert all(abs(sweep[6]["same_work_s"][s] - own[s]["same_work_s"]) <= 0.051 for s in SCHEDULERS), (sweep, own)
+    assert sweep[6]["over_bound"] == own["same_work_over_bound"]
+    assert all(sweep[4]["same_work_s"][s] > sweep[6]["same_work_s"][s] for s in SCHEDULERS), sweep

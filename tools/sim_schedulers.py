@@ -1,7 +1,7 @@
 """Elastic vs colocate vs async in the simulator (gyre.sim): validation, the reference system's scale, a map.
 
     python -m tools.sim_schedulers [--out DIR] [--data same-work|learning] [--bench DIR [--save-data]]
-                                   [--quick] [--cross]
+                                   [--quick] [--cross] [--capacity N,N,...]
 
 1. Validation: every run of the recorded local benchmark (tools/bench_schedulers.py: layouts disjoint2 and
    shared3, tails sigma 0.5 and 1.0, training as costly as rollouts) is simulated from its own calibration
@@ -19,7 +19,8 @@
    costs shared by every scheduler, and every scheduler simulated on the same work: the speedups the
    policies give on equal work, and the most any scheduler could be faster than each baseline. 1e. Each
    scheduler's costs from its own runs, as measured (on the same work, what its schedule did to the
-   machine) and fitted alone on a CPU (what the model of that leaves apart).
+   machine) and fitted alone on a CPU (what the model of that leaves apart). 1f (`--capacity 4,6,8`
+   prints it only): every scheduler on the same work, as 1d, with the session capacity per cell changed for all.
 2. The reference system's scale: the 2.4T setting (4 cells of 48 nodes x 8 GPUs) and the 122B setting
    (24 and 32 nodes), with the throughputs and costs below stated as assumptions, beside the reference
    table; GPU utilisation of each scheduler and the lower bound (gyre.sim.bound).
@@ -354,6 +355,36 @@ def workload_bounds(records: dict[str, dict[str, RunRecord]]) -> dict[str, Any]:
     return out
 
 
+def capacity_sweep(records: dict[str, dict[str, RunRecord]], capacities: list[int]) -> dict[str, Any]:
+    """Every scheduler on every run's workload (as 1d) with every scheduler's session capacity per cell set to
+    each of `capacities` (`sched.capacity_per_cell`, the same for all): elastic's paired speedups and its wall
+    over the bound at that capacity."""
+    out: dict[str, Any] = {}
+    for wl, runs in records.items():
+        costs = fit_costs(list(runs.values()))
+        out[wl] = {}
+        for cap in capacities:
+            at = [replace(r, shape={**r.shape, "capacity": cap}) for r in runs.values()]
+            walls = {s: [predict(costs, r, s).wall_s for r in at] for s in SCHEDULERS}
+            e = walls["elastic"]
+            out[wl][cap] = {
+                "same_work_s": {s: round(statistics.median(w), 1) for s, w in walls.items()},
+                "speedup": {s: paired(walls[s], e) for s in SCHEDULERS if s != "elastic"},
+                "over_bound": paired(e, [run_bound(costs, r) for r in at]),
+            }
+    return out
+
+
+def print_capacity_sweep(sweep: dict[str, Any]) -> None:
+    print("\n1f. Session capacity per cell, the same for every scheduler (simulated on every run's workload at costs "
+          "from all runs): median walls, elastic's paired speedups, elastic over the bound")  # fmt: skip
+    for wl, rows in sweep.items():
+        for cap, row in rows.items():
+            walls = ", ".join(f"{s} {v:.0f} s" for s, v in row["same_work_s"].items())
+            speed = ", ".join(f"{v:.2f}x {s}" for s, v in row["speedup"].items())
+            print(f"{label(wl):30s} capacity {cap:2d}: {walls}; elastic {speed}, {row['over_bound']:.2f}x the bound")
+
+
 def paired(walls: list[float], others: list[float]) -> float:
     """The median ratio of two lists of walls on the same runs' workloads."""
     return round(statistics.median(w / o for w, o in zip(walls, others, strict=True)), 3)
@@ -545,6 +576,8 @@ def main() -> None:
     p.add_argument("--save-data", action="store_true", help="store the run records of --bench as --data's file")
     p.add_argument("--quick", action="store_true", help="a smaller map (6 steps) and the reference at 12 steps")
     p.add_argument("--cross", action="store_true", help="print only the cross-prediction tables (1b, 1c, 1e) and stop")
+    p.add_argument("--capacity", default=None, metavar="N,N,...",
+                   help="print only 1f, every scheduler simulated at each session capacity per cell, and stop")  # fmt: skip
     args = p.parse_args()
     if args.save_data:
         if not args.bench:
@@ -555,6 +588,17 @@ def main() -> None:
     t0 = time.monotonic()
     bench = Path(args.bench) if args.bench else None
     records = load_records(bench, args.data)
+    if args.capacity:
+        try:
+            capacities = [int(c) for c in args.capacity.split(",")]
+        except ValueError:
+            p.error(f"--capacity takes whole numbers separated by commas, not {args.capacity!r}")
+        if min(capacities) < 1:
+            p.error("--capacity: each capacity must be at least 1")
+        sweep = capacity_sweep(records, capacities)
+        print_capacity_sweep(sweep)
+        (out / "capacity.json").write_text(json.dumps(sweep, indent=1))
+        return
     fitted = scheduler_costs(records)
     results: dict[str, Any] = {"cross": cross_predict(records, fitted), "held_out": held_out(records, fitted)}
     results["costs"] = costs_by_scheduler(records, fitted)
