@@ -109,7 +109,11 @@ if ! mswea_ok "$MSWEA_VENV"; then
     rm -rf "$building" && mkdir -p "$(dirname "$MSWEA_CACHE")"
     "$BASE_PYTHON" -m venv "$building"
     "$building/bin/python" -m pip --disable-pip-version-check -q install "mini-swe-agent==$MSWEA_VERSION"
-    rm -rf "$MSWEA_CACHE" && mv "$building" "$MSWEA_CACHE"  # whole or not at all
+    if mswea_ok "$MSWEA_CACHE"; then  # another setup finished one meanwhile (it may be copying it now): keep that
+      rm -rf "$building"
+    else
+      rm -rf "$MSWEA_CACHE" && mv "$building" "$MSWEA_CACHE"  # whole or not at all
+    fi
   fi
   echo "gyre setup: copying mini-swe-agent==$MSWEA_VERSION from $MSWEA_CACHE into $MSWEA_VENV"
   mkdir -p .gyre && rm -rf "$MSWEA_VENV"
