@@ -68,30 +68,43 @@ echo "gyre setup: installing gyre and its dependencies"
 SGLANG_VERSION=0.5.23
 echo "gyre setup: installing sglang==$SGLANG_VERSION (--no-deps: source only, for payload tests)"
 "${PIP[@]}" install --no-deps "sglang==$SGLANG_VERSION"
-# Claude Code harness: the real CLI from npm, pinned (gyre/harness/claude_code.py CLAUDE_CODE_VERSION),
-# into .gyre/node (gitignored); strace lets its test check that no traffic leaves loopback.
+# Claude Code harness: the real CLI from npm, pinned (gyre/harness/claude_code.py CLAUDE_CODE_VERSION), and the
+# Codex CLI harness: npm @openai/codex, pinned (gyre/harness/codex.py CODEX_VERSION; ~420 MB: a native binary for
+# this platform comes as an optional dependency), both in .gyre/node (gitignored). As mini-swe-agent below, they
+# are installed once per pair of versions under the user's cache and copied into each checkout (node_modules is
+# relocatable: its .bin links are relative). strace lets Claude Code's test check that no traffic leaves loopback.
+CACHE=${GYRE_CACHE:-$HOME/.cache/gyre}  # the machine-level cache gyre keeps its images and warm starts in
 CLAUDE_CODE_VERSION=$(sed -n 's/^CLAUDE_CODE_VERSION = "\([^"]*\)".*/\1/p' gyre/harness/claude_code.py)
-CLAUDE_BIN=.gyre/node/node_modules/.bin/claude
-if [ "$("$CLAUDE_BIN" --version 2>/dev/null | cut -d' ' -f1)" != "$CLAUDE_CODE_VERSION" ]; then
+CODEX_VERSION=$(sed -n 's/^CODEX_VERSION = "\([^"]*\)".*/\1/p' gyre/harness/codex.py)
+node_ok() {
+  [ "$("$1/node_modules/.bin/claude" --version 2>/dev/null | cut -d' ' -f1)" = "$CLAUDE_CODE_VERSION" ] &&
+    [ "$("$1/node_modules/.bin/codex" --version 2>/dev/null | cut -d' ' -f2)" = "$CODEX_VERSION" ]
+}
+if ! node_ok .gyre/node; then
   if ! command -v npm >/dev/null || ! command -v node >/dev/null; then
     echo "gyre setup: node and npm are missing: install Node.js >= 18 (e.g. apt-get install nodejs npm)," \
-      "then re-run; the Claude Code harness and its tests need @anthropic-ai/claude-code@$CLAUDE_CODE_VERSION" >&2
+      "then re-run; the Claude Code and Codex harnesses and their tests need" \
+      "@anthropic-ai/claude-code@$CLAUDE_CODE_VERSION and @openai/codex@$CODEX_VERSION" >&2
     exit 1
   fi
-  echo "gyre setup: installing @anthropic-ai/claude-code@$CLAUDE_CODE_VERSION into .gyre/node"
-  mkdir -p .gyre/node
-  npm install --prefix .gyre/node --no-audit --no-fund --save-exact --loglevel=error \
-    "@anthropic-ai/claude-code@$CLAUDE_CODE_VERSION"
-  "$CLAUDE_BIN" --version >/dev/null
-fi
-# Codex CLI harness: npm @openai/codex, pinned (gyre/harness/codex.py CODEX_VERSION), beside Claude Code in
-# .gyre/node (~420 MB: a native binary for this platform comes as an optional dependency).
-CODEX_VERSION=$(sed -n 's/^CODEX_VERSION = "\([^"]*\)".*/\1/p' gyre/harness/codex.py)
-CODEX_BIN=.gyre/node/node_modules/.bin/codex
-if [ "$("$CODEX_BIN" --version 2>/dev/null | cut -d' ' -f2)" != "$CODEX_VERSION" ]; then
-  echo "gyre setup: installing @openai/codex@$CODEX_VERSION into .gyre/node"
-  npm install --prefix .gyre/node --no-audit --no-fund --save-exact --loglevel=error "@openai/codex@$CODEX_VERSION"
-  "$CODEX_BIN" --version >/dev/null
+  NODE_CACHE=$CACHE/node-claude-code-$CLAUDE_CODE_VERSION-codex-$CODEX_VERSION
+  if ! node_ok "$NODE_CACHE"; then
+    echo "gyre setup: installing @anthropic-ai/claude-code@$CLAUDE_CODE_VERSION and @openai/codex@$CODEX_VERSION" \
+      "into $NODE_CACHE"
+    building=$NODE_CACHE.building.$$
+    rm -rf "$building" && mkdir -p "$building"
+    npm install --prefix "$building" --no-audit --no-fund --save-exact --loglevel=error \
+      "@anthropic-ai/claude-code@$CLAUDE_CODE_VERSION" "@openai/codex@$CODEX_VERSION"
+    if node_ok "$NODE_CACHE"; then  # another setup finished one meanwhile (it may be copying it now): keep that
+      rm -rf "$building"
+    else
+      rm -rf "$NODE_CACHE" && mv "$building" "$NODE_CACHE"  # whole or not at all
+    fi
+  fi
+  echo "gyre setup: copying Claude Code $CLAUDE_CODE_VERSION and Codex $CODEX_VERSION from $NODE_CACHE into .gyre/node"
+  mkdir -p .gyre && rm -rf .gyre/node
+  cp -a "$NODE_CACHE" .gyre/node
+  node_ok .gyre/node || { echo "gyre setup: the copied .gyre/node does not run; remove $NODE_CACHE and re-run" >&2; exit 1; }
 fi
 # mini-swe-agent harness: PyPI mini-swe-agent, pinned (gyre/harness/mini_swe_agent.py MINI_SWE_AGENT_VERSION), in
 # its own venv .gyre/mini-swe-agent (litellm's dependency pins are not gyre's), same interpreter as $VENV.
@@ -102,7 +115,7 @@ MSWEA_VENV=.gyre/mini-swe-agent
 mswea_ok() { "$1/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('mini-swe-agent') != '$MSWEA_VERSION')" 2>/dev/null; }
 if ! mswea_ok "$MSWEA_VENV"; then
   BASE_PYTHON=$(readlink -f "$VENV/bin/python")
-  MSWEA_CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/gyre/mini-swe-agent-$MSWEA_VERSION-$(echo "$BASE_PYTHON" | sha1sum | cut -c1-12)
+  MSWEA_CACHE=$CACHE/mini-swe-agent-$MSWEA_VERSION-$(echo "$BASE_PYTHON" | sha1sum | cut -c1-12)
   if ! mswea_ok "$MSWEA_CACHE"; then
     echo "gyre setup: installing mini-swe-agent==$MSWEA_VERSION into $MSWEA_CACHE"
     building=$MSWEA_CACHE.building.$$
