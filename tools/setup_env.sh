@@ -68,71 +68,58 @@ echo "gyre setup: installing gyre and its dependencies"
 SGLANG_VERSION=0.5.23
 echo "gyre setup: installing sglang==$SGLANG_VERSION (--no-deps: source only, for payload tests)"
 "${PIP[@]}" install --no-deps "sglang==$SGLANG_VERSION"
+# from_cache CHECK CACHED DEST BUILD: unless DEST passes CHECK, copy CACHED (under the user's cache) to DEST, first
+# building it there when it does not pass CHECK either (BUILD DIR, into a temporary folder renamed when whole; one
+# that another setup finished meanwhile is kept, as it may be copying it). What is built this way is relocatable.
+CACHE=${GYRE_CACHE:-$HOME/.cache/gyre}  # the machine-level cache gyre keeps its images and warm starts in
+from_cache() {
+  local ok=$1 cached=$2 dest=$3 build=$4
+  "$ok" "$dest" && return 0
+  if ! "$ok" "$cached"; then
+    echo "gyre setup: building $cached"
+    local building=$cached.building.$$
+    rm -rf "$building" && mkdir -p "$building"
+    "$build" "$building"
+    if "$ok" "$cached"; then rm -rf "$building"; else rm -rf "$cached" && mv "$building" "$cached"; fi
+  fi
+  echo "gyre setup: copying $cached into $dest"
+  mkdir -p "$(dirname "$dest")" && rm -rf "$dest"
+  cp -a "$cached" "$dest"
+  "$ok" "$dest" || { echo "gyre setup: the copied $dest does not run; remove $cached and re-run" >&2; exit 1; }
+}
 # Claude Code harness: the real CLI from npm, pinned (gyre/harness/claude_code.py CLAUDE_CODE_VERSION), and the
 # Codex CLI harness: npm @openai/codex, pinned (gyre/harness/codex.py CODEX_VERSION; ~420 MB: a native binary for
-# this platform comes as an optional dependency), both in .gyre/node (gitignored). As mini-swe-agent below, they
-# are installed once per pair of versions under the user's cache and copied into each checkout (node_modules is
-# relocatable: its .bin links are relative). strace lets Claude Code's test check that no traffic leaves loopback.
-CACHE=${GYRE_CACHE:-$HOME/.cache/gyre}  # the machine-level cache gyre keeps its images and warm starts in
+# this platform comes as an optional dependency), both in .gyre/node (gitignored), from the cache (node_modules'
+# .bin links are relative). strace lets Claude Code's test check that no traffic leaves loopback.
 CLAUDE_CODE_VERSION=$(sed -n 's/^CLAUDE_CODE_VERSION = "\([^"]*\)".*/\1/p' gyre/harness/claude_code.py)
 CODEX_VERSION=$(sed -n 's/^CODEX_VERSION = "\([^"]*\)".*/\1/p' gyre/harness/codex.py)
 node_ok() {
   [ "$("$1/node_modules/.bin/claude" --version 2>/dev/null | cut -d' ' -f1)" = "$CLAUDE_CODE_VERSION" ] &&
     [ "$("$1/node_modules/.bin/codex" --version 2>/dev/null | cut -d' ' -f2)" = "$CODEX_VERSION" ]
 }
-if ! node_ok .gyre/node; then
+node_build() {
   if ! command -v npm >/dev/null || ! command -v node >/dev/null; then
     echo "gyre setup: node and npm are missing: install Node.js >= 18 (e.g. apt-get install nodejs npm)," \
       "then re-run; the Claude Code and Codex harnesses and their tests need" \
       "@anthropic-ai/claude-code@$CLAUDE_CODE_VERSION and @openai/codex@$CODEX_VERSION" >&2
     exit 1
   fi
-  NODE_CACHE=$CACHE/node-claude-code-$CLAUDE_CODE_VERSION-codex-$CODEX_VERSION
-  if ! node_ok "$NODE_CACHE"; then
-    echo "gyre setup: installing @anthropic-ai/claude-code@$CLAUDE_CODE_VERSION and @openai/codex@$CODEX_VERSION" \
-      "into $NODE_CACHE"
-    building=$NODE_CACHE.building.$$
-    rm -rf "$building" && mkdir -p "$building"
-    npm install --prefix "$building" --no-audit --no-fund --save-exact --loglevel=error \
-      "@anthropic-ai/claude-code@$CLAUDE_CODE_VERSION" "@openai/codex@$CODEX_VERSION"
-    if node_ok "$NODE_CACHE"; then  # another setup finished one meanwhile (it may be copying it now): keep that
-      rm -rf "$building"
-    else
-      rm -rf "$NODE_CACHE" && mv "$building" "$NODE_CACHE"  # whole or not at all
-    fi
-  fi
-  echo "gyre setup: copying Claude Code $CLAUDE_CODE_VERSION and Codex $CODEX_VERSION from $NODE_CACHE into .gyre/node"
-  mkdir -p .gyre && rm -rf .gyre/node
-  cp -a "$NODE_CACHE" .gyre/node
-  node_ok .gyre/node || { echo "gyre setup: the copied .gyre/node does not run; remove $NODE_CACHE and re-run" >&2; exit 1; }
-fi
+  npm install --prefix "$1" --no-audit --no-fund --save-exact --loglevel=error \
+    "@anthropic-ai/claude-code@$CLAUDE_CODE_VERSION" "@openai/codex@$CODEX_VERSION"
+}
+from_cache node_ok "$CACHE/node-claude-code-$CLAUDE_CODE_VERSION-codex-$CODEX_VERSION" .gyre/node node_build
 # mini-swe-agent harness: PyPI mini-swe-agent, pinned (gyre/harness/mini_swe_agent.py MINI_SWE_AGENT_VERSION), in
-# its own venv .gyre/mini-swe-agent (litellm's dependency pins are not gyre's), same interpreter as $VENV.
+# its own venv .gyre/mini-swe-agent (litellm's dependency pins are not gyre's), same interpreter as $VENV, from the
+# cache (installing it takes a minute or more; gyre runs it as `<venv>/bin/python -m ...`, which a copied venv serves).
 MSWEA_VERSION=$(sed -n 's/^MINI_SWE_AGENT_VERSION = "\([^"]*\)".*/\1/p' gyre/harness/mini_swe_agent.py)
-# Installing it takes a minute or more (litellm's tree), so it is built once per version and interpreter under the
-# user's cache and copied into each checkout: gyre runs it as `<venv>/bin/python -m ...`, which a copied venv serves.
-MSWEA_VENV=.gyre/mini-swe-agent
+BASE_PYTHON=$(readlink -f "$VENV/bin/python")
 mswea_ok() { "$1/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('mini-swe-agent') != '$MSWEA_VERSION')" 2>/dev/null; }
-if ! mswea_ok "$MSWEA_VENV"; then
-  BASE_PYTHON=$(readlink -f "$VENV/bin/python")
-  MSWEA_CACHE=$CACHE/mini-swe-agent-$MSWEA_VERSION-$(echo "$BASE_PYTHON" | sha1sum | cut -c1-12)
-  if ! mswea_ok "$MSWEA_CACHE"; then
-    echo "gyre setup: installing mini-swe-agent==$MSWEA_VERSION into $MSWEA_CACHE"
-    building=$MSWEA_CACHE.building.$$
-    rm -rf "$building" && mkdir -p "$(dirname "$MSWEA_CACHE")"
-    "$BASE_PYTHON" -m venv "$building"
-    "$building/bin/python" -m pip --disable-pip-version-check -q install "mini-swe-agent==$MSWEA_VERSION"
-    if mswea_ok "$MSWEA_CACHE"; then  # another setup finished one meanwhile (it may be copying it now): keep that
-      rm -rf "$building"
-    else
-      rm -rf "$MSWEA_CACHE" && mv "$building" "$MSWEA_CACHE"  # whole or not at all
-    fi
-  fi
-  echo "gyre setup: copying mini-swe-agent==$MSWEA_VERSION from $MSWEA_CACHE into $MSWEA_VENV"
-  mkdir -p .gyre && rm -rf "$MSWEA_VENV"
-  cp -a "$MSWEA_CACHE" "$MSWEA_VENV"
-  mswea_ok "$MSWEA_VENV" || { echo "gyre setup: the copied $MSWEA_VENV does not run; remove $MSWEA_CACHE and re-run" >&2; exit 1; }
-fi
+mswea_build() {
+  "$BASE_PYTHON" -m venv "$1"
+  "$1/bin/python" -m pip --disable-pip-version-check -q install "mini-swe-agent==$MSWEA_VERSION"
+}
+from_cache mswea_ok "$CACHE/mini-swe-agent-$MSWEA_VERSION-$(echo "$BASE_PYTHON" | sha1sum | cut -c1-12)" \
+  .gyre/mini-swe-agent mswea_build
 if ! command -v strace >/dev/null; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends strace
