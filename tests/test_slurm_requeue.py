@@ -15,7 +15,7 @@ from resume_job import (
     STEPS,
     adam_steps,
     assert_each_rollout_once,
-    in_flight_after_trained_step,
+    in_flight_after_a_step,
     tiny_args,
     wait_until,
 )
@@ -45,14 +45,15 @@ def test_stopped_main_job_resumes_from_its_checkpoint(tmp_path, tmp_path_factory
     job = proc.stdout.strip().split(";")[0]
     log = tmp_path / f"{job}_main.out"
     try:
-        wait_until("rollouts after a trained step", lambda: in_flight_after_trained_step(out), 300,
-                   lambda: job_active(job))  # fmt: skip
+        # The first stop comes once step 0 is done, trained or not (its rewards may all be equal): stopping
+        # after the first trained step could leave no room for a second stop before the last step.
+        wait_until("rollouts after the first step", lambda: in_flight_after_a_step(out), 300, lambda: job_active(job))
         # what --signal=B:TERM does before the time limit: only the batch shell gets it
         subprocess.run(["scancel", "--batch", "--signal=TERM", job], check=True, timeout=30)
         first_resume = wait_until("the resume after the first stop", lambda: _resumed_at(log.read_text(), out, 1),
                                   180, lambda: job_active(job))  # fmt: skip
-        wait_until("rollouts after a resumed step", lambda: in_flight_after_trained_step(out, first_resume, False),
-                   300, lambda: job_active(job))  # fmt: skip
+        wait_until("rollouts after a resumed step", lambda: in_flight_after_a_step(out, first_resume), 300,
+                   lambda: job_active(job))  # fmt: skip
         subprocess.run(["scontrol", "requeue", job], check=True, timeout=30)
         final_state = wait_for_end(job, 300)
     finally:
