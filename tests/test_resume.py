@@ -387,18 +387,17 @@ def _describe(pid: int) -> str:
 @pytest.mark.integration
 @pytest.mark.timeout(1200)  # a warm start of minutes on a busy machine, then two starts of the job
 @pytest.mark.parametrize("scheduler", ["colocate", "colocate_cells"])
-def test_a_run_killed_mid_step_keeps_the_steps_completed_groups(tmp_path, tmp_path_factory, scheduler):
+def test_a_run_killed_mid_step_keeps_the_steps_completed_groups(tmp_path, scheduler):
     """SIGKILL in the middle of step k >= 2, one group's shard written and another group's rollouts running: the
     same command resumes at step k from the every-step checkpoint, keeps the written group (its shard untouched,
     none of its rollouts run again), runs only the others, and every step is trained once."""
     out = tmp_path / "run"
-    cache = tmp_path_factory.getbasetemp() / "resume-warm-start"
     one_group_at_a_time = (  # 8 rollouts at once: a group's shard is written while the next group runs
         ["harness.concurrency=8"]
         if scheduler == "colocate"
         else ["scheduler=colocate_cells", "cluster.satellites=[{}]", "sched.capacity_per_cell=4"]
     )
-    args = tiny_args(cache, out, tmp_path / "hydra", *one_group_at_a_time)
+    args = tiny_args(out, tmp_path / "hydra", *one_group_at_a_time)
     cmd = [sys.executable, "-m", "launch.run", *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     log1 = tmp_path / "first.log"

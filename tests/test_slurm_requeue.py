@@ -33,10 +33,9 @@ def _resumed_at(text: str, out: Path, restart: int) -> int | None:
     return int(found[1]) if found else None
 
 
-def test_stopped_main_job_resumes_from_its_checkpoint(tmp_path, tmp_path_factory):
+def test_stopped_main_job_resumes_from_its_checkpoint(tmp_path):
     out = tmp_path / "run"
-    cache = tmp_path_factory.getbasetemp() / "resume-warm-start"
-    args = tiny_args(cache, out, tmp_path / "hydra", "checkpoint_every=1")
+    args = tiny_args(out, tmp_path / "hydra", "checkpoint_every=1")
     cfg = compose(["cluster=slurm_cpu", f"cluster.workdir={ROOT}", "cluster.job_name=gyre-requeue"])
     script = tmp_path / "main.sbatch"
     script.write_text(render_main_job_sbatch(cfg, [sys.executable, "-m", "launch.run", *args], str(tmp_path)))

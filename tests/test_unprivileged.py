@@ -38,7 +38,7 @@ RED_TEAM_TESTS = ["tests/test_red_team.py", "tests/test_grading_attacks.py", "te
 SANDBOX_ATTACKS = ("read_env_secret", "write_sibling_workspace", "engine_direct", "network_out", "forge_stolen_key",
                    "write_calls", "write_weights", "write_checkpoint", "write_shards", "write_cache")  # fmt: skip
 # tests/resume_job.py's tiny job: a warm start good enough for some rollouts to earn partial credit, 16 rollouts a
-# step, so a step whose rewards are all equal (nothing to train) is rare
+# step; a step whose rewards are all equal within each group has nothing to train (seen for both steps of a run)
 # scheduler=colocate: one cell in the user's process (the elastic default would also need the user's own mpirun)
 TINY_RUN = ["scheduler=colocate", "steps=2", "rl.groups_per_step=2", "rl.group_size=8", "tasks.families=[write_value]",
             "warm_start.steps=60", "warm_start.demos=64", "warm_start.batch_size=8", "tokenizer.corpus_tasks=60",
@@ -186,8 +186,13 @@ def test_an_end_to_end_run_as_an_unprivileged_user(user):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r.get("event") == "step"]  # the controller also writes its switch and session rows
     assert [r["step"] for r in rows] == [0, 1] and all(r["n_rollouts"] == 16 for r in rows), rows
-    assert any(r["train/trained"] == 1.0 and r["tree_tokens"] > 0 for r in rows), rows  # an optimizer update
     shards = [read_shard(p) for p in sorted((out / "shards").glob("*.h5"))]
+    # an optimizer update on each step with an advantage to train on, none on the others (their rewards were equal)
+    signal = {int(s.attrs["step"]): False for s in shards}
+    for s in shards:
+        signal[int(s.attrs["step"])] |= any(r.meta.advantage for r in s.trainable())
+    assert [r["train/trained"] == 1.0 for r in rows] == [signal[0], signal[1]], (rows, signal)
+    assert all(r["tree_tokens"] > 0 for r in rows), rows
     assert {json.loads(s.attrs["producer"])["sandbox"] for s in shards} == {"bwrap"}
     stored = [r for s in shards for r in s]
     assert len(stored) == 32 and not any(r.meta.excluded for r in stored), [r.meta for r in stored]
