@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from gyre.config.schema import ModelConfig, ModelInit, RunConfig
+from gyre.fsutil import locked
 from gyre.harness.demos import Demonstration, tokenizer_corpus
 from gyre.harness.kinds import harness_spec
 from gyre.model.chat_template import AssistantTurn, assistant_body, render_segments, render_text
@@ -110,15 +111,41 @@ def prepare_policy(
     if cfg.model.path:
         return pretrained_policy(cfg, log, check)
     root = Path(os.path.expanduser(cfg.warm_start.cache_dir)) / f"policy-{cache_key(cfg)}"
-    if (root / "meta.json").exists():
-        log(f"gyre: reusing cached warm start {root}")
-        policy = _policy_at(root)
-        if check is not None:
-            check(policy.tokenizer())
-        return policy
+    if not (root / "meta.json").exists():
+        root.parent.mkdir(parents=True, exist_ok=True)
+        # one build of a warm start at a time (a sweep's jobs start together on an empty cache): the others wait
+        # for it and reuse it, instead of each building the same and replacing the one another run is loading
+        waiting = lambda: log(f"gyre: another run is building the warm start {root}; waiting for it")  # noqa: E731
+        with locked(root.with_name(f".{root.name}.lock"), waiting):
+            if not (root / "meta.json").exists():
+                return _build_policy(cfg, root, log, check)
+    log(f"gyre: reusing cached warm start {root}")
+    policy = _policy_at(root)
+    if check is not None:
+        check(policy.tokenizer())
+    return policy
+
+
+def _build_policy(
+    cfg: RunConfig, root: Path, log: Callable[[str], None], check: Callable[[Tokenizer], object] | None
+) -> Policy:
     tmp = root.with_name(root.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    try:
+        _build_into(cfg, root, tmp, log, check)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a refused preflight or a stop leaves no partial build behind
+        raise
+    shutil.rmtree(root, ignore_errors=True)  # an entry without meta.json: never finished
+    tmp.rename(root)
+    return _policy_at(root)
+
+
+def _build_into(
+    cfg: RunConfig, root: Path, tmp: Path, log: Callable[[str], None], check: Callable[[Tokenizer], object] | None
+) -> None:
+    """The tokenizer, the warm-started checkpoint and meta.json (written last: a finished entry) in `tmp`."""
     log(f"gyre: building tokenizer and warm start in {root}")
     tokenizer = Tokenizer.train(harness_corpus(cfg), cfg.tokenizer.vocab_size)
     if check is not None:
@@ -137,9 +164,6 @@ def prepare_policy(
     save_hf_checkpoint(tmp / "checkpoint", trainer.hf_state_dict(), model_cfg, tmp / "tokenizer")
     meta = {"model": dataclasses.asdict(model_cfg), "sft_losses": losses[-20:], "key": cache_key(cfg)}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-    shutil.rmtree(root, ignore_errors=True)
-    tmp.rename(root)
-    return _policy_at(root)
 
 
 def pretrained_policy(

@@ -23,8 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from gyre.fsutil import locked
 from gyre.sandbox.rootfs import cache_root
-from gyre.tasks.images import ImageBuilder, ImageBuildError, archive_stem, locked, qualified
+from gyre.tasks.images import ImageBuilder, ImageBuildError, archive_stem, qualified
 
 DEBIAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PYTHON_SLIM = f"""FROM debian:bookworm

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import fcntl
 import hashlib
 import json
 import os
@@ -24,12 +23,11 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gyre.fsutil import locked
 from gyre.sandbox.rootfs import IMAGE_PREFIX, ImageRoot, cache_root, image_root, images_dir, passwd_ids
 from gyre.tasks import offline_tests
 from gyre.tasks.task import Task, TaskFormatError, WorkspaceFile, as_text, check_workspace_size
@@ -278,17 +276,6 @@ def apptainer_build_argv(archive: Path, sif: Path, apptainer: str = "apptainer")
     """The command line that converts an image's OCI archive into the SIF the apptainer backend runs (on a
     cluster node with apptainer; sandbox.apptainer_images maps the task's image to it)."""
     return [apptainer, "build", "--force", str(sif), f"oci-archive:{archive}"]
-
-
-@contextmanager
-def locked(path: Path) -> Iterator[None]:
-    """One builder of a definition at a time on this machine (runs and rollouts share the cache)."""
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def build_task_environment(task: Task, builder: ImageBuilder) -> Task:
