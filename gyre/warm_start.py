@@ -132,8 +132,9 @@ def _build_policy(
     tmp = root.with_name(root.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    log(f"gyre: building tokenizer and warm start in {root}")
     try:
-        _build_into(cfg, root, tmp, log, check)
+        _build_into(cfg, tmp, log, check)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a refused preflight or a stop leaves no partial build behind
         raise
@@ -143,10 +144,9 @@ def _build_policy(
 
 
 def _build_into(
-    cfg: RunConfig, root: Path, tmp: Path, log: Callable[[str], None], check: Callable[[Tokenizer], object] | None
+    cfg: RunConfig, tmp: Path, log: Callable[[str], None], check: Callable[[Tokenizer], object] | None
 ) -> None:
     """The tokenizer, the warm-started checkpoint and meta.json (written last: a finished entry) in `tmp`."""
-    log(f"gyre: building tokenizer and warm start in {root}")
     tokenizer = Tokenizer.train(harness_corpus(cfg), cfg.tokenizer.vocab_size)
     if check is not None:
         check(tokenizer)

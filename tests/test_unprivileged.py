@@ -188,10 +188,9 @@ def test_an_end_to_end_run_as_an_unprivileged_user(user):
     assert [r["step"] for r in rows] == [0, 1] and all(r["n_rollouts"] == 16 for r in rows), rows
     shards = [read_shard(p) for p in sorted((out / "shards").glob("*.h5"))]
     # an optimizer update on each step with an advantage to train on, none on the others (their rewards were equal)
-    signal = {int(s.attrs["step"]): False for s in shards}
-    for s in shards:
-        signal[int(s.attrs["step"])] |= any(r.meta.advantage for r in s.trainable())
-    assert [r["train/trained"] == 1.0 for r in rows] == [signal[0], signal[1]], (rows, signal)
+    signal = [any(r.meta.advantage for s in shards if int(s.attrs["step"]) == step for r in s.trainable())
+              for step in (0, 1)]  # fmt: skip
+    assert [r["train/trained"] == 1.0 for r in rows] == signal, (rows, signal)
     assert all(r["tree_tokens"] > 0 for r in rows), rows
     assert {json.loads(s.attrs["producer"])["sandbox"] for s in shards} == {"bwrap"}
     stored = [r for s in shards for r in s]

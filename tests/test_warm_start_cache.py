@@ -58,11 +58,15 @@ def test_the_lock_is_free_again_after_a_build(tmp_path):
     lines: list[str] = []
     policy = prepare_policy(cfg, log=lines.append)
     assert any(line.startswith("gyre: building tokenizer and warm start") for line in lines)
+    other = compose([*TINY, "tokenizer.vocab_size=600", f"warm_start.cache_dir={tmp_path}"])
+
+    def refuse(tokenizer: object) -> None:
+        raise RuntimeError("refused")
+
     with pytest.raises(RuntimeError, match="refused"):  # a preflight that fails inside the lock
-        prepare_policy(compose([*TINY, "tokenizer.vocab_size=600", f"warm_start.cache_dir={tmp_path}"]),
-                       log=lines.append, check=lambda tok: (_ for _ in ()).throw(RuntimeError("refused")))  # fmt: skip
+        prepare_policy(other, log=lines.append, check=refuse)
     assert not list(tmp_path.glob("*.tmp*"))  # the refused build left nothing behind
     lines.clear()
-    prepare_policy(compose([*TINY, "tokenizer.vocab_size=600", f"warm_start.cache_dir={tmp_path}"]), log=lines.append)
+    prepare_policy(other, log=lines.append)
     assert not any("waiting" in line for line in lines) and any("building" in line for line in lines), lines
     assert prepare_policy(cfg, log=lines.append).checkpoint_dir == policy.checkpoint_dir
