@@ -13,8 +13,15 @@ PYTEST_ARGS ?=
 run: $(STAMP)
 	$(PY) -m launch.run $(EVAL) $(ARGS)
 
+# The whole suite: the unit tier over 2 processes (pytest-xdist), then the other tiers in one process, as each
+# end-to-end run starts a job of several processes that needs the machine's CPUs; with PYTEST_ARGS, one pytest
 test: $(STAMP)
+ifeq ($(strip $(PYTEST_ARGS)),)
+	$(PY) -m pytest -m "unit and not gpu" -n 2
+	$(PY) -m pytest -m "not unit and not gpu" --durations=40
+else
 	$(PY) -m pytest -m "not gpu" --durations=40 $(PYTEST_ARGS)
+endif
 
 setup: $(STAMP)
 

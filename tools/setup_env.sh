@@ -51,27 +51,60 @@ if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! comm
   fi
 fi
 
-if [ ! -x "$VENV/bin/python" ]; then
-  echo "gyre setup: creating $VENV with $($PYTHON --version)"
-  "$PYTHON" -m venv "$VENV"
-fi
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-"${PIP[@]}" install --upgrade pip
-# the CPU build, pinned here (pyproject.toml allows a range: GPU sites get SGLang's torch through gyre[gpu])
-echo "gyre setup: installing torch==2.13.0 (CPU)"
-"${PIP[@]}" install "torch==2.13.0"
-echo "gyre setup: installing gyre and its dependencies"
-"${PIP[@]}" install -e ".[dev]"
-# SGLang's source, pinned, for the tests that check gyre's requests and command lines against SGLang's own
-# definitions. --no-deps: its requirements pin a CUDA torch and GPU kernels (tests/sglang_io.py explains).
+CACHE=${GYRE_CACHE:-$HOME/.cache/gyre}  # the machine-level cache gyre keeps its images and warm starts in
 # the same as gyre/engine/sglang_backend.py SGLANG_VERSION and pyproject's gyre[gpu] (the tests check all three)
 SGLANG_VERSION=0.5.23
-echo "gyre setup: installing sglang==$SGLANG_VERSION (--no-deps: source only, for payload tests)"
-"${PIP[@]}" install --no-deps "sglang==$SGLANG_VERSION"
+# install_venv DIR: what the venv holds, each step a no-op when it is installed already
+install_venv() {
+  local pip=("$1/bin/python" -m pip --disable-pip-version-check -q)
+  "${pip[@]}" install --upgrade pip
+  # the CPU build, pinned here (pyproject.toml allows a range: GPU sites get SGLang's torch through gyre[gpu])
+  echo "gyre setup: installing torch==2.13.0 (CPU)"
+  "${pip[@]}" install "torch==2.13.0"
+  echo "gyre setup: installing gyre and its dependencies"
+  "${pip[@]}" install -e ".[dev]"
+  # SGLang's source, pinned, for the tests that check gyre's requests and command lines against SGLang's own
+  # definitions. --no-deps: its requirements pin a CUDA torch and GPU kernels (tests/sglang_io.py explains).
+  echo "gyre setup: installing sglang==$SGLANG_VERSION (--no-deps: source only, for payload tests)"
+  "${pip[@]}" install --no-deps "sglang==$SGLANG_VERSION"
+}
+# A new venv starts as a hard-linked copy (a plain copy across filesystems) of one that holds the same packages,
+# built once per interpreter, pyproject.toml and this script in the cache (without gyre itself), where pip takes
+# 60-90 s to install them again; install_venv then finds them installed and adds gyre from this checkout. The
+# copy's scripts name the cached venv's python by absolute path: they are rewritten to name this one (sed -i
+# writes new files: the cache's stay as they are; so do pip's, which replaces files rather than editing them).
+if [ ! -x "$VENV/bin/python" ]; then
+  venv_key=$({ readlink -f "$(command -v "$PYTHON")"; "$PYTHON" --version; cat pyproject.toml "${BASH_SOURCE[0]}"; } |
+    sha1sum | cut -c1-12)
+  cached_venv=$CACHE/venv-$venv_key
+  mkdir -p "$CACHE" "$(dirname "$VENV")"
+  (
+    flock 9  # one setup builds it; the others wait for it, then copy it
+    if [ ! -e "$cached_venv/.complete" ]; then
+      echo "gyre setup: building $cached_venv with $($PYTHON --version) (the packages every new venv starts from)"
+      rm -rf "$cached_venv"
+      "$PYTHON" -m venv "$cached_venv"
+      install_venv "$cached_venv"
+      "$cached_venv/bin/python" -m pip --disable-pip-version-check -q uninstall -y gyre
+      touch "$cached_venv/.complete"
+    fi
+    echo "gyre setup: creating $VENV from $cached_venv"
+    rm -rf "$VENV"  # a venv without its python: what an interrupted setup left
+    cp -al "$cached_venv" "$VENV" 2>/dev/null || { rm -rf "$VENV" && cp -a "$cached_venv" "$VENV"; }
+    rm -f "$VENV/.complete"
+  ) 9>"$cached_venv.lock"
+  venv_abs=$(cd "$VENV" && pwd)
+  { grep -lIr --fixed-strings "$cached_venv" "$VENV/bin" "$VENV/pyvenv.cfg" || true; } |
+    xargs -r sed -i "s|$cached_venv|$venv_abs|g"
+  for old in "$CACHE"/venv-*.lock; do  # the caches of earlier versions, unless a setup is copying one
+    [ "$old" = "$cached_venv.lock" ] && continue
+    (flock -n 9 && rm -rf "${old%.lock}" "$old") 9<"$old" || true
+  done
+fi
+install_venv "$VENV"
 # from_cache CHECK CACHED DEST BUILD: unless DEST passes CHECK, copy CACHED (under the user's cache) to DEST, first
 # building it there when it does not pass CHECK either (BUILD DIR, into a temporary folder renamed when whole; one
 # that another setup finished meanwhile is kept, as it may be copying it). What is built this way is relocatable.
-CACHE=${GYRE_CACHE:-$HOME/.cache/gyre}  # the machine-level cache gyre keeps its images and warm starts in
 from_cache() {
   local ok=$1 cached=$2 dest=$3 build=$4
   "$ok" "$dest" && return 0
