@@ -74,8 +74,9 @@ install_venv() {
 # copy's scripts name the cached venv's python by absolute path: they are rewritten to name this one (sed -i
 # writes new files: the cache's stay as they are; so do pip's, which replaces files rather than editing them).
 if [ ! -x "$VENV/bin/python" ]; then
-  venv_key=$({ readlink -f "$(command -v "$PYTHON")"; "$PYTHON" --version; cat pyproject.toml "${BASH_SOURCE[0]}"; } |
-    sha1sum | cut -c1-12)
+  # the interpreter itself (a pyenv or conda shim's name says which one only when it runs), then what is installed
+  venv_key=$({ "$PYTHON" -c 'import os, sys; print(os.path.realpath(sys.executable), sys.version)'
+    cat pyproject.toml "${BASH_SOURCE[0]}"; } | sha1sum | cut -c1-12)
   cached_venv=$CACHE/venv-$venv_key
   mkdir -p "$CACHE" "$(dirname "$VENV")"
   (
