@@ -7,17 +7,19 @@ ARGS ?=
 # `make run` evaluates held-out instances every 6 steps (docs/evaluation.md); EVAL= turns it off
 EVAL ?= eval.every=6
 PYTEST_ARGS ?=
+# processes the unit tier runs over (pytest-xdist); each imports the whole suite: 0.55 GiB before its first test
+TEST_WORKERS ?= 2
 
 .PHONY: run test setup lint format clean
 
 run: $(STAMP)
 	$(PY) -m launch.run $(EVAL) $(ARGS)
 
-# The whole suite: the unit tier over 2 processes (pytest-xdist), then the other tiers in one process, as each
+# The whole suite: the unit tier over TEST_WORKERS processes, then the other tiers in one process, as each
 # end-to-end run starts a job of several processes that needs the machine's CPUs; with PYTEST_ARGS, one pytest
 test: $(STAMP)
 ifeq ($(strip $(PYTEST_ARGS)),)
-	$(PY) -m pytest -m "unit and not gpu" -n 2
+	$(PY) -m pytest -m "unit and not gpu" -n $(TEST_WORKERS)
 	$(PY) -m pytest -m "not unit and not gpu" --durations=40
 else
 	$(PY) -m pytest -m "not gpu" --durations=40 $(PYTEST_ARGS)
