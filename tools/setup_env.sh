@@ -73,6 +73,8 @@ install_venv() {
 # 60-90 s to install them again; install_venv then finds them installed and adds gyre from this checkout. The
 # copy's scripts name the cached venv's python by absolute path: they are rewritten to name this one (sed -i
 # writes new files: the cache's stay as they are; so do pip's, which replaces files rather than editing them).
+# Not through from_cache below: that builds in a temporary folder and renames it, which a venv does not survive
+# (its scripts would name the temporary folder), so the venv is built in place under an flock instead.
 if [ ! -x "$VENV/bin/python" ]; then
   # the interpreter itself (a pyenv or conda shim's name says which one only when it runs), then what is installed
   venv_key=$({ "$PYTHON" -c 'import os, sys; print(os.path.realpath(sys.executable), sys.version)'
