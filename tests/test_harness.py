@@ -20,6 +20,7 @@ import pytest
 from aiohttp import web
 
 from gyre.config.schema import HarnessConfig, TaskConfig
+from gyre.harness import runner
 from gyre.harness.builtin import CONTINUED_PREFIX, SUBAGENTS_PREFIX, SUMMARY_PROMPT
 from gyre.harness.demos import demonstration
 from gyre.harness.runner import live_group_members, run_rollout, run_rollouts
@@ -110,6 +111,41 @@ def test_harness_replays_demonstrations_to_full_score(tmp_path):
             assert request["tools"] == TOOL_SCHEMAS
             assert (request["max_tokens"], request["temperature"]) == (64, 0.7)
     assert {h["X-Rollout-Id"] for h in server.headers} == set(scripts)
+
+
+@pytest.mark.integration
+def test_the_runner_says_the_harness_ended_before_it_grades(tmp_path, monkeypatch):
+    """on_harness_end comes once the harness's processes are gone and its result written, before grading
+    (the session driver gives the rollout's slot to the next one then)."""
+    task = write_value_task("a.txt", "x")
+    script = [m for m in demonstration(task).messages if m["role"] == "assistant"]
+    seen: list[tuple[str, object]] = []
+    grade = runner.grade_workspace
+
+    def graded(*args, **kwargs):  # the real grader, noted when it starts
+        seen.append(("grade", None))
+        return grade(*args, **kwargs)
+
+    def ended() -> None:
+        harness = [p for p in Path("/proc").glob("[0-9]*/cmdline") if str(tmp_path).encode() in _read(p)]
+        seen.append(("harness ended", ((tmp_path / "r" / "harness" / "result.json").exists(), harness)))
+
+    monkeypatch.setattr(runner, "grade_workspace", graded)
+
+    async def main() -> Any:
+        async with ScriptedServer({"r": script}) as url:
+            return await run_rollout(task, "r", url, tmp_path / "r", HARNESS, TaskConfig(), on_harness_end=ended)
+
+    outcome = run(main())
+    assert (outcome.grade.status, outcome.grade.score) == ("ok", 1.0)
+    assert seen == [("harness ended", (True, [])), ("grade", None)]
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""
 
 
 @pytest.mark.integration

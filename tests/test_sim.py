@@ -105,6 +105,18 @@ def test_timeout_ends_sessions() -> None:
     assert r.wall_s == pytest.approx(10.0 + 0.5 + 1.0 + 0.5)
 
 
+def test_a_session_is_graded_outside_its_slot() -> None:
+    """Four sessions on two slots (a cell each), each a 1 s call and 2 s of tools, then 2 s of grading: the next
+    two take the slots as the first two leave their harnesses (3 s), not once they are graded (5 s)."""
+    trace = Trace({0: [Rollout(f"s0-g0-r{i}", 0, (Call(0, 0, 2.0),), 0.0, 1000, end_s=2.0) for i in range(4)]})
+    r = simulate("colocate_cells", CELL, replace(SHAPE, group_size=4), trace)
+    # harnesses 0-3 and 3-6; nothing serves from 6 (0.5 s switch); graded by 8: 4 micro-batches on 2 cells, 2 s;
+    # reduce + sync 0.5 s (graded in the slot: 0-5, 5-10, then the same 2.5 s)
+    assert r.wall_s == pytest.approx(10.5)
+    assert r.session_s == pytest.approx(4 * 3.0)  # slot-seconds: the harnesses only
+    assert lower_bound(CELL, replace(SHAPE, group_size=4), trace).seconds <= r.wall_s
+
+
 def test_tool_factor_is_the_harness_draw() -> None:
     for rid in ("s0-g0-r0", "s3-g1-r7"):
         assert tool_factor(rid, 0.5) == rollout_tool_factor(rid, 0.5)
@@ -216,6 +228,12 @@ def test_a_session_splits_into_tool_sleeps_and_the_harness_own_seconds(tmp_path:
     assert [c.tool_s for c in rollout.calls] == [pytest.approx(1.015), pytest.approx(0.015), pytest.approx(0.5)]
     assert [(c.prefill, c.decode) for c in rollout.calls] == [(10, 5)] * 3
     assert (rollout.overhead_s, rollout.cpu_s) == (0.0, pytest.approx(0.8))  # its own work: CPU, as it starts
+    assert (costs.grade_s, rollout.end_cpu_s) == (0.0, 0.0)  # graded in its slot (runs from before): in own_s
+    sess |= {"seconds": 9.7, "grade_s": 0.2}  # graded outside its slot: CPU work after it, not in own_s
+    costs = measured_costs([run])
+    (rollout,) = workload_of(run, costs).by_step[0]
+    assert (costs.own_s, costs.grade_s) == (pytest.approx(0.8), pytest.approx(0.2))
+    assert (rollout.cpu_s, rollout.end_cpu_s) == (pytest.approx(0.8), pytest.approx(0.2))
 
 
 def test_a_run_is_predicted_from_another_run_costs_on_its_own_workload(tmp_path: Path) -> None:
@@ -251,7 +269,7 @@ def test_costs_fitted_from_a_simulated_run_are_the_costs_it_ran_at(tmp_path: Pat
     run.shape.update(cpus=cpus, tool_time_s=1.5, tool_time_sigma=0.0)
     for i, sess in enumerate(run.sessions.values()):  # 4 calls of 10-40 tokens (and 5-20), 1.5 s sleeps after each
         sess["calls"] = [[10, 10 * (k + 1) // (i + 1), 0.0, 1.5] for k in range(4)]
-    truth = Costs(replace(measured_costs([run]).cell, call_s=0.05, session_tps=50.0, decode_tps=1e9), 0.0, 0.4)
+    truth = Costs(replace(measured_costs([run]).cell, call_s=0.05, session_tps=50.0, decode_tps=1e9), 0.0, 0.4, 0.3)
     made = predict(truth, run)
     cell = replace(truth.cell, cpus=cpus)
     for rid, sess in run.sessions.items():
@@ -259,13 +277,17 @@ def test_costs_fitted_from_a_simulated_run_are_the_costs_it_ran_at(tmp_path: Pat
             per_cell, jobs = made.call_contention[(rid, k)]
             call[2] = cell.call_seconds(Call(0, call[1], 0.0), per_cell) * cell.slowdown(jobs)
         sess["harness_s"] = sum(c[2] + c[3] for c in sess["calls"])
-        sess["seconds"] = sess["harness_s"] + truth.own_s * cell.slowdown(made.cpu_jobs_at_start[rid])
+        sess["grade_s"] = truth.grade_s * cell.slowdown(made.cpu_jobs_at_end[rid])
+        sess["seconds"] = sess["harness_s"] + truth.own_s * cell.slowdown(made.cpu_jobs_at_start[rid]) + sess["grade_s"]
     run.micro_batches = [(t, t / truth.cell.train_tps * made.train_slowdown, f) for t, _, f in run.micro_batches]
     run.calls = [(0.0, 1, c[1], c[2]) for s in run.sessions.values() for c in s["calls"]]  # a session a cell
     measured, fitted = measured_costs([run]), fit_costs([run])
     assert fitted.cell.call_s == pytest.approx(0.05, rel=0.05)
     assert fitted.cell.session_tps == pytest.approx(50.0, rel=0.05)
     assert fitted.own_s == pytest.approx(0.4, rel=0.05) and fitted.gap_s == 0.0
+    # grading: the first round replays at the costs as measured, where one session is graded alone (0.45 s); the
+    # rounds' fits are averaged (ROUNDS), so one of six is off by half: 0.325 s on one CPU
+    assert fitted.grade_s == pytest.approx(0.3, rel=0.1)
     assert fitted.cell.train_tps == pytest.approx(truth.cell.train_tps, rel=0.05)
     assert predict(fitted, run).wall_s == pytest.approx(made.wall_s, rel=0.02)
     if cpus == 1:  # 2 sessions' work on 1 CPU: as measured, slower than alone

@@ -381,7 +381,7 @@ class HarnessConfig:
     temperature: float = ranged(1.0, NON_NEGATIVE, why="0: greedy")
     # builtin and mini_swe_agent; Claude Code asks for 64000 (cap it: proxy.max_output_tokens)
     max_tokens: int = ranged(64, AT_LEAST_1)
-    concurrency: int = ranged(16, AT_LEAST_1)  # rollouts a cell runs at once
+    concurrency: int = ranged(16, AT_LEAST_1)  # harnesses a cell runs at once (grading runs outside)
     keep_workspaces: bool = False  # keep each rollout's workspace under the output directory
     # the short prompt: claude_code `claude --bare` (a one-line system prompt, tools Bash/Edit/Read: ~300 tokens);
     # mini_swe_agent compact system/instance templates (gyre/harness/mini_swe_agent.py: a first request of ~80 tokens, not ~850);
@@ -637,7 +637,8 @@ class SchedConfig:
     """Cells under one MPI job (scheduler=elastic|async|colocate_cells): rank 0 the controller, ranks
     1..C the cells (C = 1 + len(cluster.satellites)), cell 1 the core (gyre/sched)."""
 
-    # concurrent rollout sessions one rollout cell serves (its KV budget)
+    # concurrent rollout sessions one rollout cell serves (its KV budget): a session holds its slot while its
+    # harness runs, not while it is graded
     capacity_per_cell: int = ranged(8, AT_LEAST_1)
     # async/elastic: rollouts of step s may start once weights of version s - staleness exist
     staleness: int = ranged(1, NON_NEGATIVE, why="0: rollouts never run ahead of the weights")

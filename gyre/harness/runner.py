@@ -202,11 +202,15 @@ async def run_rollout(
     keys: RolloutKeys | None = None,
     kill_grace_s: float = KILL_GRACE_S,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    on_harness_end: Callable[[], None] | None = None,
 ) -> RolloutOutcome:
     """Run the configured harness on `task` in `workdir`/workspace, sandboxed (default: bwrap), against
     the proxy at `base_url`, then grade a copy of the workspace (`task_cfg` gives tool_delay_s and
     check_timeout_s). With `keys`, the harness gets a key for this rollout alone, revoked at the end.
-    Cancelling this coroutine kills the harness's sandbox."""
+    `on_harness_end()` is called once the harness has ended and its key and proxy endpoint are closed,
+    before grading: from then on the rollout makes no model call, so the caller can give its session slot
+    to another (a SWE-bench instance's tests can run for minutes). Cancelling this coroutine kills the
+    harness's sandbox."""
     sandbox = sandbox or make_sandbox(SandboxConfig())
     kind = harness_spec(harness_cfg.kind)
     r = _Rollout(task, rollout_id, Path(workdir).resolve(), sandbox, task_cfg or TaskConfig(), harness_cfg, kind)
@@ -231,6 +235,8 @@ async def run_rollout(
             keys.revoke(key)
         if sock_dir is not None:
             shutil.rmtree(sock_dir, ignore_errors=True)
+    if on_harness_end is not None:
+        on_harness_end()
     return await _outcome(r, run, pid, endpoint)
 
 
@@ -351,17 +357,28 @@ async def run_rollouts(
 ) -> list[RolloutOutcome]:
     """Run (task, rollout_id) jobs, at most `harness_cfg.concurrency` at once, each in root/rollout_id;
     `on_done(index, outcome)` as each one ends (the caller writes a group's shard once it is complete)."""
-    limit = asyncio.Semaphore(max(1, harness_cfg.concurrency))
+    limit = asyncio.Semaphore(max(1, harness_cfg.concurrency))  # harnesses at once; grading holds no place
     sandbox = sandbox or make_sandbox(SandboxConfig())
     wanted = getattr(getattr(sandbox, "cfg", None), "relay_connections", DEFAULT_MAX_CONNECTIONS)
     connections = connections_per_rollout(wanted, min(len(jobs), max(1, harness_cfg.concurrency)))
 
     async def one(index: int, task: Task, rollout_id: str) -> RolloutOutcome:
-        async with limit:
+        await limit.acquire()
+        held = True
+
+        def release() -> None:  # at the harness's end (its grading needs no place), else when it failed
+            nonlocal held
+            if held:
+                held = False
+                limit.release()
+
+        try:
             outcome = await run_rollout(
                 task, rollout_id, base_url, Path(root) / rollout_id, harness_cfg, task_cfg, sandbox=sandbox, keys=keys,
-                max_connections=connections,
+                max_connections=connections, on_harness_end=release,
             )  # fmt: skip
+        finally:
+            release()
         if on_done is not None:
             on_done(index, outcome)
         return outcome

@@ -32,7 +32,8 @@ class RunRecord:
     wall_s: float
     shape: dict[str, Any]
     sessions: dict[str, dict[str, Any]]  # rollout id -> {seconds, harness_s, calls: [[prefill, decode, dur, gap]],
-    #                                      started (runs recorded since it was kept)}
+    #                                      started (runs recorded since it was kept), grade_s (since graded
+    #                                      outside its slot)}
     micro_batches: list[tuple[int, float, bool]]  # (tokens, seconds, first on its cell since it began training)
     switches: dict[str, list[float]]  # direction -> latencies
     reduce_s: list[float]
@@ -84,6 +85,8 @@ def read_run(run_dir: str | Path) -> RunRecord:
         if out:  # harness time not between calls (before the first, after the last: its final tool call)
             out[-1][3] += max(0.0, r.get("harness_s", inside) - inside)
         sessions[r["rollout_id"]] = {"seconds": r["seconds"], "harness_s": r.get("harness_s", inside), "calls": out}
+        if "grade_s" in r:  # after its harness, outside its slot (runs before sessions were graded outside one: none)
+            sessions[r["rollout_id"]]["grade_s"] = r["grade_s"]
         if "started" in r:  # on the controller's timeline: how many sessions shared the machine with this one
             sessions[r["rollout_id"]]["started"] = r["started"]
     steps = [r for r in rows if r["event"] == "step"]
@@ -208,6 +211,8 @@ class Calibration:
                 v["overhead_s"],
                 v["train_tokens"],
                 v.get("cpu_s", 0.0),
+                v.get("end_s", 0.0),
+                v.get("end_cpu_s", 0.0),
             )
             for k, v in d["rollouts"].items()
         }
@@ -298,11 +303,12 @@ def fit_rollouts(runs: list[RunRecord], shape: RunShape) -> dict[str, Rollout]:
     for rid, seen in by_id.items():
         seen = sorted(seen, key=lambda s: s["harness_s"])
         rep = seen[len(seen) // 2]
-        outside = [s["seconds"] - s["harness_s"] for s in seen]
+        outside = [s["seconds"] - s["harness_s"] - s.get("grade_s", 0.0) for s in seen]
         overhead = statistics.median(outside)
+        end = statistics.median(s.get("grade_s", 0.0) for s in seen)
         calls = tuple(Call(int(p), int(d), max(0.0, gap)) for p, d, _, gap in rep["calls"])
         group = int(rid.split("-")[1][1:])
-        out[rid] = Rollout(rid, group, calls, max(0.0, overhead), round(tokens_per_rollout))
+        out[rid] = Rollout(rid, group, calls, max(0.0, overhead), round(tokens_per_rollout), end_s=end)
     return out
 
 

@@ -45,7 +45,8 @@ class Costs:
 
     cell: CellModel  # engine, training, switch and step costs (capacity and CPUs are the target's)
     gap_s: float  # the harness's own seconds between a call and the next, beyond its tool sleeps
-    own_s: float  # a session's own work outside calls and tool sleeps: start-up, the final tool's, grading
+    own_s: float  # a session's own work outside calls and tool sleeps in its slot: start-up, the final tool's
+    grade_s: float = 0.0  # its work after its harness, outside its slot: grading (0: runs that graded in the slot)
 
 
 ROUNDS = 6  # replays of the fitted costs: from 4 on, the recorded benchmark's cross-prediction moves within a point
@@ -74,10 +75,11 @@ def split_gaps(run: RunRecord, rollout_id: str, session: dict[str, Any]) -> list
 
 
 def own_seconds(run: RunRecord, rollout_id: str, session: dict[str, Any]) -> float:
-    """A session's measured seconds outside its calls and tool sleeps, but for the gaps between calls:
-    outside the harness (sandbox start-up, grading) and after its last call beyond the sleeps."""
+    """A session's measured seconds in its slot outside its calls and tool sleeps, but for the gaps between
+    calls: outside the harness (sandbox start-up; grading too in runs that graded in the slot) and after its
+    last call beyond the sleeps."""
     last = split_gaps(run, rollout_id, session)[-1][1] if session["calls"] else 0.0
-    return max(0.0, session["seconds"] - session["harness_s"]) + last
+    return max(0.0, session["seconds"] - session["harness_s"] - session.get("grade_s", 0.0)) + last
 
 
 def measured_costs(runs: list[RunRecord]) -> Costs:
@@ -87,7 +89,8 @@ def measured_costs(runs: list[RunRecord]) -> Costs:
         raise ValueError("fitting costs needs at least one run")
     gaps = [rest for run in runs for rid, s in run.sessions.items() for _, rest in split_gaps(run, rid, s)[:-1]]
     own = [own_seconds(run, rid, s) for run in runs for rid, s in run.sessions.items()]
-    return Costs(calibrate(runs).cell, _median(gaps), _median(own))
+    grade = [s.get("grade_s", 0.0) for run in runs for s in run.sessions.values()]
+    return Costs(calibrate(runs).cell, _median(gaps), _median(own), _median(grade))
 
 
 def fit_costs(runs: list[RunRecord], rounds: int = ROUNDS) -> Costs:
@@ -110,10 +113,12 @@ def _divide_contention(runs: list[RunRecord], measured: Costs, costs: Costs, rep
     """Each measured cost divided by the slowdown its replay (at `costs`) met on the run's CPUs."""
     engine: list[tuple[float, float, float, float]] = []  # (slowdown, decode tokens, calls on its cell, seconds)
     own: list[float] = []
+    grade: list[float] = []
     for run, replay in zip(runs, replays, strict=True):
         cell = replace(costs.cell, cpus=cpus_of(run))
         for rid, sess in run.sessions.items():
             own.append(own_seconds(run, rid, sess) / cell.slowdown(replay.cpu_jobs_at_start.get(rid, 1.0)))
+            grade.append(sess.get("grade_s", 0.0) / cell.slowdown(replay.cpu_jobs_at_end.get(rid, 1.0)))
             for i, (_, decode, seconds, _) in enumerate(sess["calls"]):
                 per_cell, jobs = replay.call_contention.get((rid, i), (1.0, 1.0))
                 engine.append((cell.slowdown(jobs), float(decode), per_cell, seconds))
@@ -125,13 +130,14 @@ def _divide_contention(runs: list[RunRecord], measured: Costs, costs: Costs, rep
         decode_tps=1.0 / per_token_shared if per_token_shared > 0 else 1e9,
         train_tps=measured.cell.train_tps * statistics.fmean(r.train_slowdown for r in replays),
     )
-    return replace(costs, cell=cell, own_s=_median(own))
+    return replace(costs, cell=cell, own_s=_median(own), grade_s=_median(grade))
 
 
 def _mean(fits: list[Costs]) -> Costs:
     rates = ("call_s", "session_tps", "decode_tps", "train_tps")
     cell = replace(fits[0].cell, **{k: statistics.fmean(getattr(f.cell, k) for f in fits) for k in rates})
-    return replace(fits[0], cell=cell, own_s=statistics.fmean(f.own_s for f in fits))
+    own, grade = (statistics.fmean(getattr(f, k) for f in fits) for k in ("own_s", "grade_s"))
+    return replace(fits[0], cell=cell, own_s=own, grade_s=grade)
 
 
 def _median(xs: list[float]) -> float:
@@ -151,7 +157,8 @@ def workload_of(run: RunRecord, costs: Costs) -> Trace:
             for i, ((p, d, *_), (slept, _)) in enumerate(zip(sess["calls"], parts, strict=True))
         )
         step, group = int(rid[1:].split("-")[0]), int(rid.split("-")[1][1:])
-        by_step.setdefault(step, []).append(Rollout(rid, group, calls, 0.0, round(tokens), cpu_s=costs.own_s))
+        rollout = Rollout(rid, group, calls, 0.0, round(tokens), cpu_s=costs.own_s, end_cpu_s=costs.grade_s)
+        by_step.setdefault(step, []).append(rollout)
     return Trace(by_step)
 
 

@@ -58,7 +58,10 @@ class SimResult:
     # rollout id -> CPU jobs when its own CPU work began; (rollout id, call) -> (calls per serving cell, CPU jobs)
     cpu_jobs_at_start: dict[str, float] = field(default_factory=dict)
     call_contention: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
-    train_slowdown: float = 1.0  # micro-batches' slowdown on the shared CPUs, weighted by their seconds
+    train_slowdown: float = 1.0
+    cpu_jobs_at_end: dict[str, float] = field(
+        default_factory=dict
+    )  # rollout id -> CPU jobs when its grading began  # micro-batches' slowdown on the shared CPUs, weighted by their seconds
 
     @property
     def utilisation(self) -> float:
@@ -96,6 +99,7 @@ class Simulation:
         self.writer_free = 0.0  # when the writer's thread is done with the groups handed to it
         self._train_alone = 0.0  # micro-batch seconds without contention
         self.cpu_jobs_at_start: dict[str, float] = {}
+        self.cpu_jobs_at_end: dict[str, float] = {}
         self.call_contention: dict[tuple[str, int], tuple[float, float]] = {}
         # the controller's books
         self.ledger = ledger_rules.MicroBatchLedger()
@@ -235,11 +239,24 @@ class Simulation:
         return fn
 
     def session_done(self, s: _Session) -> None:
+        """The harness ended: its slot goes to the next session, then it is graded (as the driver does)."""
         s.token += 1
-        del self.running[s.rollout.rollout_id]
+        r = s.rollout
+        del self.running[r.rollout_id]
         self.session_s += self.t - s.started
-        self.done_inbox.append(s)
+        if not (r.end_s or r.end_cpu_s):
+            self.pump()
+            self._graded(s)
+            return
+        self.in_cpu += bool(r.end_cpu_s)
         self.pump()
+        jobs = self.cpu_jobs_at_end[r.rollout_id] = self.cpu_jobs()
+        self.at(self.t + r.end_s + r.end_cpu_s * self.cell.slowdown(jobs), lambda: self._graded(s))
+        self.news()  # the level changed: the controller looks (the driver's slot_freed)
+
+    def _graded(self, s: _Session) -> None:
+        self.in_cpu -= bool(s.rollout.end_cpu_s)
+        self.done_inbox.append(s)
         self.news()
 
     # ----- the controller (gyre.sched.controller.orchestrator.Controller.run) -----
@@ -437,6 +454,7 @@ class Simulation:
             self.cpu_jobs_at_start,
             self.call_contention,
             self.train_busy / self._train_alone if self._train_alone else 1.0,
+            self.cpu_jobs_at_end,
         )
 
 

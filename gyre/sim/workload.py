@@ -1,7 +1,8 @@
 """What the simulator runs: rollouts made of model calls and tool time, and cells that serve or train.
 
 A rollout is a sequence of calls (new prompt tokens to prefill, tokens to decode), each followed by
-tool time, plus a fixed overhead (harness start-up, grading) and a hard timeout. A cell serves up to
+tool time, plus a fixed overhead (harness start-up), its grading after the harness (outside its session
+slot) and a hard timeout. A cell serves up to
 `capacity` sessions with an engine of given prefill and decode throughput, or trains at `train_tps`
 forward-backward tokens a second; switching costs seconds each way, and a step ends with a gradient
 reduction and a weight sync. `Workload.sample` draws the rollouts of a step from a long-tailed model
@@ -31,9 +32,12 @@ class Rollout:
     rollout_id: str
     group: int
     calls: tuple[Call, ...]
-    overhead_s: float = 0.0  # harness start-up and grading: held capacity, no engine work
+    overhead_s: float = 0.0  # harness start-up: held capacity, no engine work
     train_tokens: int = 0  # tokens it adds to the step's training
-    cpu_s: float = 0.0  # the harness's own CPU work (start-up, grading) alone on a CPU: slowed by contention
+    cpu_s: float = 0.0  # the harness's own CPU work (start-up) alone on a CPU: slowed by contention
+    # after its harness, outside its slot (gyre.sched.controller.sessions): grading, as seconds and as CPU work
+    end_s: float = 0.0
+    end_cpu_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -284,12 +284,15 @@ class Controller:
         self.metrics.write(row | {"t": round(self.timeline.now(), 3)})
 
     def collect_sessions(self) -> None:
+        self.driver.slot_freed.clear()  # the level is read after this: a harness that ends later wakes the loop
         while not self.driver.events.empty() and not self.stop_signal:  # a stop kills harnesses: no results
             done = self.driver.events.get()
             ago = time.time() - done.started  # the driver's times are wall clock, the timeline's monotonic
             row = {"event": "session", "rollout_id": done.job.rollout_id, "step": done.job.step, "kind": done.job.kind}
             row |= {"started": round(self.timeline.now() - ago, 3), "seconds": round(done.ended - done.started, 3)}
             row |= {"queued_s": round(done.queued_s, 3)}
+            if done.harness_ended:  # its slot was free from then on: its trace copied out, its workspace graded
+                row |= {"grade_s": round(done.ended - done.harness_ended, 3)}
             if done.outcome is not None:  # the harness's own clock: model calls and tools, not start-up or grading
                 row |= {"harness_s": done.outcome.wall_s, "turns": done.outcome.turns}
             self.log(row | ({"preempted": True} if done.preempted else {}))
@@ -483,7 +486,8 @@ class Controller:
         self.timeline.sample(queued, running, self.pcfg.capacity * len(self.table.serving()))
 
     def has_news(self) -> bool:
-        return not self.driver.events.empty() or self.outbox.has_mail() or self.writer.has_news()
+        news = not self.driver.events.empty() or self.driver.slot_freed.is_set()
+        return news or self.outbox.has_mail() or self.writer.has_news()
 
     # ----- the end -----
     def stop_watching(self) -> None:

@@ -3,7 +3,10 @@
 The driver runs its own asyncio loop in a thread. The controller submits a step's sessions when the
 staleness bound lets that step start, sets the capacity whenever the rollout cells change, reads the
 level (queued, running) and takes finished sessions from `events`. Each session is one black-box
-harness run through gyre.harness.runner (own workspace, own process group, graded at the end).
+harness run through gyre.harness.runner (own workspace, own process group, graded at the end). A session
+holds its slot while its harness runs: once the harness has ended it makes no model call, and its grading
+(a SWE-bench instance's tests can run for minutes) runs outside the capacity, so the slot goes to the next
+session at once and `level` no longer counts it.
 
 Eval sessions (gyre.sched.controller.evaluation) hold only slots that no training session wants: one starts
 only when no training session waits, and the moment a training session waits for a slot an eval session
@@ -54,6 +57,7 @@ class SessionDone:
     ended: float  # a preempted eval session: when its slot was taken (its harness is killed just after)
     error: str = ""
     queued_s: float = 0.0  # from submit to start
+    harness_ended: float = 0.0  # when its harness ended and its slot was freed (0: it failed before)
     preempted: bool = False  # an eval session whose slot a training session took: no outcome; run again
 
 
@@ -75,6 +79,7 @@ class _Running:
     started: float
     queued_s: float
     task: asyncio.Task | None = None
+    freed: float = 0.0  # when its slot was freed: its harness ended, or (an eval session) it was preempted
 
 
 class RolloutDriver:
@@ -90,6 +95,7 @@ class RolloutDriver:
         self.proxy_url, self.root, self.harness, self.tasks = proxy_url, root, harness, tasks
         self.sandbox, self.keys = sandbox, keys
         self.events: queue.SimpleQueue[SessionDone] = queue.SimpleQueue()
+        self.slot_freed = threading.Event()  # a harness ended: the level changed before its session's event
         self.slots: list[SlotCounts] = []  # every change of the counts below, in order
         self._lock = threading.Lock()
         self._pending: deque[tuple[SessionJob, float]] = deque()  # (job, submitted at)
@@ -161,6 +167,7 @@ class RolloutDriver:
     def _preempt(self, rollout_id: str, now: float) -> SessionJob:
         """Take a running eval session's slot now (under the lock); its harness is killed just after."""
         run = self._evals.pop(rollout_id)
+        run.freed = now
         self._running -= 1
         self._preempted.add(rollout_id)
         self.events.put(SessionDone(run.job, None, run.started, now, queued_s=run.queued_s, preempted=True))
@@ -194,7 +201,7 @@ class RolloutDriver:
         try:
             outcome = await run_rollout(
                 job.task, job.rollout_id, self.proxy_url, self.workdir(job), job.harness or self.harness, self.tasks,
-                sandbox=self.sandbox, keys=self.keys,
+                sandbox=self.sandbox, keys=self.keys, on_harness_end=lambda: self._harness_ended(run),
             )  # fmt: skip
         except asyncio.CancelledError:
             if job.rollout_id not in self._preempted:
@@ -205,16 +212,30 @@ class RolloutDriver:
             with self._lock:
                 preempted = job.rollout_id in self._preempted
                 self._preempted.discard(job.rollout_id)
-                if not preempted:  # a preempted session gave its slot up when it was preempted
-                    self._running -= 1
-                    self._evals.pop(job.rollout_id, None)
-                    self._note()
+            harness_ended = run.freed
+            self._free_slot(run)  # a preempted session gave its slot up when it was preempted
         if preempted:  # its event went out at the preemption; a result that came meanwhile is dropped
             if not self.harness.keep_workspaces:
                 shutil.rmtree(self.workdir(job), ignore_errors=True)
         else:
-            self.events.put(SessionDone(job, outcome, run.started, time.time(), error, run.queued_s))
+            self.events.put(SessionDone(job, outcome, run.started, time.time(), error, run.queued_s, harness_ended))
         self._pump()
+
+    def _harness_ended(self, run: _Running) -> None:
+        """The session's harness ended: its grading needs no slot, the next session takes it."""
+        self._free_slot(run)
+        self.slot_freed.set()
+        self._pump()
+
+    def _free_slot(self, run: _Running) -> None:
+        """The session's slot is free (once): its harness ended, or it failed or was cancelled."""
+        with self._lock:
+            if run.freed:
+                return
+            run.freed = time.time()
+            self._running -= 1
+            self._evals.pop(run.job.rollout_id, None)
+            self._note()
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Cancel running sessions (their harness process groups are killed) and stop the loop."""
