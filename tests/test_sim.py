@@ -15,6 +15,7 @@ from gyre.sim.bound import lower_bound
 from gyre.sim.calibrate import Calibration, RunRecord, calibrate, read_run
 from gyre.sim.predict import Costs, fit_costs, measured_costs, predict, run_bound, split_gaps, workload_of
 from gyre.sim.simulator import simulate
+from gyre.sim.what_if import CarryAcrossSteps
 from gyre.sim.workload import Call, CellModel, Rollout, RunShape, Trace, Workload, tool_factor
 
 pytestmark = pytest.mark.unit
@@ -373,3 +374,17 @@ def test_capacity_sweep_changes_every_schedulers_capacity_and_keeps_the_runs_own
     assert all(abs(sweep[6]["same_work_s"][s] - own[s]["same_work_s"]) <= 0.051 for s in SCHEDULERS), (sweep, own)
     assert sweep[6]["over_bound"] == own["same_work_over_bound"]
     assert all(sweep[4]["same_work_s"][s] > sweep[6]["same_work_s"][s] for s in SCHEDULERS), sweep
+
+
+def test_carried_groups_train_once_in_the_oldest_open_step() -> None:
+    """What-if (gyre.sim.what_if): step 0's slow group no longer holds its update back; a fast group of step 1
+    takes its place and the slow one trains in step 1: the same micro-batches, step 0 done sooner."""
+    tools = {(0, 0): 1.0, (0, 1): 10.0, (1, 0): 1.0, (1, 1): 1.0}
+    trace = Trace({s: [Rollout(f"s{s}-g{g}-r0", g, (Call(0, 0, tools[s, g]),), 0.0, 1000) for g in (0, 1)]
+                   for s in (0, 1)})  # fmt: skip
+    shape = RunShape(steps=2, groups_per_step=2, group_size=1, n_cells=2, staleness=1, micro_batch_tokens=1000)
+    built = simulate("elastic", CELL, shape, trace)
+    carrying = CarryAcrossSteps("elastic", CELL, shape, trace).run()
+    assert carrying.train_busy_s == pytest.approx(built.train_busy_s) == 4.0  # 4 micro-batches of 1 s, once each
+    assert carrying.step_end_s[0] < built.step_end_s[0] - 5.0  # not behind the 10 s tool call
+    assert carrying.wall_s <= built.wall_s

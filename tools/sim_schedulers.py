@@ -1,7 +1,7 @@
 """Elastic vs colocate vs async in the simulator (gyre.sim): validation, the reference system's scale, a map.
 
     python -m tools.sim_schedulers [--out DIR] [--data same-work|learning] [--bench DIR [--save-data]]
-                                   [--quick] [--cross] [--capacity N,N,...]
+                                   [--quick] [--cross] [--capacity N,N,...] [--carry]
 
 1. Validation: every run of the recorded local benchmark (tools/bench_schedulers.py: layouts disjoint2 and
    shared3, tails sigma 0.5 and 1.0, training as costly as rollouts) is simulated from its own calibration
@@ -21,6 +21,8 @@
    scheduler's costs from its own runs, as measured (on the same work, what its schedule did to the
    machine) and fitted alone on a CPU (what the model of that leaves apart). 1f (`--capacity 4,6,8`
    prints it only): every scheduler on the same work, as 1d, with the session capacity per cell changed for all.
+   1g (`--carry` prints it only): every scheduler on the same work, as 1d, with groups carried across step
+   boundaries (gyre.sim.what_if.CarryAcrossSteps: a step trains the first groups to complete), not built.
 2. The reference system's scale: the 2.4T setting (4 cells of 48 nodes x 8 GPUs) and the 122B setting
    (24 and 32 nodes), with the throughputs and costs below stated as assumptions, beside the reference
    table; GPU utilisation of each scheduler and the lower bound (gyre.sim.bound).
@@ -47,6 +49,7 @@ from gyre.sim.bound import alone_seconds, lower_bound
 from gyre.sim.calibrate import Calibration, RunRecord, calibrate, read_run
 from gyre.sim.predict import Costs, fit_costs, measured_costs, predict, run_bound
 from gyre.sim.simulator import SimResult, simulate
+from gyre.sim.what_if import predict_carrying
 from gyre.sim.workload import CellModel, RunShape, Workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -375,6 +378,35 @@ def capacity_sweep(records: dict[str, dict[str, RunRecord]], capacities: list[in
     return out
 
 
+def carry_what_if(records: dict[str, dict[str, RunRecord]]) -> dict[str, Any]:
+    """Every scheduler on every run's workload (as 1d), as built and with groups carried across step
+    boundaries: median walls, and elastic carrying over each baseline as built and carrying."""
+    out: dict[str, Any] = {}
+    for wl, runs in records.items():
+        costs = fit_costs(list(runs.values()))
+        built = {s: [predict(costs, r, s).wall_s for r in runs.values()] for s in SCHEDULERS}
+        carrying = {s: [predict_carrying(costs, r, s).wall_s for r in runs.values()] for s in SCHEDULERS}
+        e = carrying["elastic"]
+        out[wl] = {
+            "same_work_s": {s: round(statistics.median(w), 1) for s, w in built.items()},
+            "carrying_s": {s: round(statistics.median(w), 1) for s, w in carrying.items()},
+            "speedup": {s: paired(built[s], e) for s in SCHEDULERS if s != "elastic"},
+            "speedup_both_carrying": {s: paired(carrying[s], e) for s in SCHEDULERS if s != "elastic"},
+        }
+    return out
+
+
+def print_carry_what_if(table: dict[str, Any]) -> None:
+    print("\n1g. Groups carried across step boundaries (not built), every scheduler on the same work at costs from "
+          "all runs: median walls as built -> carrying; elastic carrying over each baseline as built (carrying)")  # fmt: skip
+    for wl, row in table.items():
+        walls = ", ".join(
+            f"{s} {row['same_work_s'][s]:.0f} -> {row['carrying_s'][s]:.0f} s" for s in row["same_work_s"]
+        )
+        speed = ", ".join(f"{v:.2f}x ({row['speedup_both_carrying'][s]:.2f}x) {s}" for s, v in row["speedup"].items())
+        print(f"{label(wl):30s} {walls}; elastic {speed}")
+
+
 def print_capacity_sweep(sweep: dict[str, Any]) -> None:
     print("\n1f. Session capacity per cell, the same for every scheduler (simulated on every run's workload at costs "
           "from all runs): median walls, elastic's paired speedups, elastic over the bound")  # fmt: skip
@@ -578,6 +610,7 @@ def main() -> None:
     p.add_argument("--cross", action="store_true", help="print only the cross-prediction tables (1b, 1c, 1e) and stop")
     p.add_argument("--capacity", default=None, metavar="N,N,...",
                    help="print only 1f, every scheduler simulated at each session capacity per cell, and stop")  # fmt: skip
+    p.add_argument("--carry", action="store_true", help="print only 1g, groups carried across steps (not built)")
     args = p.parse_args()
     if args.save_data:
         if not args.bench:
@@ -598,6 +631,11 @@ def main() -> None:
         sweep = capacity_sweep(records, capacities)
         print_capacity_sweep(sweep)
         (out / "capacity.json").write_text(json.dumps(sweep, indent=1))
+        return
+    if args.carry:
+        table = carry_what_if(records)
+        print_carry_what_if(table)
+        (out / "carry.json").write_text(json.dumps(table, indent=1))
         return
     fitted = scheduler_costs(records)
     results: dict[str, Any] = {"cross": cross_predict(records, fitted), "held_out": held_out(records, fitted)}
