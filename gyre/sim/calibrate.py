@@ -72,23 +72,7 @@ def read_run(run_dir: str | Path) -> RunRecord:
         c = json.loads(line)
         calls_by[c["rollout_id"]].append(c)
         all_calls.append((c["t_start"], c["t_end"], c["engine_url"], len(c["output_ids"])))
-    sessions = {}
-    for r in rows:
-        if r["event"] != "session":
-            continue
-        calls = sorted(calls_by.get(r["rollout_id"], []), key=lambda c: c["t_start"])
-        out = []
-        for i, c in enumerate(calls):
-            gap = calls[i + 1]["t_start"] - c["t_end"] if i + 1 < len(calls) else 0.0
-            out.append([c["prompt_tokens"] - c["cached_tokens"], len(c["output_ids"]), c["t_end"] - c["t_start"], gap])
-        inside = sum(x[2] + x[3] for x in out)
-        if out:  # harness time not between calls (before the first, after the last: its final tool call)
-            out[-1][3] += max(0.0, r.get("harness_s", inside) - inside)
-        sessions[r["rollout_id"]] = {"seconds": r["seconds"], "harness_s": r.get("harness_s", inside), "calls": out}
-        if "grade_s" in r:  # after its harness, outside its slot (runs before sessions were graded outside one: none)
-            sessions[r["rollout_id"]]["grade_s"] = r["grade_s"]
-        if "started" in r:  # on the controller's timeline: how many sessions shared the machine with this one
-            sessions[r["rollout_id"]]["started"] = r["started"]
+    sessions = _sessions(rows, calls_by)
     steps = [r for r in rows if r["event"] == "step"]
     switches: dict[str, list[float]] = defaultdict(list)
     for r in rows:
@@ -122,6 +106,28 @@ def read_run(run_dir: str | Path) -> RunRecord:
         _group_writes(rows, rl["group_size"]),
         not any("blocked_s" in r for r in rows if r["event"] == "group"),
     )
+
+
+def _sessions(rows: list[dict[str, Any]], calls_by: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Each session's calls as [uncached prompt tokens, output tokens, call seconds, harness seconds after it]."""
+    sessions = {}
+    for r in rows:
+        if r["event"] != "session":
+            continue
+        calls = sorted(calls_by.get(r["rollout_id"], []), key=lambda c: c["t_start"])
+        out = []
+        for i, c in enumerate(calls):
+            gap = calls[i + 1]["t_start"] - c["t_end"] if i + 1 < len(calls) else 0.0
+            out.append([c["prompt_tokens"] - c["cached_tokens"], len(c["output_ids"]), c["t_end"] - c["t_start"], gap])
+        inside = sum(x[2] + x[3] for x in out)
+        if out:  # harness time not between calls (before the first, after the last: its final tool call)
+            out[-1][3] += max(0.0, r.get("harness_s", inside) - inside)
+        sessions[r["rollout_id"]] = {"seconds": r["seconds"], "harness_s": r.get("harness_s", inside), "calls": out}
+        if "grade_s" in r:  # after its harness, outside its slot (runs before sessions were graded outside one: none)
+            sessions[r["rollout_id"]]["grade_s"] = r["grade_s"]
+        if "started" in r:  # on the controller's timeline: how many sessions shared the machine with this one
+            sessions[r["rollout_id"]]["started"] = r["started"]
+    return sessions
 
 
 def workload_facts(cfg: dict[str, Any]) -> dict[str, Any]:
