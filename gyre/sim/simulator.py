@@ -58,10 +58,8 @@ class SimResult:
     # rollout id -> CPU jobs when its own CPU work began; (rollout id, call) -> (calls per serving cell, CPU jobs)
     cpu_jobs_at_start: dict[str, float] = field(default_factory=dict)
     call_contention: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
-    train_slowdown: float = 1.0
-    cpu_jobs_at_end: dict[str, float] = field(
-        default_factory=dict
-    )  # rollout id -> CPU jobs when its grading began  # micro-batches' slowdown on the shared CPUs, weighted by their seconds
+    train_slowdown: float = 1.0  # micro-batches' slowdown on the shared CPUs, weighted by their seconds
+    cpu_jobs_at_end: dict[str, float] = field(default_factory=dict)  # rollout id -> CPU jobs when its grading began
 
     @property
     def utilisation(self) -> float:
