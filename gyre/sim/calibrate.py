@@ -109,7 +109,8 @@ def read_run(run_dir: str | Path) -> RunRecord:
 
 
 def _sessions(rows: list[dict[str, Any]], calls_by: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-    """Each session's calls as [uncached prompt tokens, output tokens, call seconds, harness seconds after it]."""
+    """Each session row's seconds (harness, grading, start) and its calls as [uncached prompt tokens, output
+    tokens, call seconds, harness seconds after it]."""
     sessions = {}
     for r in rows:
         if r["event"] != "session":
