@@ -361,6 +361,41 @@ def test_the_same_work_benchmark_ran_the_same_sessions_under_every_scheduler() -
         assert all(r.wall_s >= run_bound(costs, r) for r in runs.values()), wl
 
 
+def test_a_benchmarks_records_keep_the_cpu_seconds_it_measured(tmp_path: Path) -> None:
+    """bench_schedulers' CPU seconds by component go with each run's record (results.json, or progress.json of
+    a benchmark stopped early); the recorded bench32 has them for every run, bench30 (recorded before) none."""
+    from tools.sim_schedulers import _measured_cpu, load_records
+
+    run = {"out": str(tmp_path / "elastic-0"), "cpu_s": {"controller": 18.4, "harnesses": 34.7}}
+    (tmp_path / "progress.json").write_text(json.dumps({"elastic": [run], "async": []}))
+    assert _measured_cpu(tmp_path) == {"elastic-0": run["cpu_s"]}
+    (tmp_path / "results.json").write_text(json.dumps({"runs": {"elastic": [{**run, "cpu_s": {"controller": 1.0}}]}}))
+    assert _measured_cpu(tmp_path) == {"elastic-0": {"controller": 1.0}}  # the finished benchmark's own
+    assert _measured_cpu(tmp_path / "elsewhere") == {}
+    fresh = load_records(None, "same-work-2")
+    assert all(
+        r.cpu_s.get("controller", 0) > 0 and r.cpu_s.get("harnesses", 0) > 0
+        for rs in fresh.values()
+        for r in rs.values()
+    )
+    assert all(not r.cpu_s for rs in load_records(None, "same-work").values() for r in rs.values())
+
+
+def test_a_workload_the_benchmark_lacks_is_refused_by_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    from tools import sim_schedulers
+
+    argv = ["sim_schedulers", "--cross", "--out", str(tmp_path), "--workloads", "disjoint2/sigma0.5,disjoint2/sigma9"]
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit) as stop:
+        mp.setattr(sys, "argv", argv)
+        sim_schedulers.main()
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "--workloads: no disjoint2/sigma9 in this benchmark" in err and "disjoint2/trainheavy" in err
+    assert not list(tmp_path.iterdir())  # refused before anything was computed
+
+
 def test_capacity_sweep_changes_every_schedulers_capacity_and_keeps_the_runs_own() -> None:
     """`--capacity`: at each run's own capacity (6 at disjoint2) the same walls as 1d's same work; fewer sessions
     per cell take every scheduler longer, and no run's workload is changed otherwise."""

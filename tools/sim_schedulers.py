@@ -1,17 +1,19 @@
 """Elastic vs colocate vs async in the simulator (gyre.sim): validation, the reference system's scale, a map.
 
-    python -m tools.sim_schedulers [--out DIR] [--data same-work|learning] [--bench DIR [--save-data]]
-                                   [--quick] [--cross] [--capacity N,N,...] [--carry]
+    python -m tools.sim_schedulers [--out DIR] [--data same-work|same-work-2|learning] [--bench DIR [--save-data]]
+                                   [--workloads W,W] [--quick] [--cross] [--capacity N,N,...] [--carry]
 
 1. Validation: every run of the recorded local benchmark (tools/bench_schedulers.py: layouts disjoint2 and
    shared3, tails sigma 0.5 and 1.0, training as costly as rollouts) is simulated from its own calibration
    (its sessions, micro-batches, switches, steps, the controller's shard writes), fitted now from the run's
-   records; the medians over repeats beside the measured medians. Two recorded benchmarks
-   (`--data`): `same-work` (tools/sim_data/bench30_runs.json.gz, the default: a frozen policy, every run of a
-   workload the same sessions) and `learning` (bench29_runs.json.gz: the policy learns, each run draws its
-   own work); `--bench DIR` reads a benchmark's output directories instead (each directory under DIR that
-   holds run directories is a workload: DIR/<layout>/<workload>/<scheduler>-<n>/), `--save-data` stores their
-   records as the `--data` file.
+   records; the medians over repeats beside the measured medians. Three recorded benchmarks (`--data`):
+   `same-work` (tools/sim_data/bench30_runs.json.gz, the default: a frozen policy, every run of a workload
+   the same sessions), `same-work-2` (bench32_runs.json.gz: the same command again since a session frees its
+   slot before it is graded, with each run's CPU seconds by component) and `learning` (bench29_runs.json.gz:
+   the policy learns, each run draws its own work); `--bench DIR` reads a benchmark's output directories
+   instead (each directory under DIR that holds run directories is a workload:
+   DIR/<layout>/<workload>/<scheduler>-<n>/), `--save-data` stores their records as the `--data` file;
+   `--workloads` reads only some of its workloads.
    1b. Cross-prediction (`--cross` prints 1b, 1c and 1e only): costs fitted from one scheduler's runs alone,
    each alone on a CPU (gyre.sim.predict.fit_costs), every run of the other schedulers predicted on its own
    workload (its sessions' tokens and tool sleeps) and CPUs. 1c. Held-out workloads: costs from one
@@ -58,6 +60,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RECORDED = {
     "same-work": ROOT / "tools" / "sim_data" / "bench30_runs.json.gz",
     "learning": ROOT / "tools" / "sim_data" / "bench29_runs.json.gz",
+    # the same-work benchmark again since a session frees its slot before it is graded (f825026)
+    "same-work-2": ROOT / "tools" / "sim_data" / "bench32_runs.json.gz",
 }
 WORKLOADS = {"sigma0.5": "tail sigma 0.5", "sigma1.0": "tail sigma 1.0", "trainheavy": "training ~ rollouts"}
 HOUR = 3600.0
@@ -151,9 +155,25 @@ def load_records(bench: Path | None, data: str = "same-work") -> dict[str, dict[
         runs = sorted(Path(d) for d, _, files in os.walk(bench, followlinks=True) if "summary.json" in files)
         for run in runs:
             out.setdefault(str(run.parent.relative_to(bench)), {})[run.name] = read_run(run)
+        for wl, records in out.items():  # the CPU seconds bench_schedulers measured for each run, where it did
+            for name, cpu_s in _measured_cpu(bench / wl).items():
+                if name in records:
+                    records[name].cpu_s = cpu_s
         return out
     stored = json.loads(gzip.decompress(RECORDED[data].read_bytes()))
     return {wl: {name: RunRecord.from_json(r) for name, r in d["runs"].items()} for wl, d in stored.items()}
+
+
+def _measured_cpu(workload_dir: Path) -> dict[str, dict[str, float]]:
+    """run name -> CPU seconds by component, from a bench_schedulers workload directory's results (or its
+    progress, for a benchmark stopped early); none for a directory it did not write."""
+    for name in ("results.json", "progress.json"):
+        path = workload_dir / name
+        if path.exists():
+            found = json.loads(path.read_text())
+            runs = found.get("runs", found) if name == "results.json" else found
+            return {Path(r["out"]).name: r.get("cpu_s", {}) for rs in runs.values() for r in rs}
+    return {}
 
 
 def label(workload: str) -> str:
@@ -611,6 +631,8 @@ def main() -> None:
     p.add_argument("--capacity", default=None, metavar="N,N,...",
                    help="print only 1f, every scheduler simulated at each session capacity per cell, and stop")  # fmt: skip
     p.add_argument("--carry", action="store_true", help="print only 1g, groups carried across steps (not built)")
+    p.add_argument("--workloads", default=None, metavar="W,W,...",
+                   help="read only these workloads of the benchmark (as layout/workload: disjoint2/sigma0.5)")  # fmt: skip
     args = p.parse_args()
     if args.save_data:
         if not args.bench:
@@ -621,6 +643,10 @@ def main() -> None:
     t0 = time.monotonic()
     bench = Path(args.bench) if args.bench else None
     records = load_records(bench, args.data)
+    only = args.workloads.split(",") if args.workloads else list(records)
+    if unknown := sorted(set(only) - set(records)):
+        p.error(f"--workloads: no {', '.join(unknown)} in this benchmark (it has {', '.join(sorted(records))})")
+    records = {wl: records[wl] for wl in only}
     if args.capacity:
         try:
             capacities = [int(c) for c in args.capacity.split(",")]
@@ -646,7 +672,7 @@ def main() -> None:
         print_costs(results["costs"])
         (out / "cross.json").write_text(json.dumps({k: results[k] for k in ("cross", "held_out", "costs")}, indent=1))
         return
-    results["validation"] = validate(load_calibrations(bench, args.data))
+    results["validation"] = validate({wl: c for wl, c in load_calibrations(bench, args.data).items() if wl in records})
     print_validation(results["validation"])
     print_cross(results["cross"])
     print_held_out(results["held_out"])

@@ -42,6 +42,8 @@ class RunRecord:
     calls: list[tuple[float, int, int, float]] = field(default_factory=list)  # (t_start, concurrency, decode, dur)
     group_write_s: list[float] = field(default_factory=list)  # seconds per completed group's shard
     group_write_blocks: bool = True  # the controller's loop wrote them (runs from before the writer thread)
+    cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds by component, as tools/bench_schedulers
+    #                                                        measured them (empty: a run it did not measure)
 
     def to_json(self) -> dict[str, Any]:
         return _rounded(asdict(self))
