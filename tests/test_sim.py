@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -382,8 +383,6 @@ def test_a_benchmarks_records_keep_the_cpu_seconds_it_measured(tmp_path: Path) -
 
 
 def test_a_workload_the_benchmark_lacks_is_refused_by_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    import sys
-
     from tools import sim_schedulers
 
     argv = ["sim_schedulers", "--cross", "--out", str(tmp_path), "--workloads", "disjoint2/sigma0.5,disjoint2/sigma9"]

@@ -171,7 +171,7 @@ def _measured_cpu(workload_dir: Path) -> dict[str, dict[str, float]]:
         path = workload_dir / name
         if path.exists():
             found = json.loads(path.read_text())
-            runs = found.get("runs", found) if name == "results.json" else found
+            runs = found["runs"] if name == "results.json" else found  # scheduler -> its runs
             return {Path(r["out"]).name: r.get("cpu_s", {}) for rs in runs.values() for r in rs}
     return {}
 
