@@ -382,7 +382,9 @@ def test_a_benchmarks_records_keep_the_cpu_seconds_it_measured(tmp_path: Path) -
     assert all(not r.cpu_s for rs in load_records(None, "same-work").values() for r in rs.values())
 
 
-def test_a_workload_the_benchmark_lacks_is_refused_by_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_workloads_the_benchmark_lacks_or_with_save_data_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from tools import sim_schedulers
 
     argv = ["sim_schedulers", "--cross", "--out", str(tmp_path), "--workloads", "disjoint2/sigma0.5,disjoint2/sigma9"]
@@ -393,6 +395,13 @@ def test_a_workload_the_benchmark_lacks_is_refused_by_name(tmp_path: Path, capsy
     err = capsys.readouterr().err
     assert "--workloads: no disjoint2/sigma9 in this benchmark" in err and "disjoint2/trainheavy" in err
     assert not list(tmp_path.iterdir())  # refused before anything was computed
+    argv = ["sim_schedulers", "--bench", str(tmp_path), "--save-data", "--workloads", "disjoint2/sigma0.5"]
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit) as stop:
+        mp.setattr(sys, "argv", argv)
+        mp.setitem(sim_schedulers.RECORDED, "same-work", tmp_path / "saved.json.gz")  # never the recorded file
+        sim_schedulers.main()
+    assert stop.value.code == 2 and "--save-data stores every workload" in capsys.readouterr().err
+    assert not (tmp_path / "saved.json.gz").exists()
 
 
 def test_capacity_sweep_changes_every_schedulers_capacity_and_keeps_the_runs_own() -> None:

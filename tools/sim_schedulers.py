@@ -637,6 +637,8 @@ def main() -> None:
     if args.save_data:
         if not args.bench:
             p.error("--save-data stores the runs of --bench DIR")
+        if args.workloads:
+            p.error("--save-data stores every workload of --bench DIR; --workloads reads only some, so not with it")
         save_records(Path(args.bench), args.data)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
