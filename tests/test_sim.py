@@ -331,6 +331,38 @@ def test_cross_prediction_of_the_recorded_benchmark() -> None:
         assert result["median_error"] <= MEDIAN_BOUND and result["worst_error"] <= WORST_BOUND
 
 
+def test_cross_prediction_of_the_benchmark_recorded_again() -> None:
+    """tools/sim_data/bench32_runs.json.gz (`--data same-work-2`: the same command recorded with this code, since
+    sessions free their slot before grading): over disjoint2's two tails and shared3 (three workloads, two layouts)
+    within issue 29's bounds (measured: 1b 3.6% / 10.7%, 1c 2.8% / 13.1%). With the fourth, training ~ rollouts
+    (CPU-bound: 79-86% of both CPUs), every prediction beyond the worst bound has it as its target, and its own
+    repeats differ by more than that on identical work (up to 23.4%: the machine, not the schedule)."""
+    from tools.sim_schedulers import cross_predict, held_out, load_records, repeat_noise, scheduler_costs
+
+    records = load_records(None, "same-work-2")
+    heavy = "disjoint2/trainheavy"
+    assert set(records) == {"disjoint2/sigma0.5", "disjoint2/sigma1.0", heavy, "shared3/sigma0.5"}
+    fitted = scheduler_costs(records)
+    tails = {wl: runs for wl, runs in records.items() if wl != heavy}
+    cross, held = cross_predict(tails, fitted), held_out(tails, fitted)
+    assert cross["predictions"] == 3 * 3 * 6 and held["predictions"] == 3 * 3 * 18
+    for result in (cross, held):
+        assert result["median_error"] <= MEDIAN_BOUND and result["worst_error"] <= WORST_BOUND
+
+    def worse(r: dict) -> bool:
+        return max(abs(e) for e in r["errors"]) > WORST_BOUND
+
+    every = cross_predict(records, fitted)["table"]
+    beyond = {
+        wl for wl, rows in every.items() for src, row in rows.items() for s, r in row.items() if s != src and worse(r)
+    }
+    every = held_out(records, fitted)["table"]
+    beyond |= {wl for rows in every.values() for row in rows.values() for wl, r in row.items() if worse(r)}
+    assert beyond == {heavy}
+    noise = repeat_noise({heavy: records[heavy]})
+    assert noise is not None and noise["worst_error"] > WORST_BOUND
+
+
 def test_every_recorded_run_is_above_its_bound() -> None:
     from tools.sim_schedulers import load_records
 
