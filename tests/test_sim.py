@@ -49,6 +49,22 @@ def test_hand_timed_runs(scheduler: str, wall: float) -> None:
     assert r.step_end_s == [pytest.approx(wall)]
 
 
+@pytest.mark.parametrize(
+    ("scheduler", "queued", "none"),
+    [
+        # both cells switch at 3 s and train at once; reduce + sync (0.5 s) with both cells in the training role
+        ("colocate_cells", 0.0, 1.0),
+        # the core in the training role with nothing to train while the second session waits for the one slot
+        # (0.5-3.5) and while it runs (3.5-6.5); the rollout cell's empty slot before admission (0-0.5), while
+        # the core trains (6.5-8.5) and during reduce + sync, with the core's (8.5-9)
+        ("async", 3.0, 0.5 + 3.0 + 2.0 + 1.0),
+    ],
+)
+def test_idle_cell_seconds_by_hand(scheduler: str, queued: float, none: float) -> None:
+    r = simulate(scheduler, CELL, SHAPE, two_rollouts())
+    assert r.idle_s == {"sessions_queued": pytest.approx(queued), "none_queued": pytest.approx(none)}
+
+
 def test_the_production_policy_drives_it(monkeypatch: pytest.MonkeyPatch) -> None:
     wl = Workload(calls_mean=3, prefill_per_call=10, decode_per_call=10, tool_s=2.0, tail_sigma=1.0,
                   train_tokens_per_rollout=500)  # fmt: skip
@@ -449,6 +465,29 @@ def test_capacity_sweep_changes_every_schedulers_capacity_and_keeps_the_runs_own
     assert all(abs(sweep[6]["same_work_s"][s] - own[s]["same_work_s"]) <= 0.051 for s in SCHEDULERS), (sweep, own)
     assert sweep[6]["over_bound"] == own["same_work_over_bound"]
     assert all(sweep[4]["same_work_s"][s] > sweep[6]["same_work_s"][s] for s in SCHEDULERS), sweep
+
+
+def test_free_cpus_take_the_contention_away_and_nothing_else(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--free-cpus` (1h): every scheduler on every run's workload on its CPUs (1d's walls) and with a CPU per
+    job, which no scheduler runs slower on; elastic's cell-seconds of no work are split by whether sessions queued."""
+    from tools import sim_schedulers
+
+    records = {"disjoint2/sigma0.5": sim_schedulers.load_records(None, "same-work-2")["disjoint2/sigma0.5"]}
+    table = sim_schedulers.free_cpus(records)["disjoint2/sigma0.5"]
+    own = sim_schedulers.workload_bounds(records)["disjoint2/sigma0.5"]
+    for s in sim_schedulers.SCHEDULERS:
+        assert abs(table["shared"]["same_work_s"][s] - own[s]["same_work_s"]) <= 0.051  # 1 decimal against 2
+        assert table["free"]["same_work_s"][s] < table["shared"]["same_work_s"][s]
+    assert set(table["elastic_idle_cell_s"]) == {"sessions_queued", "none_queued", "switching"}
+    assert all(records["disjoint2/sigma0.5"][n].shape["cpus"] == 2 for n in records["disjoint2/sigma0.5"])
+    argv = ["sim_schedulers", "--data", "same-work-2", "--workloads", "disjoint2/sigma0.5", "--free-cpus"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "argv", [*argv, "--out", str(tmp_path)])
+        sim_schedulers.main()
+    assert "1h. Every scheduler on the same work" in capsys.readouterr().out
+    assert json.loads((tmp_path / "free_cpus.json").read_text())["disjoint2/sigma0.5"] == table
 
 
 def test_carried_groups_train_once_in_the_oldest_open_step() -> None:

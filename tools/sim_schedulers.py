@@ -2,6 +2,7 @@
 
     python -m tools.sim_schedulers [--out DIR] [--data same-work|same-work-2|learning] [--bench DIR [--save-data]]
                                    [--workloads W,W] [--quick] [--cross] [--capacity N,N,...] [--carry]
+                                   [--free-cpus]
 
 1. Validation: every run of the recorded local benchmark (tools/bench_schedulers.py: layouts disjoint2 and
    shared3, tails sigma 0.5 and 1.0, training as costly as rollouts) is simulated from its own calibration
@@ -25,6 +26,8 @@
    prints it only): every scheduler on the same work, as 1d, with the session capacity per cell changed for all.
    1g (`--carry` prints it only): every scheduler on the same work, as 1d, with groups carried across step
    boundaries (gyre.sim.what_if.CarryAcrossSteps: a step trains the first groups to complete), not built.
+   1h (`--free-cpus` prints it only): every scheduler on the same work, as 1d, on the runs' CPUs and with a CPU
+   per job, and elastic's cell-seconds of no work on free CPUs, while sessions queued and while none was admitted.
 2. The reference system's scale: the 2.4T setting (4 cells of 48 nodes x 8 GPUs) and the 122B setting
    (24 and 32 nodes), with the throughputs and costs below stated as assumptions, beside the reference
    table; GPU utilisation of each scheduler and the lower bound (gyre.sim.bound).
@@ -416,6 +419,59 @@ def carry_what_if(records: dict[str, dict[str, RunRecord]]) -> dict[str, Any]:
     return out
 
 
+def free_cpus(records: dict[str, dict[str, RunRecord]]) -> dict[str, Any]:
+    """Every scheduler on every run's workload (as 1d), on the run's CPUs and with each engine, trainer and
+    harness on a CPU of its own (the contention taken away, every cost as fitted alone): median walls,
+    elastic's paired speedups and its wall over the bound, and elastic's cell-seconds of no work on free CPUs
+    (training cells without a micro-batch, serving cells' empty slots) while sessions queued for a slot and
+    while none did, and its cell-seconds switching (medians over the runs)."""
+    out: dict[str, Any] = {}
+    for wl, runs in records.items():
+        costs = fit_costs(list(runs.values()))
+        row: dict[str, Any] = {}
+        for name, at in (("shared", list(runs.values())), ("free", [_free(r) for r in runs.values()])):
+            results = {s: [predict(costs, r, s) for r in at] for s in SCHEDULERS}
+            walls = {s: [x.wall_s for x in rs] for s, rs in results.items()}
+            e = walls["elastic"]
+            row[name] = {
+                "same_work_s": {s: round(statistics.median(w), 1) for s, w in walls.items()},
+                "speedup": {s: paired(walls[s], e) for s in SCHEDULERS if s != "elastic"},
+                "over_bound": paired(e, [run_bound(costs, r) for r in at]),
+            }
+        row["elastic_idle_cell_s"] = {
+            k: round(statistics.median(v), 1) for k, v in _idle(costs, [_free(r) for r in runs.values()]).items()
+        }
+        out[wl] = row
+    return out
+
+
+def _free(run: RunRecord) -> RunRecord:
+    return replace(run, shape={**run.shape, "cpus": None})
+
+
+def _idle(costs: Costs, runs: list[RunRecord]) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {"sessions_queued": [], "none_queued": [], "switching": []}
+    for r in runs:
+        x = predict(costs, r, "elastic")
+        for k in ("sessions_queued", "none_queued"):
+            out[k].append(x.idle_s[k])
+        out["switching"].append(x.role_seconds.get("switching", 0.0))
+    return out
+
+
+def print_free_cpus(table: dict[str, Any]) -> None:
+    print("\n1h. Every scheduler on the same work, on the runs' CPUs -> each job on a CPU of its own (costs from all "
+          "runs): median walls; elastic's paired speedups and wall over the bound; on free CPUs, elastic's cell-seconds "
+          "of no work (idle trainers, empty slots) while sessions queued and while none was admitted, and switching")  # fmt: skip
+    for wl, row in table.items():
+        shared, free = row["shared"], row["free"]
+        walls = ", ".join(f"{s} {shared['same_work_s'][s]:.0f} -> {free['same_work_s'][s]:.0f} s" for s in SCHEDULERS)
+        speed = ", ".join(f"{v:.2f}x -> {free['speedup'][s]:.2f}x {s}" for s, v in shared["speedup"].items())
+        idle = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in row["elastic_idle_cell_s"].items())
+        print(f"{label(wl):30s} {walls}; elastic {speed}; {shared['over_bound']:.2f}x -> {free['over_bound']:.2f}x "
+              f"the bound; cell-s: {idle}")  # fmt: skip
+
+
 def print_carry_what_if(table: dict[str, Any]) -> None:
     print("\n1g. Groups carried across step boundaries (not built), every scheduler on the same work at costs from "
           "all runs: median walls as built -> carrying; elastic carrying over each baseline as built (carrying)")  # fmt: skip
@@ -631,6 +687,7 @@ def main() -> None:
     p.add_argument("--capacity", default=None, metavar="N,N,...",
                    help="print only 1f, every scheduler simulated at each session capacity per cell, and stop")  # fmt: skip
     p.add_argument("--carry", action="store_true", help="print only 1g, groups carried across steps (not built)")
+    p.add_argument("--free-cpus", action="store_true", help="print only 1h, every scheduler with a CPU per job")
     p.add_argument("--workloads", default=None, metavar="W,W,...",
                    help="read only these workloads of the benchmark (as layout/workload: disjoint2/sigma0.5)")  # fmt: skip
     args = p.parse_args()
@@ -664,6 +721,11 @@ def main() -> None:
         table = carry_what_if(records)
         print_carry_what_if(table)
         (out / "carry.json").write_text(json.dumps(table, indent=1))
+        return
+    if args.free_cpus:
+        table = free_cpus(records)
+        print_free_cpus(table)
+        (out / "free_cpus.json").write_text(json.dumps(table, indent=1))
         return
     fitted = scheduler_costs(records)
     results: dict[str, Any] = {"cross": cross_predict(records, fitted), "held_out": held_out(records, fitted)}

@@ -60,6 +60,9 @@ class SimResult:
     call_contention: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
     train_slowdown: float = 1.0  # micro-batches' slowdown on the shared CPUs, weighted by their seconds
     cpu_jobs_at_end: dict[str, float] = field(default_factory=dict)  # rollout id -> CPU jobs when its grading began
+    # cell-seconds of no work: training cells without a micro-batch and serving cells' empty slots (as shares of
+    # a cell), while sessions queued for a slot and while none did (none admitted: the staleness bound)
+    idle_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def utilisation(self) -> float:
@@ -115,6 +118,7 @@ class Simulation:
         self.timeouts = 0
         self.switches = {"rollout->train": 0, "train->rollout": 0}
         self.decisions = 0
+        self.idle_s = {"sessions_queued": 0.0, "none_queued": 0.0}
 
     # ----- the clock -----
     def at(self, t: float, fn: Callable[[], None]) -> None:
@@ -129,6 +133,7 @@ class Simulation:
         n = 0
         while self._events and self.version < self.shape.steps:
             t, _, fn = heapq.heappop(self._events)
+            self.count_idle(t - self.t)
             self.t = t
             fn()
             n += 1
@@ -137,6 +142,13 @@ class Simulation:
         if self.version < self.shape.steps:
             raise RuntimeError(f"the simulation stalled at step {self.version} (t={self.t:.1f} s): nothing left to do")
         return self.result()
+
+    def count_idle(self, dt: float) -> None:
+        if dt <= 0:
+            return
+        trainers = sum(1 for c, r in enumerate(self.roles) if r == "train" and c not in self.training_now)
+        empty = max(0, self.serving_capacity - len(self.running)) / self.cell.capacity
+        self.idle_s["sessions_queued" if self.queue else "none_queued"] += (trainers + empty) * dt
 
     # ----- cells -----
     def set_role(self, c: int, role: str) -> None:
@@ -453,6 +465,7 @@ class Simulation:
             self.call_contention,
             self.train_busy / self._train_alone if self._train_alone else 1.0,
             self.cpu_jobs_at_end,
+            {k: round(v, 3) for k, v in self.idle_s.items()},
         )
 
 
