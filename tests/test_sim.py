@@ -430,7 +430,7 @@ def test_a_benchmarks_records_keep_the_cpu_seconds_it_measured(tmp_path: Path) -
     assert all(not r.cpu_s for rs in load_records(None, "same-work").values() for r in rs.values())
 
 
-def test_workloads_the_benchmark_lacks_or_with_save_data_are_refused(
+def test_workloads_the_benchmark_lacks_save_data_with_workloads_and_parts_together_are_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from tools import sim_schedulers
@@ -450,6 +450,12 @@ def test_workloads_the_benchmark_lacks_or_with_save_data_are_refused(
         sim_schedulers.main()
     assert stop.value.code == 2 and "--save-data stores every workload" in capsys.readouterr().err
     assert not (tmp_path / "saved.json.gz").exists()
+    for argv in (["--carry", "--free-cpus"], ["--quick", "--free-cpus"]):  # one part only; --quick shortens others
+        with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit) as stop:
+            mp.setattr(sys, "argv", ["sim_schedulers", "--out", str(tmp_path), *argv])
+            sim_schedulers.main()
+        assert stop.value.code == 2 and "--free-cpus" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
 
 
 def test_capacity_sweep_changes_every_schedulers_capacity_and_keeps_the_runs_own() -> None:

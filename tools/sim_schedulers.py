@@ -683,14 +683,20 @@ def main() -> None:
     p.add_argument("--data", choices=sorted(RECORDED), default="same-work", help="the recorded benchmark to read")
     p.add_argument("--save-data", action="store_true", help="store the run records of --bench as --data's file")
     p.add_argument("--quick", action="store_true", help="a smaller map (6 steps) and the reference at 12 steps")
-    p.add_argument("--cross", action="store_true", help="print only the cross-prediction tables (1b, 1c, 1e) and stop")
-    p.add_argument("--capacity", default=None, metavar="N,N,...",
-                   help="print only 1f, every scheduler simulated at each session capacity per cell, and stop")  # fmt: skip
-    p.add_argument("--carry", action="store_true", help="print only 1g, groups carried across steps (not built)")
-    p.add_argument("--free-cpus", action="store_true", help="print only 1h, every scheduler with a CPU per job")
+    only = p.add_mutually_exclusive_group()  # each prints one part of the output and stops
+    only.add_argument(
+        "--cross", action="store_true", help="print only the cross-prediction tables (1b, 1c, 1e) and stop"
+    )
+    only.add_argument("--capacity", default=None, metavar="N,N,...",
+                      help="print only 1f, every scheduler simulated at each session capacity per cell, and stop")  # fmt: skip
+    only.add_argument("--carry", action="store_true", help="print only 1g, groups carried across steps (not built)")
+    only.add_argument("--free-cpus", action="store_true", help="print only 1h, every scheduler with a CPU per job")
     p.add_argument("--workloads", default=None, metavar="W,W,...",
                    help="read only these workloads of the benchmark (as layout/workload: disjoint2/sigma0.5)")  # fmt: skip
     args = p.parse_args()
+    if args.quick and (args.cross or args.capacity or args.carry or args.free_cpus):
+        p.error("--quick shortens the reference scale and the map (2 and 3), which --cross, --capacity, --carry and "
+                "--free-cpus do not print")  # fmt: skip
     if args.save_data:
         if not args.bench:
             p.error("--save-data stores the runs of --bench DIR")
