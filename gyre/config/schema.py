@@ -638,7 +638,8 @@ class SchedConfig:
     1..C the cells (C = 1 + len(cluster.satellites)), cell 1 the core (gyre/sched)."""
 
     # concurrent rollout sessions one rollout cell serves (its KV budget): a session holds its slot while its
-    # harness runs, not while it is graded
+    # harness runs, not while it is graded. elastic: when training waits and no cell trains, the core leaves with
+    # its sessions, rerouted to the cells left serving, which then hold more until enough of them end
     capacity_per_cell: int = ranged(8, AT_LEAST_1)
     # async/elastic: rollouts of step s may start once weights of version s - staleness exist
     staleness: int = ranged(1, NON_NEGATIVE, why="0: rollouts never run ahead of the weights")
