@@ -438,25 +438,14 @@ def free_cpus(records: dict[str, dict[str, RunRecord]]) -> dict[str, Any]:
                 "speedup": {s: paired(walls[s], e) for s in SCHEDULERS if s != "elastic"},
                 "over_bound": paired(e, [run_bound(costs, r) for r in at]),
             }
-        row["elastic_idle_cell_s"] = {
-            k: round(statistics.median(v), 1) for k, v in _idle(costs, [_free(r) for r in runs.values()]).items()
-        }
+        idle = [{**x.idle_s, "switching": x.role_seconds.get("switching", 0.0)} for x in results["elastic"]]
+        row["elastic_idle_cell_s"] = {k: round(statistics.median(i[k] for i in idle), 1) for k in idle[0]}
         out[wl] = row
     return out
 
 
 def _free(run: RunRecord) -> RunRecord:
     return replace(run, shape={**run.shape, "cpus": None})
-
-
-def _idle(costs: Costs, runs: list[RunRecord]) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {"sessions_queued": [], "none_queued": [], "switching": []}
-    for r in runs:
-        x = predict(costs, r, "elastic")
-        for k in ("sessions_queued", "none_queued"):
-            out[k].append(x.idle_s[k])
-        out["switching"].append(x.role_seconds.get("switching", 0.0))
-    return out
 
 
 def print_free_cpus(table: dict[str, Any]) -> None:
