@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 
@@ -85,3 +86,24 @@ def test_cpu_seconds_are_told_apart_by_component() -> None:
     assert component_of("python grade.py", "", "harnesses") == "harnesses"
     tree = process_tree(os.getpid())  # this test's process, no MPI rank: the launcher
     assert tree[os.getpid()][0] == "launcher" and tree[os.getpid()][1] > 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--steps", "0"], "--steps and --repeats must be at least 1"),
+        (["--repeats", "-1"], "--steps and --repeats must be at least 1"),
+        (["--schedulers", "async,fifo"], "--schedulers: no fifo (the cell schedulers are"),
+        (["--schedulers", "async,async"], "--schedulers names one twice"),
+    ],
+)
+def test_values_out_of_domain_are_refused_before_any_run(
+    argv: list[str], said: str, tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tools import bench_schedulers
+
+    monkeypatch.setattr(sys, "argv", ["bench_schedulers", "--out", str(tmp_path / "out"), *argv])
+    with pytest.raises(SystemExit) as stop:
+        bench_schedulers.main()
+    assert stop.value.code == 2 and said in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -450,6 +450,17 @@ def test_workloads_the_benchmark_lacks_save_data_with_workloads_and_parts_togeth
         sim_schedulers.main()
     assert stop.value.code == 2 and "--save-data stores every workload" in capsys.readouterr().err
     assert not (tmp_path / "saved.json.gz").exists()
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "summary.json").write_text("{}")  # a run directory's file, not under a run's name
+    argv = ["sim_schedulers", "--bench", str(tmp_path), "--save-data", "--data", "same-work"]
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit) as stop:
+        mp.setattr(sys, "argv", argv)
+        mp.setitem(sim_schedulers.RECORDED, "same-work", tmp_path / "saved.json.gz")  # never the recorded file
+        sim_schedulers.main()
+    assert stop.value.code == 2 and "holds no run of tools/bench_schedulers.py" in capsys.readouterr().err
+    assert not (tmp_path / "saved.json.gz").exists()
+    (tmp_path / "x" / "summary.json").unlink()
+    (tmp_path / "x").rmdir()
     for argv in (["--carry", "--free-cpus"], ["--quick", "--free-cpus"]):  # one part only; --quick shortens others
         with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit) as stop:
             mp.setattr(sys, "argv", ["sim_schedulers", "--out", str(tmp_path), *argv])

@@ -327,10 +327,17 @@ def main() -> None:
         help="the policy learns (train.lr as configured, calls unseeded): each run draws its own work",
     )
     args, extra = p.parse_known_args()
+    if args.steps < 1 or args.repeats < 1:
+        p.error(f"--steps and --repeats must be at least 1 (got {args.steps} and {args.repeats})")
+    chosen = args.schedulers.split(",")
+    if unknown := [s for s in chosen if s not in SCHEDULERS]:
+        p.error(f"--schedulers: no {', '.join(unknown)} (the cell schedulers are {', '.join(SCHEDULERS)})")
+    if len(set(chosen)) < len(chosen):
+        p.error(f"--schedulers names one twice: {args.schedulers}")
     extra = [*LAYOUTS[args.layout], *([] if args.learn else SAME_WORK), *extra]
     root = Path(args.out).resolve()
     root.mkdir(parents=True, exist_ok=True)
-    results: dict[str, list[dict[str, Any]]] = {s: [] for s in args.schedulers.split(",")}
+    results: dict[str, list[dict[str, Any]]] = {s: [] for s in chosen}
     for rep in range(args.repeats):
         for sched in run_order(list(results), rep):
             res = run_once(sched, args.steps, root / f"{sched}-{rep}", extra)

@@ -42,6 +42,7 @@ import argparse
 import gzip
 import json
 import os
+import re
 import statistics
 import time
 from dataclasses import asdict, replace
@@ -66,6 +67,7 @@ RECORDED = {
     # the same-work benchmark again since a session frees its slot before it is graded (f825026)
     "same-work-2": ROOT / "tools" / "sim_data" / "bench32_runs.json.gz",
 }
+RUN_NAME = re.compile(rf"({'|'.join(SCHEDULERS)})-\d+")  # a run directory of tools/bench_schedulers.py
 WORKLOADS = {"sigma0.5": "tail sigma 0.5", "sigma1.0": "tail sigma 1.0", "trainheavy": "training ~ rollouts"}
 HOUR = 3600.0
 
@@ -155,7 +157,11 @@ def load_records(bench: Path | None, data: str = "same-work") -> dict[str, dict[
     recorded benchmark `data` (RECORDED)."""
     if bench is not None:
         out: dict[str, dict[str, RunRecord]] = {}
-        runs = sorted(Path(d) for d, _, files in os.walk(bench, followlinks=True) if "summary.json" in files)
+        runs = sorted(
+            Path(d)
+            for d, _, files in os.walk(bench, followlinks=True)
+            if "summary.json" in files and RUN_NAME.fullmatch(Path(d).name)
+        )
         for run in runs:
             out.setdefault(str(run.parent.relative_to(bench)), {})[run.name] = read_run(run)
         for wl, records in out.items():  # the CPU seconds bench_schedulers measured for each run, where it did
@@ -691,6 +697,11 @@ def main() -> None:
             p.error("--save-data stores the runs of --bench DIR")
         if args.workloads:
             p.error("--save-data stores every workload of --bench DIR; --workloads reads only some, so not with it")
+    if args.bench and not load_records(Path(args.bench)):  # before --save-data could store nothing over a record
+        p.error(
+            f"--bench: {args.bench} holds no run of tools/bench_schedulers.py (DIR/<layout>/<workload>/<scheduler>-<n>/)"
+        )
+    if args.save_data:
         save_records(Path(args.bench), args.data)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
