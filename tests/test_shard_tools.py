@@ -110,6 +110,11 @@ def test_export_tree_round_trips(shards, tmp_path):
     assert json.loads(stdout)["meta"]["exclusion_reason"]
     missing = tool("tools.export_tree", str(shards / "step1.h5"), "--rollout", "nope", check=False)
     assert missing.returncode == 1 and "'nope' is not in" in missing.stderr
+    absent = tool("tools.export_tree", str(shards / "step9.h5"), check=False)
+    assert absent.returncode == 1 and absent.stderr == f"export_tree: cannot read {shards / 'step9.h5'}: no such file\n"
+    not_a_run = tool("tools.check_trained_tokens", str(shards), check=False)  # shards, not a run's directory
+    assert not_a_run.returncode == 2 and "is not a run's output directory" in not_a_run.stderr
+    assert "Traceback" not in not_a_run.stderr
 
 
 def test_plot_tree(shards, tmp_path):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -66,6 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("run", type=Path, help="a run's output directory")
     args = p.parse_args(argv)
+    if not (args.run / "calls.jsonl").is_file():
+        print(
+            f"check_trained_tokens: {args.run} is not a run's output directory (it has no calls.jsonl)", file=sys.stderr
+        )
+        return 2
     n_rollouts, n_tokens, problems = check_run(args.run)
     for problem in problems:
         print(problem)
