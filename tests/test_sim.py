@@ -430,42 +430,37 @@ def test_a_benchmarks_records_keep_the_cpu_seconds_it_measured(tmp_path: Path) -
     assert all(not r.cpu_s for rs in load_records(None, "same-work").values() for r in rs.values())
 
 
+def _refused(argv: list[str], capsys: pytest.CaptureFixture[str], saved: Path | None = None) -> str:
+    """tools.sim_schedulers run with `argv`: it exits 2 (argparse's refusal); what it said. With `saved`, the
+    file --save-data would store over is that one, never the project's recorded benchmark."""
+    from tools import sim_schedulers
+
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit) as stop:
+        mp.setattr(sys, "argv", ["sim_schedulers", *argv])
+        if saved is not None:
+            mp.setitem(sim_schedulers.RECORDED, "same-work", saved)
+        sim_schedulers.main()
+    assert stop.value.code == 2
+    return capsys.readouterr().err
+
+
 def test_workloads_the_benchmark_lacks_save_data_with_workloads_and_parts_together_are_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tools import sim_schedulers
-
-    argv = ["sim_schedulers", "--cross", "--out", str(tmp_path), "--workloads", "disjoint2/sigma0.5,disjoint2/sigma9"]
-    with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit) as stop:
-        mp.setattr(sys, "argv", argv)
-        sim_schedulers.main()
-    assert stop.value.code == 2
-    err = capsys.readouterr().err
+    saved = tmp_path / "saved.json.gz"
+    err = _refused(["--cross", "--out", str(tmp_path), "--workloads", "disjoint2/sigma0.5,disjoint2/sigma9"], capsys)
     assert "--workloads: no disjoint2/sigma9 in this benchmark" in err and "disjoint2/trainheavy" in err
     assert not list(tmp_path.iterdir())  # refused before anything was computed
-    argv = ["sim_schedulers", "--bench", str(tmp_path), "--save-data", "--workloads", "disjoint2/sigma0.5"]
-    with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit) as stop:
-        mp.setattr(sys, "argv", argv)
-        mp.setitem(sim_schedulers.RECORDED, "same-work", tmp_path / "saved.json.gz")  # never the recorded file
-        sim_schedulers.main()
-    assert stop.value.code == 2 and "--save-data stores every workload" in capsys.readouterr().err
-    assert not (tmp_path / "saved.json.gz").exists()
+    err = _refused(["--bench", str(tmp_path), "--save-data", "--workloads", "disjoint2/sigma0.5"], capsys, saved)
+    assert "--save-data stores every workload" in err and not saved.exists()
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "summary.json").write_text("{}")  # a run directory's file, not under a run's name
-    argv = ["sim_schedulers", "--bench", str(tmp_path), "--save-data", "--data", "same-work"]
-    with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit) as stop:
-        mp.setattr(sys, "argv", argv)
-        mp.setitem(sim_schedulers.RECORDED, "same-work", tmp_path / "saved.json.gz")  # never the recorded file
-        sim_schedulers.main()
-    assert stop.value.code == 2 and "holds no run of tools/bench_schedulers.py" in capsys.readouterr().err
-    assert not (tmp_path / "saved.json.gz").exists()
+    err = _refused(["--bench", str(tmp_path), "--save-data", "--data", "same-work"], capsys, saved)
+    assert "holds no run of tools/bench_schedulers.py" in err and not saved.exists()
     (tmp_path / "x" / "summary.json").unlink()
     (tmp_path / "x").rmdir()
     for argv in (["--carry", "--free-cpus"], ["--quick", "--free-cpus"]):  # one part only; --quick shortens others
-        with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit) as stop:
-            mp.setattr(sys, "argv", ["sim_schedulers", "--out", str(tmp_path), *argv])
-            sim_schedulers.main()
-        assert stop.value.code == 2 and "--free-cpus" in capsys.readouterr().err
+        assert "--free-cpus" in _refused(["--out", str(tmp_path), *argv], capsys)
     assert not list(tmp_path.iterdir())
 
 
