@@ -190,12 +190,12 @@ def label(workload: str) -> str:
     return f"{layout} {WORKLOADS.get(name, name)}".strip()
 
 
-def save_records(bench: Path, data: str) -> None:
+def save_records(bench: Path, data: str, records: dict[str, dict[str, RunRecord]]) -> None:
     """Store a benchmark's run records (what calibration reads from each run directory) as RECORDED[data],
     with each workload's bench_schedulers arguments and, where it measured it, the share of rollouts that
     sampled the same tokens in every run (`same_work`)."""
     stored = {}
-    for wl, runs in load_records(bench).items():
+    for wl, runs in records.items():
         results = bench / wl / "results.json"
         meta = json.loads(results.read_text()) if results.exists() else {}
         stored[wl] = {"bench_args": meta.get("extra", []), "same_work": meta.get("table", {}).get("same_work"),
@@ -697,17 +697,17 @@ def main() -> None:
             p.error("--save-data stores the runs of --bench DIR")
         if args.workloads:
             p.error("--save-data stores every workload of --bench DIR; --workloads reads only some, so not with it")
-    if args.bench and not load_records(Path(args.bench)):  # before --save-data could store nothing over a record
+    bench = Path(args.bench) if args.bench else None
+    records = load_records(bench, args.data)
+    if bench and not records:  # before --save-data could store nothing over a record
         p.error(
-            f"--bench: {args.bench} holds no run of tools/bench_schedulers.py (DIR/<layout>/<workload>/<scheduler>-<n>/)"
+            f"--bench: {bench} holds no run of tools/bench_schedulers.py (DIR/<layout>/<workload>/<scheduler>-<n>/)"
         )
     if args.save_data:
-        save_records(Path(args.bench), args.data)
+        save_records(bench, args.data, records)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    bench = Path(args.bench) if args.bench else None
-    records = load_records(bench, args.data)
     only = args.workloads.split(",") if args.workloads else list(records)
     if unknown := sorted(set(only) - set(records)):
         p.error(f"--workloads: no {', '.join(unknown)} in this benchmark (it has {', '.join(sorted(records))})")
