@@ -26,8 +26,7 @@ def chosen_rollout(tool: str, shard_path: Path, rollout: str | None, index: int)
     except (ShardError, KeyError) as e:
         print(f"{tool}: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return None
-    except OSError as e:
-        why = "no such file" if not shard_path.exists() else str(e)
-        print(f"{tool}: cannot read {shard_path}: {why}", file=sys.stderr)
+    except FileNotFoundError:  # read_shard turns every other failure to open into a ShardError
+        print(f"{tool}: cannot read {shard_path}: no such file", file=sys.stderr)
         return None
     return shard.rollout(index)
