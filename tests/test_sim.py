@@ -14,7 +14,7 @@ from gyre.harness.builtin import rollout_tool_factor
 from gyre.sched import policy
 from gyre.sim.bound import lower_bound
 from gyre.sim.calibrate import Calibration, RunRecord, calibrate, read_run
-from gyre.sim.predict import Costs, fit_costs, measured_costs, predict, run_bound, split_gaps, workload_of
+from gyre.sim.predict import Costs, fit_costs, longer, measured_costs, predict, run_bound, split_gaps, workload_of
 from gyre.sim.simulator import simulate
 from gyre.sim.what_if import CarryAcrossSteps
 from gyre.sim.workload import Call, CellModel, Rollout, RunShape, Trace, Workload, tool_factor
@@ -461,6 +461,9 @@ def test_workloads_the_benchmark_lacks_save_data_with_workloads_and_parts_togeth
     (tmp_path / "x").rmdir()
     for argv in (["--carry", "--free-cpus"], ["--quick", "--free-cpus"]):  # one part only; --quick shortens others
         assert "--free-cpus" in _refused(["--out", str(tmp_path), *argv], capsys)
+    assert "--steps" in _refused(["--out", str(tmp_path), "--quick", "--steps", "12"], capsys)
+    assert "whole numbers" in _refused(["--out", str(tmp_path), "--steps", "12,x"], capsys)
+    assert "at least 1" in _refused(["--out", str(tmp_path), "--steps", "12,0"], capsys)
     assert not list(tmp_path.iterdir())
 
 
@@ -500,6 +503,56 @@ def test_free_cpus_take_the_contention_away_and_nothing_else(
         sim_schedulers.main()
     assert "1h. Every scheduler on the same work" in capsys.readouterr().out
     assert json.loads((tmp_path / "free_cpus.json").read_text())["disjoint2/sigma0.5"] == table
+
+
+def test_a_longer_run_keeps_the_steps_recorded_and_draws_the_others_from_its_sessions() -> None:
+    """gyre.sim.predict.longer: the recorded steps unchanged, each further step as many sessions as a recorded
+    one, none twice in a step, named and grouped as a run's (groups of group_size in order), the same each time."""
+    calls = {
+        f"s{st}-g{g}-r{i}": (Call(st, g, float(10 * st + 2 * g + i)),) for st in (0, 1) for g in (0, 1) for i in (0, 1)
+    }
+    trace = Trace(
+        {st: [Rollout(rid, int(rid[4]), c) for rid, c in calls.items() if rid.startswith(f"s{st}")] for st in (0, 1)}
+    )
+    made = longer(trace, 5, group_size=2)
+    assert sorted(made.by_step) == [0, 1, 2, 3, 4]
+    assert made.by_step[0] == trace.by_step[0] and made.by_step[1] == trace.by_step[1]
+    for step in (2, 3, 4):
+        drawn = made.by_step[step]
+        assert [(r.rollout_id, r.group) for r in drawn] == [(f"s{step}-g{i // 2}-r{i % 2}", i // 2) for i in range(4)]
+        assert len({r.calls for r in drawn}) == 4 and {r.calls for r in drawn} <= set(calls.values())
+    assert made.by_step[2] != made.by_step[3] or made.by_step[3] != made.by_step[4]  # seeded by the step
+    assert longer(trace, 5, group_size=2) == made
+    assert sorted(longer(trace, 1, group_size=2).by_step) == [0]
+
+
+def test_longer_runs_keep_the_recorded_run_and_take_longer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--steps` (1i): at the recorded length the walls and bound of 1h; a run made twice as long takes every
+    scheduler and the bound longer, each by at most about twice (the pipeline's start is paid once)."""
+    from tools import sim_schedulers
+
+    records = {"disjoint2/sigma0.5": sim_schedulers.load_records(None, "same-work-2")["disjoint2/sigma0.5"]}
+    run = next(iter(records["disjoint2/sigma0.5"].values()))
+    costs = fit_costs(list(records["disjoint2/sigma0.5"].values()))
+    assert predict(costs, run, "elastic", run.shape["steps"]).wall_s == predict(costs, run, "elastic").wall_s
+    assert run_bound(costs, run, run.shape["steps"]) == run_bound(costs, run)
+    table = sim_schedulers.longer_runs(records, [12])["disjoint2/sigma0.5"]
+    assert sorted(table) == [6, 12]
+    assert table[6] == {
+        k: v for k, v in sim_schedulers.free_cpus(records)["disjoint2/sigma0.5"].items() if k != "elastic_idle_cell_s"
+    }
+    for where in ("shared", "free"):
+        for s in sim_schedulers.SCHEDULERS:
+            six, twelve = table[6][where]["same_work_s"][s], table[12][where]["same_work_s"][s]
+            assert 1.5 * six < twelve < 2.3 * six, (where, s, six, twelve)
+    argv = ["sim_schedulers", "--data", "same-work-2", "--workloads", "disjoint2/sigma0.5", "--steps", "12"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "argv", [*argv, "--out", str(tmp_path)])
+        sim_schedulers.main()
+    assert "1i. Every scheduler on the same work made longer" in capsys.readouterr().out
+    assert json.loads((tmp_path / "longer_runs.json").read_text())["disjoint2/sigma0.5"] == {
+        str(k): v for k, v in table.items()
+    }
 
 
 def test_carried_groups_train_once_in_the_oldest_open_step() -> None:

@@ -2,7 +2,7 @@
 
     python -m tools.sim_schedulers [--out DIR] [--data same-work|same-work-2|learning] [--bench DIR [--save-data]]
                                    [--workloads W,W] [--quick] [--cross] [--capacity N,N,...] [--carry]
-                                   [--free-cpus]
+                                   [--free-cpus] [--steps N,N,...]
 
 1. Validation: every run of the recorded local benchmark (tools/bench_schedulers.py: layouts disjoint2 and
    shared3, tails sigma 0.5 and 1.0, training as costly as rollouts) is simulated from its own calibration
@@ -28,6 +28,9 @@
    boundaries (gyre.sim.what_if.CarryAcrossSteps: a step trains the first groups to complete), not built.
    1h (`--free-cpus` prints it only): every scheduler on the same work, as 1d, on the runs' CPUs and with a CPU
    per job, and elastic's cell-seconds of no work on free CPUs, while sessions queued and while none was admitted.
+   1i (`--steps 12,24` prints it only): every scheduler on the same work, as 1h, with each run made longer (each
+   step it lacks draws its sessions from the run's own: gyre.sim.predict.longer), where the pipeline's first
+   and last steps weigh less than in the benchmark's 6.
 2. The reference system's scale: the 2.4T setting (4 cells of 48 nodes x 8 GPUs) and the 122B setting
    (24 and 32 nodes), with the throughputs and costs below stated as assumptions, beside the reference
    table; GPU utilisation of each scheduler and the lower bound (gyre.sim.bound).
@@ -450,6 +453,44 @@ def free_cpus(records: dict[str, dict[str, RunRecord]]) -> dict[str, Any]:
     return out
 
 
+def longer_runs(records: dict[str, dict[str, RunRecord]], steps: list[int]) -> dict[str, Any]:
+    """Every scheduler on every run's workload (as 1d) made `steps` long (gyre.sim.predict.longer: each step
+    the run lacks draws its sessions from the run's own), on the run's CPUs and with a CPU per job: median
+    walls, elastic's paired speedups and its wall over the bound; the run as recorded first."""
+    out: dict[str, Any] = {}
+    for wl, runs in records.items():
+        costs = fit_costs(list(runs.values()))
+        recorded = statistics.median(r.shape["steps"] for r in runs.values())
+        out[wl] = {}
+        for n in [None, *steps]:
+            row: dict[str, Any] = {}
+            for name, at in (("shared", list(runs.values())), ("free", [_free(r) for r in runs.values()])):
+                walls = {s: [predict(costs, r, s, n).wall_s for r in at] for s in SCHEDULERS}
+                e = walls["elastic"]
+                row[name] = {
+                    "same_work_s": {s: round(statistics.median(w), 1) for s, w in walls.items()},
+                    "speedup": {s: paired(walls[s], e) for s in SCHEDULERS if s != "elastic"},
+                    "over_bound": paired(e, [run_bound(costs, r, n) for r in at]),
+                }
+            out[wl][int(n or recorded)] = row
+    return out
+
+
+def print_longer_runs(table: dict[str, Any]) -> None:
+    print("\n1i. Every scheduler on the same work made longer (each step a run lacks draws its sessions from the "
+          "run's own; the recorded length first), on the runs' CPUs [with a CPU per job]: median walls, elastic's "
+          "paired speedups and wall over the bound")  # fmt: skip
+    for wl, rows in table.items():
+        for n, row in rows.items():
+            shared, free = row["shared"], row["free"]
+            walls = ", ".join(
+                f"{s} {shared['same_work_s'][s]:.0f} [{free['same_work_s'][s]:.0f}] s" for s in SCHEDULERS
+            )
+            speed = ", ".join(f"{v:.2f}x [{free['speedup'][s]:.2f}x] {s}" for s, v in shared["speedup"].items())
+            print(f"{label(wl):30s} {n:3d} steps: {walls}; elastic {speed}; {shared['over_bound']:.2f}x "
+                  f"[{free['over_bound']:.2f}x] the bound")  # fmt: skip
+
+
 def _free(run: RunRecord) -> RunRecord:
     return replace(run, shape={**run.shape, "cpus": None})
 
@@ -686,12 +727,14 @@ def main() -> None:
                       help="print only 1f, every scheduler simulated at each session capacity per cell, and stop")  # fmt: skip
     only.add_argument("--carry", action="store_true", help="print only 1g, groups carried across steps (not built)")
     only.add_argument("--free-cpus", action="store_true", help="print only 1h, every scheduler with a CPU per job")
+    only.add_argument("--steps", default=None, metavar="N,N,...",
+                      help="print only 1i, every scheduler on each run's work made N steps long, and stop")  # fmt: skip
     p.add_argument("--workloads", default=None, metavar="W,W,...",
                    help="read only these workloads of the benchmark (as layout/workload: disjoint2/sigma0.5)")  # fmt: skip
     args = p.parse_args()
-    if args.quick and (args.cross or args.capacity or args.carry or args.free_cpus):
-        p.error("--quick shortens the reference scale and the map (2 and 3), which --cross, --capacity, --carry and "
-                "--free-cpus do not print")  # fmt: skip
+    if args.quick and (args.cross or args.capacity or args.carry or args.free_cpus or args.steps):
+        p.error("--quick shortens the reference scale and the map (2 and 3), which --cross, --capacity, --carry, "
+                "--free-cpus and --steps do not print")  # fmt: skip
     if args.save_data:
         if not args.bench:
             p.error("--save-data stores the runs of --bench DIR")
@@ -727,6 +770,17 @@ def main() -> None:
         table = carry_what_if(records)
         print_carry_what_if(table)
         (out / "carry.json").write_text(json.dumps(table, indent=1))
+        return
+    if args.steps:
+        try:
+            steps = [int(n) for n in args.steps.split(",")]
+        except ValueError:
+            p.error(f"--steps takes whole numbers separated by commas, not {args.steps!r}")
+        if min(steps) < 1:
+            p.error("--steps: each number of steps must be at least 1")
+        table = longer_runs(records, steps)
+        print_longer_runs(table)
+        (out / "longer_runs.json").write_text(json.dumps(table, indent=1))
         return
     if args.free_cpus:
         table = free_cpus(records)

@@ -28,6 +28,7 @@ since nothing the target scheduler did enters it, and the contention is the targ
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from dataclasses import dataclass, replace
 from typing import Any
@@ -35,7 +36,7 @@ from typing import Any
 from gyre.sim.bound import lower_bound
 from gyre.sim.calibrate import RunRecord, calibrate, fit_engine_rows, run_shape
 from gyre.sim.simulator import SimResult, simulate
-from gyre.sim.workload import Call, CellModel, Rollout, Trace, tool_factor
+from gyre.sim.workload import Call, CellModel, Rollout, RunShape, Trace, tool_factor
 
 
 @dataclass(frozen=True)
@@ -167,12 +168,38 @@ def at_run(costs: Costs, run: RunRecord) -> CellModel:
     return replace(costs.cell, capacity=run.shape["capacity"], cpus=cpus_of(run))
 
 
-def predict(costs: Costs, target: RunRecord, scheduler: str | None = None) -> SimResult:
-    """`scheduler` (the target's own by default) on the target run's workload, shape and CPUs, at `costs`."""
-    return simulate(scheduler or target.scheduler, at_run(costs, target), run_shape(target), workload_of(target, costs))
+def predict(costs: Costs, target: RunRecord, scheduler: str | None = None, steps: int | None = None) -> SimResult:
+    """`scheduler` (the target's own by default) on the target run's workload, shape and CPUs, at `costs`;
+    with `steps`, on the run made that long (`longer`)."""
+    shape, trace = _work(costs, target, steps)
+    return simulate(scheduler or target.scheduler, at_run(costs, target), shape, trace)
 
 
-def run_bound(costs: Costs, run: RunRecord) -> float:
+def run_bound(costs: Costs, run: RunRecord, steps: int | None = None) -> float:
     """The lower bound (gyre.sim.bound) on the run's own workload, shape and CPUs, at `costs` (each alone on a
-    CPU: no schedule makes them faster)."""
-    return lower_bound(at_run(costs, run), run_shape(run), workload_of(run, costs)).seconds
+    CPU: no schedule makes them faster); with `steps`, on the run made that long (`longer`)."""
+    return lower_bound(at_run(costs, run), *_work(costs, run, steps)).seconds
+
+
+def longer(trace: Trace, steps: int, group_size: int) -> Trace:
+    """The trace run for `steps` steps: each step it lacks draws as many sessions as its first step holds
+    from all its recorded ones (seeded by the step, without repeats in a step, grouped in order): a longer run
+    of the same work, where the pipeline's first and last steps weigh less than in the run recorded."""
+    pool = [r for step in sorted(trace.by_step) for r in trace.by_step[step]]
+    n = len(trace.by_step[min(trace.by_step)])
+    by_step = {s: rs for s, rs in trace.by_step.items() if s < steps}
+    for step in range(steps):
+        if step not in by_step:
+            drawn = random.Random(f"longer:{step}").sample(pool, n)
+            by_step[step] = [
+                replace(r, rollout_id=f"s{step}-g{i // group_size}-r{i % group_size}", group=i // group_size)
+                for i, r in enumerate(drawn)
+            ]
+    return Trace(by_step)
+
+
+def _work(costs: Costs, run: RunRecord, steps: int | None) -> tuple[RunShape, Trace]:
+    shape, trace = run_shape(run), workload_of(run, costs)
+    if steps is None:
+        return shape, trace
+    return replace(shape, steps=steps), longer(trace, steps, shape.group_size)
