@@ -462,6 +462,10 @@ def test_workloads_the_benchmark_lacks_save_data_with_workloads_and_parts_togeth
     for argv in (["--carry", "--free-cpus"], ["--quick", "--free-cpus"]):  # one part only; --quick shortens others
         assert "--free-cpus" in _refused(["--out", str(tmp_path), *argv], capsys)
     assert "--steps" in _refused(["--out", str(tmp_path), "--quick", "--steps", "12"], capsys)
+    assert "(--cross)" in _refused(["--out", str(tmp_path), "--fit-from", "same-work-2"], capsys)
+    assert "other than the one predicted" in _refused(
+        ["--out", str(tmp_path), "--cross", "--fit-from", "same-work"], capsys
+    )
     assert "whole numbers" in _refused(["--out", str(tmp_path), "--steps", "12,x"], capsys)
     assert "at least 1" in _refused(["--out", str(tmp_path), "--steps", "12,0"], capsys)
     assert not list(tmp_path.iterdir())

@@ -2,7 +2,7 @@
 
     python -m tools.sim_schedulers [--out DIR] [--data same-work|same-work-2|learning] [--bench DIR [--save-data]]
                                    [--workloads W,W] [--quick] [--cross] [--capacity N,N,...] [--carry]
-                                   [--free-cpus] [--steps N,N,...]
+                                   [--free-cpus] [--steps N,N,...] [--fit-from DATA]
 
 1. Validation: every run of the recorded local benchmark (tools/bench_schedulers.py: layouts disjoint2 and
    shared3, tails sigma 0.5 and 1.0, training as costly as rollouts) is simulated from its own calibration
@@ -17,7 +17,8 @@
    `--workloads` reads only some of its workloads.
    1b. Cross-prediction (`--cross` prints 1b, 1c and 1e only): costs fitted from one scheduler's runs alone,
    each alone on a CPU (gyre.sim.predict.fit_costs), every run of the other schedulers predicted on its own
-   workload (its sessions' tokens and tool sleeps) and CPUs. 1c. Held-out workloads: costs from one
+   workload (its sessions' tokens and tool sleeps) and CPUs; `--cross --fit-from DATA` fits the costs from another
+   recorded benchmark's runs instead and predicts every run of --data's (1b and 1c only). 1c. Held-out workloads: costs from one
    workload's runs of one scheduler, every run of the other workloads and layouts predicted. 1d. Each run's lower bound on its own workload at
    costs shared by every scheduler, and every scheduler simulated on the same work: the speedups the
    policies give on equal work, and the most any scheduler could be faster than each baseline. 1e. Each
@@ -264,13 +265,16 @@ def scheduler_costs(records: dict[str, dict[str, RunRecord]]) -> Fitted:
             for wl, runs in records.items()}  # fmt: skip
 
 
-def cross_predict(records: dict[str, dict[str, RunRecord]], fitted: Fitted | None = None) -> dict[str, Any]:
+def cross_predict(
+    records: dict[str, dict[str, RunRecord]], fitted: Fitted | None = None, elsewhere: str | None = None
+) -> dict[str, Any]:
     """Costs fitted from one scheduler's runs of a workload alone (gyre.sim.predict.fit_costs), every other
     run of the workload predicted on its own workload (its sessions' tokens and tool sleeps; nothing its
     scheduler did) and shape. Returns workload -> calibrated-on -> predicted scheduler -> {measured_s: the
     median wall, simulated_s: the median prediction, error: the median of the runs' errors, worst: the
     largest}; the diagonal (a scheduler's own runs, fitted) in the table but not in the summary; plus the
-    median and worst error over every run predicted off the diagonal, one error a run and calibration."""
+    median and worst error over every run predicted off the diagonal, one error a run and calibration. With
+    `elsewhere` (the recorded benchmark `fitted` came from), no run was fitted: the diagonal counts too."""
     fitted = fitted or scheduler_costs(records)
     table: dict[str, Any] = {}
     off: list[float] = []
@@ -282,16 +286,19 @@ def cross_predict(records: dict[str, dict[str, RunRecord]], fitted: Fitted | Non
             for tgt in SCHEDULERS:
                 mine = [r for r in runs.values() if r.scheduler == tgt]
                 rows[src][tgt] = predicted(costs, mine)
-                if tgt != src:
+                if tgt != src or elsewhere:
                     off += [abs(e) for e in rows[src][tgt]["errors"]]
         table[wl] = rows
-    return {"table": table, **summary(off), "repeat_noise": repeat_noise(records)}
+    return {"table": table, **summary(off), "repeat_noise": repeat_noise(records), "fitted_from": elsewhere}
 
 
-def held_out(records: dict[str, dict[str, RunRecord]], fitted: Fitted | None = None) -> dict[str, Any]:
+def held_out(
+    records: dict[str, dict[str, RunRecord]], fitted: Fitted | None = None, elsewhere: str | None = None
+) -> dict[str, Any]:
     """Costs fitted from one workload's runs of one scheduler, every run of the other workloads (another
     tail, training as costly as rollouts, another layout: 3 cells sharing the CPUs) predicted. Returns
-    calibrated-on workload -> scheduler -> predicted workload -> as `cross_predict`, and the summary."""
+    calibrated-on workload -> scheduler -> predicted workload -> as `cross_predict`, and the summary; with
+    `elsewhere`, `fitted` came from that recorded benchmark."""
     fitted = fitted or scheduler_costs(records)
     table: dict[str, Any] = {}
     off: list[float] = []
@@ -302,7 +309,7 @@ def held_out(records: dict[str, dict[str, RunRecord]], fitted: Fitted | None = N
             row = {wl: predicted(costs, list(runs.values())) for wl, runs in records.items() if wl != src_wl}
             off += [abs(e) for r in row.values() for e in r["errors"]]
             table[src_wl][src] = row
-    return {"table": table, **summary(off)}
+    return {"table": table, **summary(off), "fitted_from": elsewhere}
 
 
 def predicted(costs: Costs, runs: list[RunRecord]) -> dict[str, Any]:
@@ -335,15 +342,23 @@ def repeat_noise(records: dict[str, dict[str, RunRecord]]) -> dict[str, float] |
 
 
 def print_cross(cross: dict[str, Any]) -> None:
-    print("\n1b. Cross-prediction: costs from one scheduler's runs alone, every run of each scheduler predicted on its "
-          "own workload (median error of its runs; the diagonal, in brackets, was fitted)")  # fmt: skip
+    if elsewhere := cross.get("fitted_from"):
+        print(f"\n1b. Cross-prediction from another recording: costs from one scheduler's runs alone in `{elsewhere}`, "
+              "every run of each scheduler here predicted on its own workload (median error of its runs)")  # fmt: skip
+    else:
+        print("\n1b. Cross-prediction: costs from one scheduler's runs alone, every run of each scheduler predicted on "
+              "its own workload (median error of its runs; the diagonal, in brackets, was fitted)")  # fmt: skip
     print(f"{'workload':30s} {'calibrated on':15s} " + " ".join(f"{s:>15s}" for s in SCHEDULERS))
     for wl, rows in cross["table"].items():
         for src in SCHEDULERS:
-            cells = [f"({e:+.1%})" if t == src else f"{e:+.1%}" for t in SCHEDULERS for e in [rows[src][t]["error"]]]
+            cells = [
+                f"({e:+.1%})" if t == src and not elsewhere else f"{e:+.1%}"
+                for t in SCHEDULERS
+                for e in [rows[src][t]["error"]]
+            ]
             print(f"{label(wl):30s} {src:15s} " + " ".join(f"{c:>15s}" for c in cells))
-    print(f"off the diagonal ({cross['predictions']} runs predicted): median error {cross['median_error']:.1%}, "
-          f"worst {cross['worst_error']:.1%}")  # fmt: skip
+    print(f"{'all' if elsewhere else 'off the diagonal'} ({cross['predictions']} runs predicted): median error "
+          f"{cross['median_error']:.1%}, worst {cross['worst_error']:.1%}")  # fmt: skip
     if noise := cross["repeat_noise"]:
         print(f"the measured walls' own spread (a run against each other repeat of its scheduler): median "
               f"{noise['median_error']:.1%}, worst {noise['worst_error']:.1%} ({noise['n']} pairs)")  # fmt: skip
@@ -352,7 +367,8 @@ def print_cross(cross: dict[str, Any]) -> None:
 def print_held_out(held: dict[str, Any]) -> None:
     if not held["predictions"]:
         return
-    print("\n1c. Held-out workloads: costs from one workload's runs of one scheduler, every run of the other "
+    where = f" in `{held['fitted_from']}`" if held.get("fitted_from") else ""
+    print(f"\n1c. Held-out workloads: costs from one workload's runs of one scheduler{where}, every run of the other "
           "workloads and layouts predicted (median error; worst in brackets)")  # fmt: skip
     for src_wl, rows in held["table"].items():
         for src, row in rows.items():
@@ -732,12 +748,18 @@ def main() -> None:
     only.add_argument("--free-cpus", action="store_true", help="print only 1h, every scheduler with a CPU per job")
     only.add_argument("--steps", default=None, metavar="N,N,...",
                       help="print only 1i, every scheduler on each run's work made N steps long, and stop")  # fmt: skip
+    p.add_argument("--fit-from", choices=sorted(RECORDED), default=None,
+                   help="with --cross: fit the costs from this recorded benchmark's runs, predict every run of --data's")  # fmt: skip
     p.add_argument("--workloads", default=None, metavar="W,W,...",
                    help="read only these workloads of the benchmark (as layout/workload: disjoint2/sigma0.5)")  # fmt: skip
     args = p.parse_args()
     if args.quick and (args.cross or args.capacity or args.carry or args.free_cpus or args.steps):
         p.error("--quick shortens the reference scale and the map (2 and 3), which --cross, --capacity, --carry, "
                 "--free-cpus and --steps do not print")  # fmt: skip
+    if args.fit_from and not args.cross:
+        p.error("--fit-from takes the cross-prediction's costs (--cross) from another recorded benchmark")
+    if args.fit_from and (args.bench or args.fit_from == args.data):
+        p.error("--fit-from names a recorded benchmark other than the one predicted (--data, not --bench)")
     if args.save_data:
         if not args.bench:
             p.error("--save-data stores the runs of --bench DIR")
@@ -790,8 +812,20 @@ def main() -> None:
         print_free_cpus(table)
         (out / "free_cpus.json").write_text(json.dumps(table, indent=1))
         return
-    fitted = scheduler_costs(records)
-    results: dict[str, Any] = {"cross": cross_predict(records, fitted), "held_out": held_out(records, fitted)}
+    if args.fit_from:
+        source = load_records(None, args.fit_from)
+        if missing := sorted(set(records) - set(source)):
+            p.error(f"--fit-from {args.fit_from} has no {', '.join(missing)} (use --workloads)")
+        fitted = scheduler_costs({wl: source[wl] for wl in records})
+    else:
+        fitted = scheduler_costs(records)
+    results: dict[str, Any] = {"cross": cross_predict(records, fitted, args.fit_from),
+                               "held_out": held_out(records, fitted, args.fit_from)}  # fmt: skip
+    if args.fit_from:  # 1e compares each scheduler's costs on these runs: none were fitted here
+        print_cross(results["cross"])
+        print_held_out(results["held_out"])
+        (out / "cross.json").write_text(json.dumps({k: results[k] for k in ("cross", "held_out")}, indent=1))
+        return
     results["costs"] = costs_by_scheduler(records, fitted)
     if args.cross:
         print_cross(results["cross"])
