@@ -468,6 +468,7 @@ def test_workloads_the_benchmark_lacks_save_data_with_workloads_and_parts_togeth
     )
     assert "whole numbers" in _refused(["--out", str(tmp_path), "--steps", "12,x"], capsys)
     assert "at least 1" in _refused(["--out", str(tmp_path), "--steps", "12,0"], capsys)
+    assert "--capacity: each number must be at least 1" in _refused(["--out", str(tmp_path), "--capacity", "0"], capsys)
     assert not list(tmp_path.iterdir())
 
 

@@ -731,6 +731,17 @@ def heatmaps(points: list[dict[str, float]], out: Path) -> list[Path]:
     return pngs
 
 
+def counts(p: argparse.ArgumentParser, option: str, text: str) -> list[int]:
+    """`option`'s whole numbers, at least 1 each, separated by commas; refused (exit 2) otherwise."""
+    try:
+        numbers = [int(n) for n in text.split(",")]
+    except ValueError:
+        p.error(f"{option} takes whole numbers separated by commas, not {text!r}")
+    if min(numbers) < 1:
+        p.error(f"{option}: each number must be at least 1")
+    return numbers
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(ROOT / "outputs" / "sim_schedulers"))
@@ -765,6 +776,9 @@ def main() -> None:
             p.error("--save-data stores the runs of --bench DIR")
         if args.workloads:
             p.error("--save-data stores every workload of --bench DIR; --workloads reads only some, so not with it")
+    # refused before any record is read
+    capacities = counts(p, "--capacity", args.capacity) if args.capacity else None
+    lengths = counts(p, "--steps", args.steps) if args.steps else None
     bench = Path(args.bench) if args.bench else None
     records = load_records(bench, args.data)
     if bench and not records:  # before --save-data could store nothing over a record
@@ -780,13 +794,7 @@ def main() -> None:
     if unknown := sorted(set(only) - set(records)):
         p.error(f"--workloads: no {', '.join(unknown)} in this benchmark (it has {', '.join(sorted(records))})")
     records = {wl: records[wl] for wl in only}
-    if args.capacity:
-        try:
-            capacities = [int(c) for c in args.capacity.split(",")]
-        except ValueError:
-            p.error(f"--capacity takes whole numbers separated by commas, not {args.capacity!r}")
-        if min(capacities) < 1:
-            p.error("--capacity: each capacity must be at least 1")
+    if capacities:
         sweep = capacity_sweep(records, capacities)
         print_capacity_sweep(sweep)
         (out / "capacity.json").write_text(json.dumps(sweep, indent=1))
@@ -796,14 +804,8 @@ def main() -> None:
         print_carry_what_if(table)
         (out / "carry.json").write_text(json.dumps(table, indent=1))
         return
-    if args.steps:
-        try:
-            steps = [int(n) for n in args.steps.split(",")]
-        except ValueError:
-            p.error(f"--steps takes whole numbers separated by commas, not {args.steps!r}")
-        if min(steps) < 1:
-            p.error("--steps: each number of steps must be at least 1")
-        table = longer_runs(records, steps)
+    if lengths:
+        table = longer_runs(records, lengths)
         print_longer_runs(table)
         (out / "longer_runs.json").write_text(json.dumps(table, indent=1))
         return
