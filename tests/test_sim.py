@@ -379,6 +379,24 @@ def test_cross_prediction_of_the_benchmark_recorded_again() -> None:
     assert noise is not None and noise["worst_error"] > WORST_BOUND
 
 
+def test_costs_from_runs_of_six_steps_predict_runs_of_twelve() -> None:
+    """`--data same-work-12 --cross --fit-from same-work-2`: each scheduler's costs fitted from its 6-step runs of
+    a tail (bench32) predict every 12-step run of every scheduler on that tail (bench33, recorded hours later with
+    the same code), and on the other tail (1c), within issue 29's bounds; none of these runs was fitted (measured:
+    1b 2.0% / 10.0%, 1c 1.8% / 11.8%, 54 predictions each)."""
+    from tools.sim_schedulers import cross_predict, held_out, load_records, scheduler_costs
+
+    six, twelve = load_records(None, "same-work-2"), load_records(None, "same-work-12")
+    assert set(twelve) == {"disjoint2/sigma0.5", "disjoint2/sigma1.0"}
+    assert {r.shape["steps"] for wl in twelve for r in six[wl].values()} == {6}
+    assert {r.shape["steps"] for runs in twelve.values() for r in runs.values()} == {12}
+    fitted = scheduler_costs({wl: six[wl] for wl in twelve})
+    cross, held = cross_predict(twelve, fitted, "same-work-2"), held_out(twelve, fitted, "same-work-2")
+    assert cross["predictions"] == 2 * 3 * 9 and held["predictions"] == 2 * 3 * 9
+    for result in (cross, held):
+        assert result["median_error"] <= MEDIAN_BOUND and result["worst_error"] <= WORST_BOUND, result
+
+
 def test_every_recorded_run_is_above_its_bound() -> None:
     from tools.sim_schedulers import load_records
 
