@@ -410,6 +410,17 @@ def workload_bounds(records: dict[str, dict[str, RunRecord]]) -> dict[str, Any]:
     return out
 
 
+BASELINES = [s for s in SCHEDULERS if s != "elastic"]
+
+
+def compared(walls: dict[str, list[float]], bounds: list[float]) -> dict[str, Any]:
+    """Every scheduler's walls on the same runs' work: their medians, elastic's paired speedup over each
+    baseline and its wall over the bound (paired by run)."""
+    e = walls["elastic"]
+    return {"same_work_s": {s: round(statistics.median(w), 1) for s, w in walls.items()},
+            "speedup": {s: paired(walls[s], e) for s in BASELINES}, "over_bound": paired(e, bounds)}  # fmt: skip
+
+
 def capacity_sweep(records: dict[str, dict[str, RunRecord]], capacities: list[int]) -> dict[str, Any]:
     """Every scheduler on every run's workload (as 1d) with every scheduler's session capacity per cell set to
     each of `capacities` (`sched.capacity_per_cell`, the same for all): elastic's paired speedups and its wall
@@ -421,12 +432,7 @@ def capacity_sweep(records: dict[str, dict[str, RunRecord]], capacities: list[in
         for cap in capacities:
             at = [replace(r, shape={**r.shape, "capacity": cap}) for r in runs.values()]
             walls = {s: [predict(costs, r, s).wall_s for r in at] for s in SCHEDULERS}
-            e = walls["elastic"]
-            out[wl][cap] = {
-                "same_work_s": {s: round(statistics.median(w), 1) for s, w in walls.items()},
-                "speedup": {s: paired(walls[s], e) for s in SCHEDULERS if s != "elastic"},
-                "over_bound": paired(e, [run_bound(costs, r) for r in at]),
-            }
+            out[wl][cap] = compared(walls, [run_bound(costs, r) for r in at])
     return out
 
 
@@ -461,12 +467,7 @@ def free_cpus(records: dict[str, dict[str, RunRecord]]) -> dict[str, Any]:
         for name, at in (("shared", list(runs.values())), ("free", [_free(r) for r in runs.values()])):
             results = {s: [predict(costs, r, s) for r in at] for s in SCHEDULERS}
             walls = {s: [x.wall_s for x in rs] for s, rs in results.items()}
-            e = walls["elastic"]
-            row[name] = {
-                "same_work_s": {s: round(statistics.median(w), 1) for s, w in walls.items()},
-                "speedup": {s: paired(walls[s], e) for s in SCHEDULERS if s != "elastic"},
-                "over_bound": paired(e, [run_bound(costs, r) for r in at]),
-            }
+            row[name] = compared(walls, [run_bound(costs, r) for r in at])
         idle = [{**x.idle_s, "switching": x.role_seconds.get("switching", 0.0)} for x in results["elastic"]]
         row["elastic_idle_cell_s"] = {k: round(statistics.median(i[k] for i in idle), 1) for k in idle[0]}
         out[wl] = row
@@ -487,13 +488,8 @@ def longer_runs(records: dict[str, dict[str, RunRecord]], steps: list[int]) -> d
             row: dict[str, Any] = {}
             for name, at in (("shared", list(runs.values())), ("free", [_free(r) for r in runs.values()])):
                 walls = {s: [predict(costs, r, s, n).wall_s for r in at] for s in SCHEDULERS}
-                e, b = walls["elastic"], [run_bound(costs, r, n) for r in at]
-                row[name] = {
-                    "same_work_s": {s: round(statistics.median(w), 1) for s, w in walls.items()},
-                    "speedup": {s: paired(walls[s], e) for s in SCHEDULERS if s != "elastic"},
-                    "over_bound": paired(e, b),
-                    "ceiling": {s: paired(walls[s], b) for s in SCHEDULERS if s != "elastic"},
-                }
+                bounds = [run_bound(costs, r, n) for r in at]
+                row[name] = {**compared(walls, bounds), "ceiling": {s: paired(walls[s], bounds) for s in BASELINES}}
             out[wl][int(n or recorded)] = row
     return out
 
