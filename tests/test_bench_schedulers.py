@@ -95,6 +95,7 @@ def test_cpu_seconds_are_told_apart_by_component() -> None:
         (["--repeats", "-1"], "--steps and --repeats must be at least 1"),
         (["--schedulers", "async,fifo"], "--schedulers: no fifo (the cell schedulers are"),
         (["--schedulers", "async,async"], "--schedulers names one twice"),
+        (["--only", "elastic"], "unrecognized arguments: --only (extra arguments are key=value overrides"),
     ],
 )
 def test_values_out_of_domain_are_refused_before_any_run(

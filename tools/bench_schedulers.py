@@ -85,6 +85,7 @@ def run_once(scheduler: str, steps: int, out: Path, extra: list[str]) -> dict[st
         with CpuSampler(proc.pid) as cpu:
             stdout, stderr = proc.communicate()
     total = time.monotonic() - start
+    out.mkdir(parents=True, exist_ok=True)  # a run that failed before making its output directory
     (out / "bench.log").write_text(stdout + stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"{scheduler} failed (exit {proc.returncode}); see {out / 'bench.log'}")
@@ -327,6 +328,8 @@ def main() -> None:
         help="the policy learns (train.lr as configured, calls unseeded): each run draws its own work",
     )
     args, extra = p.parse_known_args()
+    if flags := [a for a in extra if a.startswith("-")]:
+        p.error(f"unrecognized arguments: {' '.join(flags)} (extra arguments are key=value overrides for every run)")
     if args.steps < 1 or args.repeats < 1:
         p.error(f"--steps and --repeats must be at least 1 (got {args.steps} and {args.repeats})")
     chosen = args.schedulers.split(",")
