@@ -315,8 +315,11 @@ def test_tool_execution_stays_inside_the_workspace(tmp_path):
 
 @pytest.mark.unit
 def test_harness_imports_only_the_standard_library():
+    """It starts without site-packages (-S, as harness_argv runs it: no .pth files at each rollout's start)."""
     code = "import sys, gyre.harness.builtin; print(sorted({m.split('.')[0] for m in sys.modules}))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root}
+    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, check=True, env=env).stdout
     assert not {"torch", "numpy", "aiohttp", "openai", "tokenizers"} & set(json.loads(out.replace("'", '"')))
 
 

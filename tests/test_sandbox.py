@@ -30,7 +30,16 @@ from gyre.sandbox import (
     make_sandbox,
     seccomp,
 )
-from gyre.sandbox.base import INSIDE_SCRIPT, SOURCE_ROOT, host_python
+from gyre.sandbox.base import (
+    GYRE_ROOT,
+    INSIDE_SCRIPT,
+    RELAY_PORT,
+    SOCKET_PATH,
+    SOURCE_ROOT,
+    WORKSPACE,
+    host_python,
+    launcher_argv,
+)
 from gyre.tasks.grading import copy_workspace
 
 PY = host_python()
@@ -217,14 +226,41 @@ def test_seccomp_filter_decides_each_syscall(arch):
     assert len(seccomp.packed(arch)) == 8 * len(prog)
 
 
+def _inside_module():
+    spec = importlib.util.spec_from_file_location("gyre_inside", INSIDE_SCRIPT)
+    inside = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(inside)
+    return inside
+
+
+@pytest.mark.unit
+def test_the_launcher_reads_every_option_the_host_writes():
+    """inside.py parses its options by hand (argparse alone cost each sandbox ~10 ms of CPU at start): what
+    launcher_argv writes for a harness (relay, two watches, the start pipe) reads back whole, and an option it
+    does not know stops it before anything runs."""
+    inside = _inside_module()
+    cfg = SandboxConfig()
+    job = SandboxJob(argv=["python3", "-m", "x", "--flag", "--", "y"], cwd="/", proxy_socket=Path("/s"), started_fd=7,
+                     mounts=[Mount(Path("/w"), WORKSPACE, writable=True)])  # fmt: skip
+    argv = launcher_argv("python3", cfg, job)
+    args = inside.Args(argv[argv.index(f"{GYRE_ROOT}/gyre/sandbox/inside.py") + 1 :])
+    assert (args.fsize, args.nofile, args.nproc) == (cfg.file_size_mb << 20, cfg.open_files, cfg.processes)
+    assert args.address_space == cfg.memory_mb << 20 and args.seccomp == cfg.seccomp and args.started == 7
+    assert args.relay == f"{RELAY_PORT}:{SOCKET_PATH}" and args.connections == cfg.relay_connections
+    assert args.watch == [f"{WORKSPACE}:{cfg.workspace_mb << 20}"]
+    assert args.command == ["python3", "-m", "x", "--flag", "--", "y"]
+    with pytest.raises(SystemExit, match="bad launcher option '--fsiz'"):
+        inside.Args(["--fsiz", "1", "--", "true"])
+    with pytest.raises(SystemExit, match="bad launcher option '--relay'"):
+        inside.Args(["--relay"])
+
+
 @pytest.mark.unit
 def test_relay_and_endpoint_refuse_in_the_same_words():
     """inside.py (standard library only, in the sandbox, loaded here as the sandbox loads it) and the trainer's
     endpoint (which imports it) write the same 429 the SDKs read as an API error: a body in OpenAI's shape with
     Anthropic's `type: error`."""
-    spec = importlib.util.spec_from_file_location("gyre_inside", INSIDE_SCRIPT)
-    inside = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(inside)
+    inside = _inside_module()
     response = inside.too_many_connections(64)
     assert response == endpoint.too_many_connections(64)
     head, _, body = response.partition(b"\r\n\r\n")

@@ -57,10 +57,12 @@ class HarnessLaunch:
     reply_retries: int = 0
 
 
-def harness_argv(module: str, launch: HarnessLaunch) -> list[str]:
-    """`python -m <module>` with what every harness process gets: proxy URL, rollout id, workspace, files."""
+def harness_argv(module: str, launch: HarnessLaunch, site: bool = False) -> list[str]:
+    """`python -m <module>` with what every harness process gets: proxy URL, rollout id, workspace, files.
+    Without `site` (-S) the interpreter skips site-packages and their .pth files, tens of ms of CPU a rollout
+    for a wrapper that needs only the standard library and gyre (on PYTHONPATH)."""
     return [
-        launch.python, "-m", module,
+        launch.python, *([] if site else ["-S"]), "-m", module,
         "--base-url", launch.base_url,
         "--rollout-id", launch.rollout_id,
         "--workspace", str(launch.workspace),
@@ -92,7 +94,7 @@ def claude_code_command(launch: HarnessLaunch) -> list[str]:
 def mini_swe_agent_command(launch: HarnessLaunch) -> list[str]:
     """gyre.harness.mini_swe_agent, run by the interpreter of its own venv."""
     return [
-        *harness_argv("gyre.harness.mini_swe_agent", launch),
+        *harness_argv("gyre.harness.mini_swe_agent", launch, site=True),  # its venv's packages
         "--max-tokens", str(launch.max_tokens),
         "--temperature", str(launch.temperature),
         *(["--bare"] if launch.bare else []),

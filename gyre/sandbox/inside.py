@@ -16,9 +16,7 @@ started (setsid or not) is killed by the kernel.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import json
 import os
 import resource
 import signal
@@ -36,6 +34,8 @@ def too_many_connections(cap: int) -> bytes:
     """The relay's refusal: HTTP 429 whose body both SDKs read as an API error (OpenAI's and Anthropic's shape)."""
     message = f"this rollout holds {cap} connections to the model API already (sandbox.relay_connections)"
     error = {"message": message, "type": "rate_limit_error", "param": None, "code": "too_many_connections"}
+    import json  # only a refusal needs it: every sandbox starts this file, so its imports are kept few
+
     body = json.dumps({"type": "error", "error": error}).encode()
     head = f"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
     return (head + "Connection: close\r\n\r\n").encode() + body
@@ -164,21 +164,40 @@ def _limit(which: int, value: int) -> None:
         resource.setrlimit(which, (value, value))
 
 
+class Args:
+    """The launcher's options (the module docstring's usage; gyre.sandbox.base.launcher_argv writes them)."""
+
+    INTS = {"--fsize": "fsize", "--nofile": "nofile", "--nproc": "nproc", "--as": "address_space",
+            "--connections": "connections", "--started": "started"}  # fmt: skip
+
+    def __init__(self, argv: list[str]) -> None:
+        self.fsize = self.nofile = self.nproc = self.address_space = self.connections = 0
+        self.started = -1
+        self.seccomp = False
+        self.relay = ""
+        self.watch: list[str] = []  # DIR:BYTES, repeatable: the workspace, the root's changes
+        i = 0
+        while i < len(argv) and argv[i] != "--":
+            name = argv[i]
+            if name == "--seccomp":
+                self.seccomp, i = True, i + 1
+                continue
+            if i + 1 >= len(argv) or (name not in self.INTS and name not in ("--relay", "--watch")):
+                raise SystemExit(f"gyre sandbox: bad launcher option {name!r} (usage: see gyre/sandbox/inside.py)")
+            value = argv[i + 1]
+            if name == "--relay":
+                self.relay = value
+            elif name == "--watch":
+                self.watch.append(value)
+            else:
+                setattr(self, self.INTS[name], int(value))
+            i += 2
+        self.command = argv[i + 1 :]
+
+
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--fsize", type=int, default=0)
-    p.add_argument("--nofile", type=int, default=0)
-    p.add_argument("--nproc", type=int, default=0)
-    p.add_argument("--as", dest="address_space", type=int, default=0)
-    p.add_argument("--seccomp", action="store_true")
-    p.add_argument("--relay", default="")
-    p.add_argument("--connections", type=int, default=0)
-    p.add_argument("--watch", action="append", default=[], help="DIR:BYTES: kill the harness once DIR holds more "
-                   "than BYTES (repeatable: the workspace, the root's changes)")  # fmt: skip
-    p.add_argument("--started", type=int, default=-1)
-    p.add_argument("command", nargs=argparse.REMAINDER)
-    args = p.parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    args = Args(argv)  # argparse alone would cost every sandbox ~10 ms of CPU at start
+    command = args.command
     _limit(resource.RLIMIT_FSIZE, args.fsize)
     _limit(resource.RLIMIT_NOFILE, args.nofile)
     _limit(resource.RLIMIT_NPROC, args.nproc)

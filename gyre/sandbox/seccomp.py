@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import platform
+import os
 import struct
 
 AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
@@ -56,7 +56,7 @@ def _op(code: int, k: int, jt: int = 0, jf: int = 0) -> tuple[int, int, int, int
 
 def program(arch: str | None = None) -> list[tuple[int, int, int, int]]:
     """The filter for `arch` (default: this machine's) as (code, jt, jf, k) instructions."""
-    arch = arch or platform.machine()
+    arch = arch or os.uname().machine
     if arch not in AUDIT_ARCH:
         raise OSError(f"no seccomp filter for architecture {arch!r}; known: {sorted(AUDIT_ARCH)}")
     eperm, enosys = RET_ERRNO | errno.EPERM, RET_ERRNO | errno.ENOSYS

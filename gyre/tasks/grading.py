@@ -301,7 +301,7 @@ def _run_checker(
     """(returncode or None on timeout, stderr, what it reported) of the checker in a fresh sandbox with `mounts`."""
     report = Mount(scratch / "report.sock", REPORT_SOCKET, writable=True)
     mounts = [*code_mounts(), *mounts, report]
-    job = SandboxJob(argv=[sandbox.python, "-I", "-c", _CHECKER_BOOT], cwd="/tmp" if sandbox.isolated else "/",
+    job = SandboxJob(argv=[sandbox.python, "-I", "-S", "-c", _CHECKER_BOOT], cwd="/tmp" if sandbox.isolated else "/",
                      mounts=mounts, image=image, overlay=overlay)  # fmt: skip
     command = sandbox.command(job)
     listener = ReportListener(report.source)
