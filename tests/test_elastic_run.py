@@ -9,6 +9,7 @@ import json
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -68,7 +69,10 @@ EVAL_EVERY_STEP = ["eval.every=1", "eval.max_tasks=2", "eval.samples=2"]
 @pytest.mark.parametrize("scheduler", ["async", "elastic"])
 def test_scheduler_runs_as_an_mpi_job_of_cells(tmp_path: Path, scheduler: str) -> None:
     extra = ["logger=tensorboard", *EVAL_EVERY_STEP] if scheduler == "elastic" else []
+    wandb_dirs = set(Path(tempfile.gettempdir()).glob("tmp*wandb-*"))
     out, rows, summary = run(tmp_path, scheduler, *extra)
+    # megatron imports wandb when installed; a rank that leaves with os._exit would leave its temporary directories
+    assert set(Path(tempfile.gettempdir()).glob("tmp*wandb-*")) == wandb_dirs
     check_common(out, rows, summary, max_lag=1)
     cells = json.loads((out / "cells.json").read_text())
     assert [c["cell"] for c in cells] == [0, 1, 2] and len({c["engine_url"] for c in cells}) == 3

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -150,12 +151,22 @@ def cell_resources(cfg: RunConfig, cell: int) -> CellResources:
     return sats[min(cell, len(sats)) - 1]
 
 
+def without_wandb() -> None:
+    """Keep wandb out of this process: megatron.core's inference contexts import it when it is installed (for
+    their own logging), which costs a rank 0.6 s of start-up, and wandb's temporary directories
+    (tmp*wandb-media, tmp*wandb-artifacts) would stay in TMPDIR after every rank, since ranks leave with
+    os._exit. Only for a rank that runs no tracker: `import wandb` fails here from now on."""
+    sys.modules.setdefault("wandb", None)  # type: ignore[arg-type]  # None: the import system's "not importable"
+
+
 def run_cell(start: RunStart, cp: ControlPlane) -> bool:
     """Import megatron and build the training replica in a thread while the engine starts in this one, then
     serve the controller. In one process (start.in_process): the run's only cell, in the controller's process,
     with torch's threads as they are and the engine's own (engine.num_threads) rather than
     sched.threads_per_cell (and its engine as start_cell_engine says)."""
     cfg, out, in_process = start.cfg, start.out, start.in_process
+    if not in_process:  # a rank of its own: no tracker here (the controller's rank logs)
+        without_wandb()
     if cp.cell_comm.Get_size() > 1:  # the cell's trainer world over its ranks (gloo; NCCL on GPUs), for megatron
         from gyre.sched.cell.world import init_trainer_world
 
