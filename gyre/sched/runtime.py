@@ -156,7 +156,7 @@ def without_wandb() -> None:
     their own logging), which costs a rank 0.6 s of start-up, and wandb's temporary directories
     (tmp*wandb-media, tmp*wandb-artifacts) would stay in TMPDIR after every rank, since ranks leave with
     os._exit. Only for a rank that runs no tracker: `import wandb` fails here from now on."""
-    sys.modules.setdefault("wandb", None)  # type: ignore[arg-type]  # None: the import system's "not importable"
+    sys.modules.setdefault("wandb", None)  # None in sys.modules: the import system's "not importable"
 
 
 def run_cell(start: RunStart, cp: ControlPlane) -> bool:
