@@ -112,6 +112,7 @@ def run_once(scheduler: str, steps: int, out: Path, extra: list[str]) -> dict[st
         "sampled": sampled_tokens(out / "calls.jsonl"),
         "role_seconds": summary["role_seconds"],
         "cpu_s": cpu.seconds(),
+        "cpu_wait_s": cpu.seconds(waited=True),
         "load_avg": cpu.load_avg(),
         "out": str(out),
     }
@@ -119,12 +120,14 @@ def run_once(scheduler: str, steps: int, out: Path, extra: list[str]) -> dict[st
 
 class CpuSampler:
     """CPU seconds of a run's processes by component (`component_of`), read from /proc every `every_s` while
-    it runs. A process's last fraction of a poll before it exits is not seen (a lower bound: short-lived
-    harness tools lose the most); the 1-minute load average is sampled alongside."""
+    it runs, and the seconds their threads stood runnable waiting for a CPU (schedstat's run-queue wait): a
+    component that waits long shares its CPU with others. A process's last fraction of a poll before it exits
+    is not seen (a lower bound: short-lived harness tools lose the most); the 1-minute load average is sampled
+    alongside."""
 
     def __init__(self, root_pid: int, every_s: float = 0.5) -> None:
         self.root_pid, self.every_s = root_pid, every_s
-        self.seen: dict[int, tuple[str, float]] = {}  # pid -> (component, CPU seconds of its own)
+        self.seen: dict[int, tuple[str, float, float]] = {}  # pid -> (component, CPU seconds, run-queue wait s)
         self.loads: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
@@ -142,12 +145,13 @@ class CpuSampler:
         while not self._stop.wait(self.every_s):
             self.loads.append(os.getloadavg()[0])
             for pid, (component, ticks) in process_tree(self.root_pid).items():
-                self.seen[pid] = (component, ticks / tick)
+                self.seen[pid] = (component, ticks / tick, run_queue_wait_s(pid))
 
-    def seconds(self) -> dict[str, float]:
+    def seconds(self, waited: bool = False) -> dict[str, float]:
+        """CPU seconds by component; with `waited`, seconds runnable and waiting for a CPU."""
         out: dict[str, float] = {}
-        for component, secs in self.seen.values():
-            out[component] = out.get(component, 0.0) + secs
+        for component, secs, wait in self.seen.values():
+            out[component] = out.get(component, 0.0) + (wait if waited else secs)
         return {k: round(v, 1) for k, v in sorted(out.items())}
 
     def load_avg(self) -> dict[str, float]:
@@ -180,6 +184,22 @@ def process_tree(root: int) -> dict[int, tuple[str, int]]:
             out[pid] = (label, ticks)
             todo += [(child, label) for child in children.get(pid, [])]
     return out
+
+
+def run_queue_wait_s(pid: int) -> float:
+    """Seconds the process's threads have stood runnable, waiting for a CPU (/proc/PID/task/*/schedstat's
+    second field; 0.0 when it is gone or the kernel keeps no schedstats)."""
+    total = 0
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return 0.0
+    for task in tasks:
+        try:
+            total += int((task / "schedstat").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / 1e9
 
 
 def _pmi_rank(proc_dir: Path) -> str:
@@ -299,6 +319,10 @@ def report(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "wall_spread_s": spread([r["wall_s"] for r in runs]),
             "cpu_s": {
                 k: spread([r["cpu_s"].get(k, 0.0) for r in runs]) for k in sorted({k for r in runs for k in r["cpu_s"]})
+            },
+            "cpu_wait_s": {
+                k: spread([r.get("cpu_wait_s", {}).get(k, 0.0) for r in runs])
+                for k in sorted({k for r in runs for k in r.get("cpu_wait_s", {})})
             },
             "bound_s": statistics.median(r["bound_s"] for r in runs),
             "over_bound": round(statistics.median(r["wall_s"] / r["bound_s"] for r in runs), 3),

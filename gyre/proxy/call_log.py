@@ -58,6 +58,10 @@ class CallRecord:
     # little-endian, and that shape; "" and [] without replay
     routed_experts: str = ""
     routed_experts_shape: list[int] = field(default_factory=list)
+    # the engine request within [t_start, t_end]: sent after the prompt was rendered, answered before the reply
+    # was parsed (0.0 in logs written before they were recorded)
+    t_sent: float = 0.0
+    t_answered: float = 0.0
 
     def routed_experts_rows(self) -> np.ndarray | None:
         """int16 [positions, MoE layers, top-k] of the call's routed experts; None when none were recorded."""

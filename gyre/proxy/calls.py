@@ -270,9 +270,11 @@ class CallRunner:
         prompt = await self.render(rollout_id, messages, tools)
         sampling = self.sampling(prompt.input_ids, params, rollout_id)
         call_id = self.call_log.next_call_id()
+        t_sent = time.time()
         url, result = await self.dispatcher.generate(
             prompt.input_ids, sampling, call_id, rollout_id, routed_experts=self.routed_experts is not None
         )
+        t_answered = time.time()
         output_ids, logprobs, finish = result.output_ids, result.output_logprobs, result.finish_reason
         cut = cut_at_stop(self.tokenizer, output_ids, params.stop) if params.stop else None
         if cut is not None:
@@ -299,6 +301,8 @@ class CallRunner:
             cached_tokens=result.cached_tokens,
             t_start=t_start,
             t_end=time.time(),
+            t_sent=t_sent,
+            t_answered=t_answered,
             role=role,
             tool_names=list(tool_names or []),
             retokenized_turns=prompt.retokenized_turns,
