@@ -256,6 +256,21 @@ class CallRunner:
             truncated_logprobs=self.truncated_logprobs,
         )
 
+    def answered(self, result: GenerateResult, params: GenParams) -> tuple[list[int], list[float], str, str]:
+        """(output ids, logprobs, finish reason, text) of the engine's answer as the client gets it: cut at the
+        first stop string, and after the first tool call when parallel tool calls are off."""
+        output_ids, logprobs, finish = result.output_ids, result.output_logprobs, result.finish_reason
+        cut = cut_at_stop(self.tokenizer, output_ids, params.stop) if params.stop else None
+        if cut is not None:
+            n, text = cut
+            output_ids, logprobs, finish = output_ids[:n], logprobs[:n], "stop"
+        else:
+            text = self.tokenizer.decode(output_ids)
+        if params.tool_calls and not params.parallel_tool_calls and text.count(TOOL_CALL_START) > 1:
+            n, before = cut_at_stop(self.tokenizer, output_ids, [TOOL_CALL_END]) or (len(output_ids), text)
+            output_ids, logprobs, finish, text = output_ids[:n], logprobs[:n], "stop", before + TOOL_CALL_END
+        return output_ids, logprobs, finish, text
+
     async def run(
         self,
         rollout_id: str,
@@ -275,16 +290,7 @@ class CallRunner:
             prompt.input_ids, sampling, call_id, rollout_id, routed_experts=self.routed_experts is not None
         )
         t_answered = time.time()
-        output_ids, logprobs, finish = result.output_ids, result.output_logprobs, result.finish_reason
-        cut = cut_at_stop(self.tokenizer, output_ids, params.stop) if params.stop else None
-        if cut is not None:
-            n, text = cut
-            output_ids, logprobs, finish = output_ids[:n], logprobs[:n], "stop"
-        else:
-            text = self.tokenizer.decode(output_ids)
-        if params.tool_calls and not params.parallel_tool_calls and text.count(TOOL_CALL_START) > 1:
-            n, before = cut_at_stop(self.tokenizer, output_ids, [TOOL_CALL_END]) or (len(output_ids), text)
-            output_ids, logprobs, finish, text = output_ids[:n], logprobs[:n], "stop", before + TOOL_CALL_END
+        output_ids, logprobs, finish, text = self.answered(result, params)
         content, calls = parse_assistant_text(text) if params.tool_calls else (reply_text(text), [])
         record = CallRecord(
             rollout_id=rollout_id,
