@@ -187,8 +187,9 @@ def process_tree(root: int) -> dict[int, tuple[str, int]]:
 
 
 def run_queue_wait_s(pid: int) -> float:
-    """Seconds the process's threads have stood runnable, waiting for a CPU (/proc/PID/task/*/schedstat's
-    second field; 0.0 when it is gone or the kernel keeps no schedstats)."""
+    """Seconds the process's live threads have stood runnable, waiting for a CPU (/proc/PID/task/*/schedstat's
+    second field: a thread that has exited no longer counts; 0.0 when the process is gone or the kernel keeps
+    no schedstats)."""
     total = 0
     try:
         tasks = list(Path(f"/proc/{pid}/task").iterdir())
