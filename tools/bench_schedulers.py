@@ -300,6 +300,13 @@ def median_of(runs: list[dict[str, Any]], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
+def by_component(runs: list[dict[str, Any]], key: str) -> dict[str, dict[str, float]]:
+    """Each component's spread over the runs of `runs[i][key]` (a run without the key, or without the component,
+    counts 0.0)."""
+    components = sorted({c for r in runs for c in r.get(key, {})})
+    return {c: spread([r.get(key, {}).get(c, 0.0) for r in runs]) for c in components}
+
+
 def report(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     table: dict[str, Any] = {}
     for sched, runs in results.items():
@@ -318,13 +325,8 @@ def report(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "same_engine_followups": statistics.median(r["same_engine_followups"] for r in runs),
             "walls": [r["wall_s"] for r in runs],
             "wall_spread_s": spread([r["wall_s"] for r in runs]),
-            "cpu_s": {
-                k: spread([r["cpu_s"].get(k, 0.0) for r in runs]) for k in sorted({k for r in runs for k in r["cpu_s"]})
-            },
-            "cpu_wait_s": {
-                k: spread([r.get("cpu_wait_s", {}).get(k, 0.0) for r in runs])
-                for k in sorted({k for r in runs for k in r.get("cpu_wait_s", {})})
-            },
+            "cpu_s": by_component(runs, "cpu_s"),
+            "cpu_wait_s": by_component(runs, "cpu_wait_s"),
             "bound_s": statistics.median(r["bound_s"] for r in runs),
             "over_bound": round(statistics.median(r["wall_s"] / r["bound_s"] for r in runs), 3),
         }
