@@ -170,6 +170,13 @@ class Scheduler(StrEnum):
 CELL_SCHEDULERS = tuple(s for s in Scheduler if s.runs_cells)
 
 
+class Admission(StrEnum):
+    """gyre/sched/policy/admission.py"""
+
+    group_length = "group_length"
+    fifo = "fifo"
+
+
 class ResumeMode(StrEnum):
     """gyre/resume/recovery.py"""
 
@@ -646,6 +653,9 @@ class SchedConfig:
     # async: cells fixed to rollout (0: every satellite; the core trains)
     async_rollout_cells: int = ranged(0, NON_NEGATIVE, why="0: every satellite")
     micro_batches_in_flight: int = ranged(1, AT_LEAST_1)  # per training cell; more hides the controller round trip
+    # which queued session takes a freed slot: group_length: the oldest step's, a group not yet started first,
+    # then the group whose rollouts have run longest (gyre/sched/policy/admission.py); fifo: as submitted
+    admission: str = choice(Admission.group_length, Admission)
     kv_migration: bool = True  # move in-flight requests' keys/values with them when a cell leaves rollout
     # CPU set of each rank ("0-1", "0,2"), controller first; empty: controller on all CPUs, cell i on CPU (i-1) mod n
     cpu_sets: list[str] = field(default_factory=list)

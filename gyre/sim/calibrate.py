@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from gyre.config.schema import Admission
 from gyre.sched.launch.affinity import available_cpus, parse_cpu_list
 from gyre.sim.workload import Call, CellModel, Rollout, RunShape, Trace
 
@@ -92,6 +93,7 @@ def read_run(run_dir: str | Path) -> RunRecord:
         "timeout_s": sched["timeout_s"],
         "async_rollout_cells": s["async_rollout_cells"],
         "capacity": s["capacity_per_cell"],
+        "admission": s.get("admission", Admission.fifo),
         **workload_facts(cfg),
     }
     return RunRecord(
@@ -225,7 +227,7 @@ class Calibration:
             )
             for k, v in d["rollouts"].items()
         }
-        shape = RunShape(**{**d["shape"], "timeout_s": float(d["shape"]["timeout_s"])})
+        shape = RunShape(**{"admission": Admission.fifo, **d["shape"], "timeout_s": float(d["shape"]["timeout_s"])})
         return cls(CellModel(**d["cell"]), shape, rollouts, d["measured"])
 
 
@@ -242,8 +244,9 @@ def calibrate(runs: list[RunRecord]) -> Calibration:
 
 
 def run_shape(run: RunRecord) -> RunShape:
+    """The run's shape; a run recorded before sched.admission existed admitted its sessions as submitted."""
     known = {f for f in RunShape.__dataclass_fields__}
-    return RunShape(**{k: v for k, v in run.shape.items() if k in known})
+    return RunShape(**{"admission": Admission.fifo} | {k: v for k, v in run.shape.items() if k in known})
 
 
 def measured_walls(runs: list[RunRecord]) -> dict[str, list[float]]:

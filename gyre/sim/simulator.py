@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from gyre.comm.messages import MicroBatchRef
 from gyre.sched import policy
 from gyre.sched.policy import ledger as ledger_rules
+from gyre.sched.policy.admission import AdmissionOrder
 from gyre.sim.workload import CellModel, Rollout, RunShape
 
 
@@ -93,6 +94,7 @@ class Simulation:
         self.segments: list[tuple[int, str, float, float]] = []
         # the sessions (the rollout driver's view)
         self.queue: deque[_Session] = deque()
+        self.order = AdmissionOrder(shape.admission)
         self.running: dict[str, _Session] = {}
         self.in_call = 0
         self.done_inbox: list[_Session] = []
@@ -173,7 +175,10 @@ class Simulation:
     def pump(self) -> None:
         started = []
         while self.queue and len(self.running) < self.serving_capacity:
-            s = self.queue.popleft()
+            i = self.order.pick([(q.step, q.rollout.group) for q in self.queue], self.t)
+            s = self.queue[i]
+            del self.queue[i]
+            self.order.started((s.step, s.rollout.group), s.rollout.rollout_id, self.t)
             s.started = self.t
             self.running[s.rollout.rollout_id] = s
             s.in_cpu = True
@@ -253,6 +258,7 @@ class Simulation:
         s.token += 1
         r = s.rollout
         del self.running[r.rollout_id]
+        self.order.ended((s.step, r.group), r.rollout_id, self.t)
         self.session_s += self.t - s.started
         if not (r.end_s or r.end_cpu_s):
             self.pump()

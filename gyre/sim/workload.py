@@ -17,6 +17,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gyre.config.schema import Admission
 from gyre.sched.policy import KEEP_TRAINING
 
 
@@ -93,6 +94,7 @@ class RunShape:
     timeout_s: float = math.inf  # a session still running after this long is ended (and scored as is)
     async_rollout_cells: int = 0
     keep_training: int = KEEP_TRAINING  # elastic's policy: see gyre.sched.policy.PolicyConfig
+    admission: str = Admission.group_length  # which queued session starts next: gyre.sched.policy.admission
 
 
 @dataclass(frozen=True)

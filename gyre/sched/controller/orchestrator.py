@@ -152,6 +152,7 @@ class Controller:
         )
         sandbox = make_sandbox(cfg.sandbox)  # fails here, before any cell works, when it cannot run
         self.driver = RolloutDriver(self.proxy.start(), out / "rollouts", cfg.harness, cfg.tasks, sandbox, keys)
+        self.driver.set_admission(cfg.sched.admission)
         self.table = self.hello()
         self.faults = FaultInjector(cfg.sched.faults, self.pcfg.n_cells, self.timeline.now)
         point = point or ResumePoint(RunState(), None)

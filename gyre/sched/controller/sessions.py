@@ -2,11 +2,12 @@
 
 The driver runs its own asyncio loop in a thread. The controller submits a step's sessions when the
 staleness bound lets that step start, sets the capacity whenever the rollout cells change, reads the
-level (queued, running) and takes finished sessions from `events`. Each session is one black-box
-harness run through gyre.harness.runner (own workspace, own process group, graded at the end). A session
-holds its slot while its harness runs: once the harness has ended it makes no model call, and its grading
-(a SWE-bench instance's tests can run for minutes) runs outside the capacity, so the slot goes to the next
-session at once and `level` no longer counts it.
+level (queued, running) and takes finished sessions from `events`. Which queued session takes a freed slot
+is `sched.admission` (gyre.sched.policy.admission: by default the oldest step's group that looks longest).
+Each session is one black-box harness run through gyre.harness.runner (own workspace, own process group,
+graded at the end). A session holds its slot while its harness runs: once the harness has ended it makes
+no model call, and its grading (a SWE-bench instance's tests can run for minutes) runs outside the
+capacity, so the slot goes to the next session at once and `level` no longer counts it.
 
 Eval sessions (gyre.sched.controller.evaluation) hold only slots that no training session wants: one starts
 only when no training session waits, and the moment a training session waits for a slot an eval session
@@ -30,6 +31,7 @@ from gyre.config.schema import HarnessConfig, TaskConfig
 from gyre.harness.runner import RolloutOutcome, run_rollout
 from gyre.proxy.keys import RolloutKeys
 from gyre.sandbox import Sandbox
+from gyre.sched.policy.admission import AdmissionOrder
 from gyre.tasks.task import Task
 
 
@@ -93,6 +95,7 @@ class RolloutDriver:
         keys: RolloutKeys | None,
     ) -> None:
         self.proxy_url, self.root, self.harness, self.tasks = proxy_url, root, harness, tasks
+        self.order = AdmissionOrder()  # which queued training session starts next (under the lock)
         self.sandbox, self.keys = sandbox, keys
         self.events: queue.SimpleQueue[SessionDone] = queue.SimpleQueue()
         self.slot_freed = threading.Event()  # a harness ended: the level changed before its session's event
@@ -116,6 +119,11 @@ class RolloutDriver:
                 (self._pending_eval if job.kind == "eval" else self._pending).append((job, now))
             self._yield_eval_slots(now)
         self._loop.call_soon_threadsafe(self._pump)
+
+    def set_admission(self, rule: str) -> None:
+        """Start queued training sessions by `rule` (sched.admission) from now on."""
+        with self._lock:
+            self.order = AdmissionOrder(rule)
 
     def set_capacity(self, sessions: int) -> None:
         with self._lock:
@@ -184,8 +192,8 @@ class RolloutDriver:
                 queue_ = self._pending or self._pending_eval
                 if not queue_ or self._running >= self._capacity:
                     return
-                job, submitted = queue_.popleft()
                 now = time.time()
+                job, submitted = self._next(queue_, now)
                 self._running += 1
                 run = _Running(job, now, now - submitted)
                 if job.kind == "eval":
@@ -194,6 +202,19 @@ class RolloutDriver:
             run.task = self._loop.create_task(self._run(run))
             self._tasks.add(run.task)
             run.task.add_done_callback(self._tasks.discard)
+
+    def _next(self, queue_: deque[tuple[SessionJob, float]], now: float) -> tuple[SessionJob, float]:
+        """Take the queued session that starts next (under the lock): a training one by the admission order,
+        an eval one (only when no training one waits) in the order queued."""
+        if queue_ is self._pending_eval:
+            return queue_.popleft()
+        i = self.order.pick([(job.step, job.group) for job, _ in queue_], now)
+        picked = queue_[i]
+        del queue_[i]
+        job = picked[0]
+        self.order.started((job.step, job.group), job.rollout_id, now)
+        self.order.forget_before(min(j.step for j, _ in queue_) if queue_ else job.step)
+        return picked
 
     async def _run(self, run: _Running) -> None:
         job = run.job
@@ -235,6 +256,8 @@ class RolloutDriver:
             run.freed = time.time()
             self._running -= 1
             self._evals.pop(run.job.rollout_id, None)
+            if run.job.kind == "train":
+                self.order.ended((run.job.step, run.job.group), run.job.rollout_id, run.freed)
             self._note()
 
     def close(self, timeout_s: float = 30.0) -> None:
