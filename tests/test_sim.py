@@ -479,6 +479,7 @@ def test_workloads_the_benchmark_lacks_save_data_with_workloads_and_parts_togeth
     (tmp_path / "x").rmdir()
     for argv in (["--carry", "--free-cpus"], ["--quick", "--free-cpus"]):  # one part only; --quick shortens others
         assert "--free-cpus" in _refused(["--out", str(tmp_path), *argv], capsys)
+    assert "--admission" in _refused(["--out", str(tmp_path), "--quick", "--admission"], capsys)
     assert "--steps" in _refused(["--out", str(tmp_path), "--quick", "--steps", "12"], capsys)
     assert "(--cross)" in _refused(["--out", str(tmp_path), "--fit-from", "same-work-2"], capsys)
     assert "other than the one predicted" in _refused(
@@ -526,6 +527,29 @@ def test_free_cpus_take_the_contention_away_and_nothing_else(
         sim_schedulers.main()
     assert "1h. Every scheduler on the same work" in capsys.readouterr().out
     assert json.loads((tmp_path / "free_cpus.json").read_text())["disjoint2/sigma0.5"] == table
+
+
+def test_admission_rules_keep_the_recorded_order_and_put_the_longest_looking_group_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--admission` (1j): under fifo, the order the recorded runs admitted in, 1d's walls; under group_length
+    (the default since) elastic takes less time on the recorded tail, and every scheduler's walls are printed
+    and stored."""
+    from tools import sim_schedulers
+
+    records = {"disjoint2/sigma0.5": sim_schedulers.load_records(None, "same-work-2")["disjoint2/sigma0.5"]}
+    table = sim_schedulers.admission_rules(records)["disjoint2/sigma0.5"]
+    own = sim_schedulers.workload_bounds(records)["disjoint2/sigma0.5"]
+    assert set(table) == {"fifo", "group_length"}
+    for s in sim_schedulers.SCHEDULERS:
+        assert abs(table["fifo"]["same_work_s"][s] - own[s]["same_work_s"]) <= 0.051  # 1 decimal against 2
+    assert table["group_length"]["same_work_s"]["elastic"] < 0.95 * table["fifo"]["same_work_s"]["elastic"], table
+    argv = ["sim_schedulers", "--data", "same-work-2", "--workloads", "disjoint2/sigma0.5", "--admission"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "argv", [*argv, "--out", str(tmp_path)])
+        sim_schedulers.main()
+    assert "1j. Which queued session takes a freed slot" in capsys.readouterr().out
+    assert json.loads((tmp_path / "admission.json").read_text())["disjoint2/sigma0.5"] == table
 
 
 def test_a_longer_run_keeps_the_steps_recorded_and_draws_the_others_from_its_sessions() -> None:

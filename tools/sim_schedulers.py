@@ -3,17 +3,18 @@
     python -m tools.sim_schedulers [--out DIR] [--data same-work|same-work-2|same-work-12|learning]
                                    [--bench DIR [--save-data]] [--workloads W,W] [--quick] [--cross]
                                    [--capacity N,N,...] [--carry] [--free-cpus] [--steps N,N,...]
-                                   [--fit-from DATA]
+                                   [--admission] [--fit-from DATA]
 
 1. Validation: every run of the recorded local benchmark (tools/bench_schedulers.py: layouts disjoint2 and
    shared3, tails sigma 0.5 and 1.0, training as costly as rollouts) is simulated from its own calibration
    (its sessions, micro-batches, switches, steps, the controller's shard writes), fitted now from the run's
-   records; the medians over repeats beside the measured medians. Four recorded benchmarks (`--data`):
+   records; the medians over repeats beside the measured medians. Five recorded benchmarks (`--data`):
    `same-work` (tools/sim_data/bench30_runs.json.gz, the default: a frozen policy, every run of a workload
    the same sessions), `same-work-2` (bench32_runs.json.gz: the same command again since a session frees its
    slot before it is graded, with each run's CPU seconds by component), `same-work-12` (bench33_runs.json.gz:
-   disjoint2's two tails with runs of 12 steps) and `learning` (bench29_runs.json.gz: the policy learns, each
-   run draws its own work); `--bench DIR` reads a benchmark's output directories
+   disjoint2's two tails with runs of 12 steps), `same-work-3` (bench37_runs.json.gz: the four workloads again
+   since a freed slot goes to the group that looks longest, sched.admission) and `learning`
+   (bench29_runs.json.gz: the policy learns, each run draws its own work); `--bench DIR` reads a benchmark's output directories
    instead (each directory under DIR that holds run directories is a workload:
    DIR/<layout>/<workload>/<scheduler>-<n>/), `--save-data` stores their records as the `--data` file;
    `--workloads` reads only some of its workloads.
@@ -33,7 +34,9 @@
    per job, and elastic's cell-seconds of no work on free CPUs, while sessions queued and while none was admitted.
    1i (`--steps 12,24` prints it only): every scheduler on the same work, as 1h, with each run made longer (each
    step it lacks draws its sessions from the run's own: gyre.sim.predict.longer), where the pipeline's first
-   and last steps weigh less than in the benchmark's 6.
+   and last steps weigh less than in the benchmark's 6. 1j (`--admission` prints it only): every scheduler on
+   the same work, as 1d, under each rule of which queued session takes a freed slot (sched.admission:
+   gyre.sched.policy.admission; the recorded runs admitted as submitted, `fifo`).
 2. The reference system's scale: the 2.4T setting (4 cells of 48 nodes x 8 GPUs) and the 122B setting
    (24 and 32 nodes), with the throughputs and costs below stated as assumptions, beside the reference
    table; GPU utilisation of each scheduler and the lower bound (gyre.sim.bound).
@@ -56,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.config.schema import CELL_SCHEDULERS as SCHEDULERS
+from gyre.config.schema import Admission
 from gyre.sched.policy import KEEP_TRAINING
 from gyre.sim.bound import alone_seconds, lower_bound
 from gyre.sim.calibrate import Calibration, RunRecord, calibrate, read_run
@@ -74,6 +78,8 @@ RECORDED = {
     "same-work-2": ROOT / "tools" / "sim_data" / "bench32_runs.json.gz",
     # disjoint2's two tails again with runs of 12 steps (--steps 12), the code unchanged since same-work-2
     "same-work-12": ROOT / "tools" / "sim_data" / "bench33_runs.json.gz",
+    # the four workloads again since a freed slot goes to the group that looks longest (sched.admission)
+    "same-work-3": ROOT / "tools" / "sim_data" / "bench37_runs.json.gz",
 }
 RUN_NAME = re.compile(rf"({'|'.join(SCHEDULERS)})-\d+")  # a run directory of tools/bench_schedulers.py
 WORKLOADS = {"sigma0.5": "tail sigma 0.5", "sigma1.0": "tail sigma 1.0", "trainheavy": "training ~ rollouts"}
@@ -436,6 +442,31 @@ def capacity_sweep(records: dict[str, dict[str, RunRecord]], capacities: list[in
     return out
 
 
+def admission_rules(records: dict[str, dict[str, RunRecord]]) -> dict[str, Any]:
+    """Every scheduler on every run's workload (as 1d) under each admission rule (`sched.admission`, the same
+    for all): median walls, elastic's paired speedups and its wall over the bound."""
+    out: dict[str, Any] = {}
+    for wl, runs in records.items():
+        costs = fit_costs(list(runs.values()))
+        out[wl] = {}
+        for rule in Admission:
+            at = [replace(r, shape={**r.shape, "admission": str(rule)}) for r in runs.values()]
+            walls = {s: [predict(costs, r, s).wall_s for r in at] for s in SCHEDULERS}
+            out[wl][str(rule)] = compared(walls, [run_bound(costs, r) for r in at])
+    return out
+
+
+def print_admission_rules(table: dict[str, Any]) -> None:
+    print("\n1j. Which queued session takes a freed slot (sched.admission), the same rule for every scheduler "
+          "(simulated on every run's workload at costs from all runs): median walls, elastic's paired speedups, "
+          "elastic over the bound")  # fmt: skip
+    for wl, rows in table.items():
+        for rule, row in rows.items():
+            walls = ", ".join(f"{s} {v:.1f} s" for s, v in row["same_work_s"].items())
+            speed = ", ".join(f"{v:.2f}x {s}" for s, v in row["speedup"].items())
+            print(f"{label(wl):30s} {rule:12s}: {walls}; elastic {speed}, {row['over_bound']:.2f}x the bound")
+
+
 def carry_what_if(records: dict[str, dict[str, RunRecord]]) -> dict[str, Any]:
     """Every scheduler on every run's workload (as 1d), as built and with groups carried across step
     boundaries: median walls, and elastic carrying over each baseline as built and carrying."""
@@ -757,6 +788,9 @@ def main() -> None:
                       help="print only 1f, every scheduler simulated at each session capacity per cell, and stop")  # fmt: skip
     only.add_argument("--carry", action="store_true", help="print only 1g, groups carried across steps (not built)")
     only.add_argument("--free-cpus", action="store_true", help="print only 1h, every scheduler with a CPU per job")
+    only.add_argument(
+        "--admission", action="store_true", help="print only 1j, every scheduler under each admission rule"
+    )
     only.add_argument("--steps", default=None, metavar="N,N,...",
                       help="print only 1i, every scheduler on each run's work made N steps long, and stop")  # fmt: skip
     p.add_argument("--fit-from", choices=sorted(RECORDED), default=None,
@@ -764,9 +798,9 @@ def main() -> None:
     p.add_argument("--workloads", default=None, metavar="W,W,...",
                    help="read only these workloads of the benchmark (as layout/workload: disjoint2/sigma0.5)")  # fmt: skip
     args = p.parse_args()
-    if args.quick and (args.cross or args.capacity or args.carry or args.free_cpus or args.steps):
+    if args.quick and (args.cross or args.capacity or args.carry or args.free_cpus or args.steps or args.admission):
         p.error("--quick shortens the reference scale and the map (2 and 3), which --cross, --capacity, --carry, "
-                "--free-cpus and --steps do not print")  # fmt: skip
+                "--free-cpus, --steps and --admission do not print")  # fmt: skip
     if args.fit_from and not args.cross:
         p.error("--fit-from takes the cross-prediction's costs (--cross) from another recorded benchmark")
     if args.fit_from and (args.bench or args.fit_from == args.data):
@@ -808,6 +842,11 @@ def main() -> None:
         table = longer_runs(records, lengths)
         print_longer_runs(table)
         (out / "longer_runs.json").write_text(json.dumps(table, indent=1))
+        return
+    if args.admission:
+        table = admission_rules(records)
+        print_admission_rules(table)
+        (out / "admission.json").write_text(json.dumps(table, indent=1))
         return
     if args.free_cpus:
         table = free_cpus(records)

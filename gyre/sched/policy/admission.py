@@ -12,8 +12,9 @@ is what ends the step, and the step's update gates the admission of later steps 
   of its rollouts runs);
 - then the group whose rollouts have run longest (a finished one's seconds, a running one's so far);
 - ties in the order submitted.
-On the recorded benchmarks' workloads the simulator (gyre.sim, which calls this) puts elastic 7-10% faster
-on the disjoint2 tails at 6 steps than in submission order (`fifo`), and changes colocate_cells by under 3%.
+On the 6-step tails of the recorded benchmarks the simulator (gyre.sim, which calls this) puts elastic 5-12%
+faster than in submission order (`fifo`), async 5-9%, colocate_cells within 4% either way
+(`python -m tools.sim_schedulers --admission`; docs/benchmarks.md).
 """
 
 from __future__ import annotations
