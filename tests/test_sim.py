@@ -521,12 +521,19 @@ def test_free_cpus_take_the_contention_away_and_nothing_else(
         assert table["free"]["same_work_s"][s] < table["shared"]["same_work_s"][s]
     assert set(table["elastic_idle_cell_s"]) == {"sessions_queued", "none_queued", "switching"}
     assert all(records["disjoint2/sigma0.5"][n].shape["cpus"] == 2 for n in records["disjoint2/sigma0.5"])
-    argv = ["sim_schedulers", "--data", "same-work-2", "--workloads", "disjoint2/sigma0.5", "--free-cpus"]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sys, "argv", [*argv, "--out", str(tmp_path)])
-        sim_schedulers.main()
-    assert "1h. Every scheduler on the same work" in capsys.readouterr().out
+    assert "1h. Every scheduler on the same work" in _one_part("--free-cpus", tmp_path, capsys)
     assert json.loads((tmp_path / "free_cpus.json").read_text())["disjoint2/sigma0.5"] == table
+
+
+def _one_part(option: str, out: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    """What tools.sim_schedulers prints with `option` on same-work-2's disjoint2 sigma 0.5 runs (writing to `out`)."""
+    from tools import sim_schedulers
+
+    argv = ["sim_schedulers", "--data", "same-work-2", "--workloads", "disjoint2/sigma0.5", option]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "argv", [*argv, "--out", str(out)])
+        sim_schedulers.main()
+    return capsys.readouterr().out
 
 
 def test_admission_rules_keep_the_recorded_order_and_put_the_longest_looking_group_first(
@@ -544,11 +551,7 @@ def test_admission_rules_keep_the_recorded_order_and_put_the_longest_looking_gro
     for s in sim_schedulers.SCHEDULERS:
         assert abs(table["fifo"]["same_work_s"][s] - own[s]["same_work_s"]) <= 0.051  # 1 decimal against 2
     assert table["group_length"]["same_work_s"]["elastic"] < 0.95 * table["fifo"]["same_work_s"]["elastic"], table
-    argv = ["sim_schedulers", "--data", "same-work-2", "--workloads", "disjoint2/sigma0.5", "--admission"]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sys, "argv", [*argv, "--out", str(tmp_path)])
-        sim_schedulers.main()
-    assert "1j. Which queued session takes a freed slot" in capsys.readouterr().out
+    assert "1j. Which queued session takes a freed slot" in _one_part("--admission", tmp_path, capsys)
     assert json.loads((tmp_path / "admission.json").read_text())["disjoint2/sigma0.5"] == table
 
 

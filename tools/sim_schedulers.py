@@ -427,44 +427,44 @@ def compared(walls: dict[str, list[float]], bounds: list[float]) -> dict[str, An
             "speedup": {s: paired(walls[s], e) for s in BASELINES}, "over_bound": paired(e, bounds)}  # fmt: skip
 
 
-def capacity_sweep(records: dict[str, dict[str, RunRecord]], capacities: list[int]) -> dict[str, Any]:
-    """Every scheduler on every run's workload (as 1d) with every scheduler's session capacity per cell set to
-    each of `capacities` (`sched.capacity_per_cell`, the same for all): elastic's paired speedups and its wall
-    over the bound at that capacity."""
+def shape_sweep(records: dict[str, dict[str, RunRecord]], key: str, values: list[Any]) -> dict[str, Any]:
+    """Every scheduler on every run's workload (as 1d) with the runs' shape `key` set to each of `values`, the
+    same for every scheduler: median walls, elastic's paired speedups and its wall over the bound at each."""
     out: dict[str, Any] = {}
     for wl, runs in records.items():
         costs = fit_costs(list(runs.values()))
         out[wl] = {}
-        for cap in capacities:
-            at = [replace(r, shape={**r.shape, "capacity": cap}) for r in runs.values()]
+        for value in values:
+            at = [replace(r, shape={**r.shape, key: value}) for r in runs.values()]
             walls = {s: [predict(costs, r, s).wall_s for r in at] for s in SCHEDULERS}
-            out[wl][cap] = compared(walls, [run_bound(costs, r) for r in at])
+            out[wl][value] = compared(walls, [run_bound(costs, r) for r in at])
     return out
+
+
+def capacity_sweep(records: dict[str, dict[str, RunRecord]], capacities: list[int]) -> dict[str, Any]:
+    """1f: each of `capacities` as every scheduler's session capacity per cell (`sched.capacity_per_cell`)."""
+    return shape_sweep(records, "capacity", capacities)
 
 
 def admission_rules(records: dict[str, dict[str, RunRecord]]) -> dict[str, Any]:
-    """Every scheduler on every run's workload (as 1d) under each admission rule (`sched.admission`, the same
-    for all): median walls, elastic's paired speedups and its wall over the bound."""
-    out: dict[str, Any] = {}
-    for wl, runs in records.items():
-        costs = fit_costs(list(runs.values()))
-        out[wl] = {}
-        for rule in Admission:
-            at = [replace(r, shape={**r.shape, "admission": str(rule)}) for r in runs.values()]
-            walls = {s: [predict(costs, r, s).wall_s for r in at] for s in SCHEDULERS}
-            out[wl][str(rule)] = compared(walls, [run_bound(costs, r) for r in at])
-    return out
+    """1j: each admission rule (`sched.admission`) for every scheduler."""
+    return shape_sweep(records, "admission", [str(rule) for rule in Admission])
+
+
+def print_sweep(table: dict[str, Any], row_label: Any, digits: int) -> None:
+    """A shape_sweep table, a line for each workload and value (`row_label(value)` names it)."""
+    for wl, rows in table.items():
+        for value, row in rows.items():
+            walls = ", ".join(f"{s} {v:.{digits}f} s" for s, v in row["same_work_s"].items())
+            speed = ", ".join(f"{v:.2f}x {s}" for s, v in row["speedup"].items())
+            print(f"{label(wl):30s} {row_label(value)}: {walls}; elastic {speed}, {row['over_bound']:.2f}x the bound")
 
 
 def print_admission_rules(table: dict[str, Any]) -> None:
     print("\n1j. Which queued session takes a freed slot (sched.admission), the same rule for every scheduler "
           "(simulated on every run's workload at costs from all runs): median walls, elastic's paired speedups, "
           "elastic over the bound")  # fmt: skip
-    for wl, rows in table.items():
-        for rule, row in rows.items():
-            walls = ", ".join(f"{s} {v:.1f} s" for s, v in row["same_work_s"].items())
-            speed = ", ".join(f"{v:.2f}x {s}" for s, v in row["speedup"].items())
-            print(f"{label(wl):30s} {rule:12s}: {walls}; elastic {speed}, {row['over_bound']:.2f}x the bound")
+    print_sweep(table, lambda rule: f"{rule:12s}", 1)
 
 
 def carry_what_if(records: dict[str, dict[str, RunRecord]]) -> dict[str, Any]:
@@ -572,11 +572,7 @@ def print_carry_what_if(table: dict[str, Any]) -> None:
 def print_capacity_sweep(sweep: dict[str, Any]) -> None:
     print("\n1f. Session capacity per cell, the same for every scheduler (simulated on every run's workload at costs "
           "from all runs): median walls, elastic's paired speedups, elastic over the bound")  # fmt: skip
-    for wl, rows in sweep.items():
-        for cap, row in rows.items():
-            walls = ", ".join(f"{s} {v:.0f} s" for s, v in row["same_work_s"].items())
-            speed = ", ".join(f"{v:.2f}x {s}" for s, v in row["speedup"].items())
-            print(f"{label(wl):30s} capacity {cap:2d}: {walls}; elastic {speed}, {row['over_bound']:.2f}x the bound")
+    print_sweep(sweep, lambda cap: f"capacity {cap:2d}", 0)
 
 
 def paired(walls: list[float], others: list[float]) -> float:
