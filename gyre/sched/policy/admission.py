@@ -5,7 +5,7 @@ A step's sessions are its groups' rollouts, `rl.group_size` of one task each. Ho
 unknown while it is queued (the policy's draw of how many turns, its tools' time), but rollouts of one task
 run alike: in the recorded benchmark the group accounts for 16-26% of the variance of a session's seconds
 (tools/bench_schedulers.py, disjoint2, both tails). When sessions queue for slots, the step's last one to start
-is what ends the step, and the step's update gates the admission of later steps (sched.staleness), so
+is often what ends the step, and the step's update gates the admission of later steps (sched.staleness), so
 `group_length` starts the longest-looking work first:
 - the oldest step first (its update comes first);
 - in it, a group none of whose rollouts has started yet (its probe: a group's length shows only once one
