@@ -1,6 +1,6 @@
 """Elastic vs colocate vs async in the simulator (gyre.sim): validation, the reference system's scale, a map.
 
-    python -m tools.sim_schedulers [--out DIR] [--data same-work|same-work-2|same-work-12|learning]
+    python -m tools.sim_schedulers [--out DIR] [--data same-work|same-work-2|same-work-12|same-work-3|learning]
                                    [--bench DIR [--save-data]] [--workloads W,W] [--quick] [--cross]
                                    [--capacity N,N,...] [--carry] [--free-cpus] [--steps N,N,...]
                                    [--admission] [--fit-from DATA]
@@ -14,8 +14,8 @@
    slot before it is graded, with each run's CPU seconds by component), `same-work-12` (bench33_runs.json.gz:
    disjoint2's two tails with runs of 12 steps), `same-work-3` (bench37_runs.json.gz: the four workloads again
    since a freed slot goes to the group that looks longest, sched.admission) and `learning`
-   (bench29_runs.json.gz: the policy learns, each run draws its own work); `--bench DIR` reads a benchmark's output directories
-   instead (each directory under DIR that holds run directories is a workload:
+   (bench29_runs.json.gz: the policy learns, each run draws its own work); `--bench DIR` reads a benchmark's
+   output directories instead (each directory under DIR that holds run directories is a workload:
    DIR/<layout>/<workload>/<scheduler>-<n>/), `--save-data` stores their records as the `--data` file;
    `--workloads` reads only some of its workloads.
    1b. Cross-prediction (`--cross` prints 1b, 1c and 1e only): costs fitted from one scheduler's runs alone,

@@ -227,7 +227,7 @@ class Calibration:
             )
             for k, v in d["rollouts"].items()
         }
-        shape = RunShape(**{"admission": Admission.fifo, **d["shape"], "timeout_s": float(d["shape"]["timeout_s"])})
+        shape = RunShape(**{**d["shape"], "timeout_s": float(d["shape"]["timeout_s"])})
         return cls(CellModel(**d["cell"]), shape, rollouts, d["measured"])
 
 
