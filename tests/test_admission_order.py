@@ -97,8 +97,9 @@ def test_the_driver_starts_sessions_in_the_admission_order(monkeypatch, tmp_path
 
 
 def test_the_simulator_admits_in_the_same_order():
-    """Two groups of a step, the first short and the second long, one slot: group_length runs both probes,
-    then the long group's rollouts, and the step ends sooner than in submission order."""
+    """Two groups of a step, the first short and the second long. On one slot every order ends at the sum; on
+    two, group_length runs both probes, then the long group's rollouts, and the step ends sooner than in
+    submission order."""
     cell = CellModel(capacity=1, decode_tps=1e9, session_tps=1e9, prefill_tps=1e12, call_s=0.0, train_tps=1e9,
                      micro_batch_s=0.0, to_train_s=0.0, to_rollout_s=0.0, reduce_s=0.0, sync_s=0.0)  # fmt: skip
     tool = {0: 1.0, 1: 10.0}
