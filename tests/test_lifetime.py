@@ -55,7 +55,7 @@ def test_a_child_outlives_the_thread_that_started_it_and_not_its_process():
 # ignored-signal masks (/proc/<pid>/status SigIgn), one started each way
 IGNORING_PARENT = """
 import signal, subprocess
-from gyre.lifetime import spawn_tied, tie_to_this_thread
+from gyre.lifetime import spawn_tied, tie_to_this_thread, tied_to_this_thread
 for s in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT):
     signal.signal(s, signal.SIG_IGN)
 show = ["grep", "SigIgn", "/proc/self/status"]
@@ -63,6 +63,9 @@ print(subprocess.run(show, capture_output=True, text=True).stdout.split()[1])
 print(subprocess.run(show, capture_output=True, text=True, preexec_fn=tie_to_this_thread()).stdout.split()[1])
 child = spawn_tied(show, stdout=subprocess.PIPE, text=True)
 print(child.communicate()[0].split()[1])
+argv, preexec_fn = tied_to_this_thread(show)
+assert preexec_fn is None  # tied by its command: Popen may vfork
+print(subprocess.run(argv, capture_output=True, text=True).stdout.split()[1])
 """
 
 
@@ -71,10 +74,59 @@ def test_a_tied_child_does_not_inherit_signals_its_parent_ignores():
     """Agent code that signals its checker must kill it (scored checker_killed) however the run was started."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", IGNORING_PARENT], capture_output=True, text=True, env=env, check=True)
-    plain, tied, spawned = (int(m, 16) for m in out.stdout.split())
+    plain, tied, spawned, by_command = (int(m, 16) for m in out.stdout.split())
     stop = (1 << (signal.SIGHUP - 1)) | (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGQUIT - 1))
     assert plain & stop == stop  # a plain Popen inherits them
-    assert tied & stop == 0 and spawned & stop == 0
+    assert tied & stop == 0 and spawned & stop == 0 and by_command & stop == 0
+
+
+# a parent that starts a child tied by its command and waits; it prints the child's pid
+COMMAND_TIED_PARENT = """
+import subprocess, time
+from gyre.lifetime import tied_to_this_thread
+argv, preexec_fn = tied_to_this_thread(["sleep", "60"])
+print(subprocess.Popen(argv, preexec_fn=preexec_fn).pid, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.integration
+def test_a_child_tied_by_its_command_dies_with_its_sigkilled_parent():
+    """A harness or checker, started without a preexec_fn (so that Popen can vfork), still ends with the run."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    parent = subprocess.Popen([sys.executable, "-c", COMMAND_TIED_PARENT], stdout=subprocess.PIPE, text=True, env=env)
+    child = int(parent.stdout.readline())
+    try:
+        deadline = time.monotonic() + 5  # env, setpriv and sh exec in turn; then it is sleep
+        while "sleep" not in Path(f"/proc/{child}/cmdline").read_bytes().decode() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _alive(child)
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 5
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not _alive(child), "the child outlived its SIGKILLed parent"
+    finally:
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)
+        if parent.poll() is None:
+            parent.kill()
+
+
+@pytest.mark.unit
+def test_a_child_tied_by_its_command_ends_itself_when_its_parent_died_before_the_signal_was_armed(tmp_path):
+    """The kernel sends nothing to a child whose parent died before the child armed PR_SET_PDEATHSIG: the
+    child's shell sees another parent and ends it before it execs the command."""
+    from gyre.lifetime import tied_to_this_thread
+
+    argv, preexec_fn = tied_to_this_thread(["touch", "ran"], signal.SIGTERM)
+    assert preexec_fn is None
+    assert subprocess.run(argv, cwd=tmp_path, timeout=30).returncode == 0 and (tmp_path / "ran").exists()
+    (tmp_path / "ran").unlink()
+    argv[argv.index(str(os.getpid()))] = "1"  # as if its parent had been another, now gone
+    assert subprocess.run(argv, cwd=tmp_path, timeout=30).returncode == -signal.SIGTERM
+    assert not (tmp_path / "ran").exists()
 
 
 @pytest.mark.unit

@@ -268,3 +268,34 @@ def test_relay_and_endpoint_refuse_in_the_same_words():
     error = json.loads(body)
     assert error["type"] == "error" and error["error"]["type"] == "rate_limit_error"
     assert set(error["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.unit
+def test_finished_sandboxes_cgroups_are_swept_at_most_once_every_few_seconds(tmp_path, monkeypatch):
+    """A root run makes a pids cgroup per sandbox; the empty ones of finished sandboxes go, an old one still
+    holding something and a young one (a sandbox being started) stay; and a run that makes hundreds of
+    sandboxes a minute does not sweep at each (it took a controller 2 s of CPU in a 77 s run)."""
+    from gyre.sandbox import limits
+
+    old, busy, young = tmp_path / "old", tmp_path / "busy", tmp_path / "young"
+    for d in (old, busy, young):
+        d.mkdir()
+    (busy / "cgroup.procs").write_text("123\n")
+    for d in (old, busy):
+        os.utime(d, (0, 0))
+    (tmp_path / "cgroup.procs").write_text("")  # the parent's own files are not cgroups
+    limits.sweep(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["busy", "cgroup.procs", "young"]
+
+    swept: list[Path] = []
+    monkeypatch.setattr(limits, "pids_parent", lambda: tmp_path)
+    monkeypatch.setattr(limits, "sweep", swept.append)
+    monkeypatch.setattr(limits, "_last_sweep", -limits.SWEEP_EVERY_S)
+    prefixes = [limits.pids_prefix(64) for _ in range(20)]
+    assert swept == [tmp_path]  # once for twenty sandboxes
+    assert all(p[:3] == ["/bin/sh", "-c", limits.ENTER] and p[3].endswith("/cgroup.procs") for p in prefixes)
+    assert len({p[3] for p in prefixes}) == 20
+    assert all(Path(p[3]).with_name("pids.max").read_text() == "64" for p in prefixes)
+    monkeypatch.setattr(limits, "_last_sweep", limits._last_sweep - limits.SWEEP_EVERY_S)
+    limits.pids_prefix(64)
+    assert swept == [tmp_path, tmp_path]

@@ -30,7 +30,7 @@ from gyre.config.schema import HarnessConfig, SandboxConfig, TaskConfig
 from gyre.harness.attribution import harness_failure
 from gyre.harness.endpoint import DEFAULT_MAX_CONNECTIONS, ProxyEndpoint
 from gyre.harness.kinds import HarnessLaunch, HarnessSpec, harness_spec
-from gyre.lifetime import tie_to_this_thread
+from gyre.lifetime import tied_to_this_thread
 from gyre.proxy.keys import RolloutKeys
 from gyre.sandbox import Mount, Sandbox, SandboxJob, make_sandbox, place
 from gyre.sandbox.base import HARNESS_DIR, RELAY_PORT, WORKSPACE, code_mounts, host_env
@@ -155,17 +155,19 @@ async def _run_harness(
     job.started_fd = write_fd
     start = time.monotonic()
     timed_out = False
+    # this thread waits on it: it ends with the run, even SIGKILLed
+    argv, preexec_fn = tied_to_this_thread(sandbox.command(job))
     try:
         with open(log_path, "wb") as log_file:
             proc = await asyncio.create_subprocess_exec(
-                *sandbox.command(job),
+                *argv,
                 cwd=job.cwd if not sandbox.isolated else "/",
                 env=host_env(sandbox, job),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=log_file,
                 start_new_session=True,
-                preexec_fn=tie_to_this_thread(),  # this thread waits on it: it ends with the run, even SIGKILLed
+                preexec_fn=preexec_fn,
                 pass_fds=(write_fd,) if write_fd >= 0 else (),
             )
     finally:

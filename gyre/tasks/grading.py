@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.config.schema import SandboxConfig
-from gyre.lifetime import tie_to_this_thread
+from gyre.lifetime import tied_to_this_thread
 from gyre.sandbox import Mount, Sandbox, SandboxJob, place
 from gyre.sandbox.backends import NoSandbox
 from gyre.sandbox.base import WORKSPACE, code_mounts, host_env
@@ -303,7 +303,8 @@ def _run_checker(
     mounts = [*code_mounts(), *mounts, report]
     job = SandboxJob(argv=[sandbox.python, "-I", "-S", "-c", _CHECKER_BOOT], cwd="/tmp" if sandbox.isolated else "/",
                      mounts=mounts, image=image, overlay=overlay)  # fmt: skip
-    command = sandbox.command(job)
+    # this thread waits on it: it ends with the run, even SIGKILLed
+    command, preexec_fn = tied_to_this_thread(sandbox.command(job))
     listener = ReportListener(report.source)
     try:
         proc = subprocess.Popen(
@@ -314,7 +315,7 @@ def _run_checker(
             text=True,
             env=host_env(sandbox, job),
             start_new_session=True,
-            preexec_fn=tie_to_this_thread(),  # this thread waits on it: it ends with the run, even SIGKILLed
+            preexec_fn=preexec_fn,
         )
     except OSError:
         listener.finish(0.0)
