@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,15 +31,15 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-@pytest.mark.integration
-def test_a_child_outlives_the_thread_that_started_it_and_not_its_process():
+def _kill_parent_then_child_is_gone(parent_code: str, ready: Callable[[int], bool]) -> None:
+    """Start `parent_code`, which prints its child's pid; once `ready(child)`, SIGKILL the parent (no clean-up
+    of any kind) and assert that the child ends within 5 s."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, env=env)
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True, env=env)
     child = int(parent.stdout.readline())
     try:
-        time.sleep(0.3)
-        assert _alive(child), "the child died with the thread that started it"
-        parent.kill()  # SIGKILL: no clean-up of any kind
+        assert ready(child)
+        parent.kill()
         parent.wait(10)
         deadline = time.monotonic() + 5
         while _alive(child) and time.monotonic() < deadline:
@@ -49,6 +50,15 @@ def test_a_child_outlives_the_thread_that_started_it_and_not_its_process():
             os.kill(child, signal.SIGKILL)
         if parent.poll() is None:
             parent.kill()
+
+
+@pytest.mark.integration
+def test_a_child_outlives_the_thread_that_started_it_and_not_its_process():
+    def still_alive(child: int) -> bool:
+        time.sleep(0.3)
+        return _alive(child)  # False: it died with the thread that started it
+
+    _kill_parent_then_child_is_gone(PARENT, still_alive)
 
 
 # a parent started as `nohup cmd &` would be: SIGHUP, SIGINT and SIGQUIT ignored; it prints its children's
@@ -93,25 +103,14 @@ time.sleep(60)
 @pytest.mark.integration
 def test_a_child_tied_by_its_command_dies_with_its_sigkilled_parent():
     """A harness or checker, started without a preexec_fn (so that Popen can vfork), still ends with the run."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    parent = subprocess.Popen([sys.executable, "-c", COMMAND_TIED_PARENT], stdout=subprocess.PIPE, text=True, env=env)
-    child = int(parent.stdout.readline())
-    try:
+
+    def sleeping(child: int) -> bool:
         deadline = time.monotonic() + 5  # env, setpriv and sh exec in turn; then it is sleep
         while "sleep" not in Path(f"/proc/{child}/cmdline").read_bytes().decode() and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert _alive(child)
-        parent.kill()
-        parent.wait(10)
-        deadline = time.monotonic() + 5
-        while _alive(child) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert not _alive(child), "the child outlived its SIGKILLed parent"
-    finally:
-        if _alive(child):
-            os.kill(child, signal.SIGKILL)
-        if parent.poll() is None:
-            parent.kill()
+        return _alive(child)
+
+    _kill_parent_then_child_is_gone(COMMAND_TIED_PARENT, sleeping)
 
 
 @pytest.mark.unit

@@ -379,6 +379,32 @@ def test_cross_prediction_of_the_benchmark_recorded_again() -> None:
     assert noise is not None and noise["worst_error"] > WORST_BOUND
 
 
+def test_cross_prediction_of_the_benchmark_recorded_since_sandboxes_start_without_a_fork() -> None:
+    """tools/sim_data/bench38_runs.json.gz (`--data same-work-4`, the code as it is: the controller's CPU 13 -> 9 s
+    a run): the three tails within issue 29's bounds (measured 1b 1.3% / 4.9%, 1c 1.8% / 6.5%); with the CPU-bound
+    fourth, every held-out workload too (2.1% / 12.0%) and the other schedulers within a median 2.2%, but one
+    prediction 20.3% off, elastic on that fourth from colocate_cells' costs: the one workload beyond the bound."""
+    from tools.sim_schedulers import cross_predict, held_out, load_records, scheduler_costs
+
+    records = load_records(None, "same-work-4")
+    heavy = "disjoint2/trainheavy"
+    assert set(records) == {"disjoint2/sigma0.5", "disjoint2/sigma1.0", heavy, "shared3/sigma0.5"}
+    fitted = scheduler_costs(records)
+    tails = {wl: runs for wl, runs in records.items() if wl != heavy}
+    for result in (cross_predict(tails, fitted), held_out(tails, fitted), held_out(records, fitted)):
+        assert result["median_error"] <= MEDIAN_BOUND and result["worst_error"] <= WORST_BOUND, result
+    every = cross_predict(records, fitted)
+    assert every["predictions"] == 4 * 3 * 6 and every["median_error"] <= MEDIAN_BOUND
+    beyond = {
+        (wl, src, s)
+        for wl, rows in every["table"].items()
+        for src, row in rows.items()
+        for s, r in row.items()
+        if s != src and max(abs(e) for e in r["errors"]) > WORST_BOUND
+    }
+    assert beyond <= {(heavy, "colocate_cells", "elastic")}, beyond
+
+
 def test_costs_from_runs_of_six_steps_predict_runs_of_twelve() -> None:
     """`--data same-work-12 --cross --fit-from same-work-2`: each scheduler's costs fitted from its 6-step runs of
     a tail (bench32) predict every 12-step run of every scheduler on that tail (bench33, recorded hours later with

@@ -1,6 +1,6 @@
 """Elastic vs colocate vs async in the simulator (gyre.sim): validation, the reference system's scale, a map.
 
-    python -m tools.sim_schedulers [--out DIR] [--data same-work|same-work-2|same-work-12|same-work-3|learning]
+    python -m tools.sim_schedulers [--out DIR] [--data same-work|same-work-2|same-work-12|same-work-3|same-work-4|learning]
                                    [--bench DIR [--save-data]] [--workloads W,W] [--quick] [--cross]
                                    [--capacity N,N,...] [--carry] [--free-cpus] [--steps N,N,...]
                                    [--admission] [--fit-from DATA]
@@ -8,12 +8,13 @@
 1. Validation: every run of the recorded local benchmark (tools/bench_schedulers.py: layouts disjoint2 and
    shared3, tails sigma 0.5 and 1.0, training as costly as rollouts) is simulated from its own calibration
    (its sessions, micro-batches, switches, steps, the controller's shard writes), fitted now from the run's
-   records; the medians over repeats beside the measured medians. Five recorded benchmarks (`--data`):
+   records; the medians over repeats beside the measured medians. Six recorded benchmarks (`--data`):
    `same-work` (tools/sim_data/bench30_runs.json.gz, the default: a frozen policy, every run of a workload
    the same sessions), `same-work-2` (bench32_runs.json.gz: the same command again since a session frees its
    slot before it is graded, with each run's CPU seconds by component), `same-work-12` (bench33_runs.json.gz:
    disjoint2's two tails with runs of 12 steps), `same-work-3` (bench37_runs.json.gz: the four workloads again
-   since a freed slot goes to the group that looks longest, sched.admission) and `learning`
+   since a freed slot goes to the group that looks longest, sched.admission), `same-work-4` (bench38_runs.json.gz:
+   the four again since sandboxes start without a fork of the controller) and `learning`
    (bench29_runs.json.gz: the policy learns, each run draws its own work); `--bench DIR` reads a benchmark's
    output directories instead (each directory under DIR that holds run directories is a workload:
    DIR/<layout>/<workload>/<scheduler>-<n>/), `--save-data` stores their records as the `--data` file;
@@ -80,6 +81,8 @@ RECORDED = {
     "same-work-12": ROOT / "tools" / "sim_data" / "bench33_runs.json.gz",
     # the four workloads again since a freed slot goes to the group that looks longest (sched.admission)
     "same-work-3": ROOT / "tools" / "sim_data" / "bench37_runs.json.gz",
+    # the four workloads again since sandboxes start without a fork of the controller (its CPU 13 -> 9 s a run)
+    "same-work-4": ROOT / "tools" / "sim_data" / "bench38_runs.json.gz",
 }
 RUN_NAME = re.compile(rf"({'|'.join(SCHEDULERS)})-\d+")  # a run directory of tools/bench_schedulers.py
 WORKLOADS = {"sigma0.5": "tail sigma 0.5", "sigma1.0": "tail sigma 1.0", "trainheavy": "training ~ rollouts"}
