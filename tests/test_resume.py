@@ -406,12 +406,17 @@ def test_a_run_killed_mid_step_keeps_the_steps_completed_groups(tmp_path, schedu
     try:
         found = wait_for("a group of step >= 2 written while another runs", lambda: mid_step_with_a_group_done(out),
                          600, lambda: first.poll() is None)  # fmt: skip
-        before = calls_by_rollout(out)
         _kill_job(first, out, scheduler)
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
-    k, kept_shards = found
+    k, seen_shards = found
+    # what the kill left: the shards seen written, and those of any group that finished before the kill landed
+    kept_shards = {
+        p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (out / "shards").glob(f"step{k:05d}-group*.h5")
+    }
+    assert {n: kept_shards.get(n) for n in seen_shards} == seen_shards
+    before = calls_by_rollout(out)
     kept = sorted(int(name[-7:-3]) for name in kept_shards)
     kept_ids = {f"s{k}-g{g}-r{i}" for g in kept for i in range(GROUP_SIZE)}
 
