@@ -12,11 +12,11 @@ Linux's PR_SET_PDEATHSIG signals a child when its parent *thread* exits, not its
   loop's time each; the three execs take about 2.5 ms of the child's. Where `setpriv --pdeathsig` or
   `env --default-signal` is missing, `tie_to_this_thread`, the same as a `preexec_fn`.
 `pid_alive` tells whether a process still runs (a zombie does not). Every tying function arms the signal in the
-child before exec and kill the child at once if its parent already died
-(the race the kernel leaves open), and give the child the default action of the signals a run is stopped
+child before it execs the command and kills the child at once if its parent already died
+(the race the kernel leaves open), and gives the child the default action of the signals a run is stopped
 or attacked with: an ignored signal survives exec, so a run started under `nohup` (SIGHUP) or as a shell's
 background job (SIGINT, SIGQUIT) would otherwise hand that to every engine, harness and checker. Elsewhere
-than Linux both are plain Popen.
+than Linux each is a plain Popen.
 """
 
 from __future__ import annotations
