@@ -73,26 +73,30 @@ def tied_to_this_thread(argv: list[str], sig: int = signal.SIGTERM) -> tuple[lis
     tools = _exec_tie_tools()
     if tools is None:
         return argv, tie_to_this_thread(sig)
+    return [*_tie_prefix(tools, sig), *argv], None
+
+
+def _tie_prefix(tools: tuple[str, str, str], sig: int) -> list[str]:
     env, setpriv, sh = tools
     name = signal.Signals(sig).name.removeprefix("SIG")
     defaults = ",".join(s.name.removeprefix("SIG") for s in DEFAULT_ACTION)
     check = _CHECK_PARENT.format(sig=name)
-    return [env, f"--default-signal={defaults}", setpriv, "--pdeathsig", name, "--", sh, "-c", check,
-            str(os.getpid()), *argv], None  # fmt: skip
+    return [env, f"--default-signal={defaults}", setpriv, "--pdeathsig", name, "--", sh, "-c", check, str(os.getpid())]
 
 
 @functools.cache
 def _exec_tie_tools() -> tuple[str, str, str] | None:
-    """(env, setpriv, sh) when they tie a child at exec (coreutils >= 8.31, util-linux >= 2.33), else None."""
+    """(env, setpriv, sh) when the prefix they make runs a command here (coreutils >= 8.31 for
+    `env --default-signal`, util-linux >= 2.33 for `setpriv --pdeathsig`), else None."""
     env, setpriv, sh = shutil.which("env"), shutil.which("setpriv"), shutil.which("sh")
     if env is None or setpriv is None or sh is None:
         return None
-    probe = [env, "--default-signal=HUP", setpriv, "--pdeathsig", "TERM", "--", sh, "-c", "exit 0"]
+    found = (env, setpriv, sh)
     try:
-        ok = subprocess.run(probe, capture_output=True, timeout=10).returncode == 0
+        probe = subprocess.run([*_tie_prefix(found, signal.SIGTERM), "true"], capture_output=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
-        ok = False
-    return (env, setpriv, sh) if ok else None
+        return None
+    return found if probe.returncode == 0 else None
 
 
 class _Forker:
