@@ -17,6 +17,9 @@ import hashlib
 import json
 import logging
 import math
+import sys
+import tempfile
+import types
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -112,6 +115,28 @@ class WandbTracker:
 
     def close(self) -> None:
         self.run.finish()
+
+
+# the temporary directories wandb makes when imported (tmp*wandb-media, tmp*wandb-artifacts in TMPDIR; a logged
+# image is copied into the first): (module, attribute path) in wandb 0.31
+WANDB_TEMPORARY_DIRS = (
+    ("wandb.sdk.data_types._private", "MEDIA_TMP"),
+    ("wandb.sdk.artifacts.artifact", "Artifact._TMP_DIR"),
+)
+
+
+def remove_wandb_temporary_dirs() -> None:
+    """Remove wandb's temporary directories, as its atexit hooks would: a rank that leaves with os._exit
+    (gyre.sched.launch.job.leave) skips them, and each run on the node would leave its two behind. Only as the
+    process ends: a later run in it (a Hydra multirun) writes into them. Nothing when wandb was not imported."""
+    if not isinstance(sys.modules.get("wandb"), types.ModuleType):
+        return
+    for module, path in WANDB_TEMPORARY_DIRS:
+        found: Any = sys.modules.get(module)
+        for name in path.split("."):
+            found = getattr(found, name, None)
+        if isinstance(found, tempfile.TemporaryDirectory):
+            found.cleanup()
 
 
 MAX_RUN_NAME = 200  # TensorBoard writes into a directory of this name: a file name holds 255 bytes at most

@@ -6,17 +6,17 @@ first run); about a minute per run on 2 busy cores."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 from conftest import CELL_WORKLOAD, EVERY_STEP_TRAINS
 from test_eval_run import check_row_against_shards
-from tracking_readers import tensorboard_scalars, tensorboard_tags
+from tracking_readers import tensorboard_scalars, tensorboard_tags, wandb_run
 
 from gyre.sched.launch.local import DEAD_CELLS_EXIT_CODE
 
@@ -25,11 +25,18 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = [*CELL_WORKLOAD, "train.micro_batch_tokens=1536"]  # a few micro-batches per group: work to spread
 
 
-def run(tmp_path: Path, scheduler: str, *extra: str, rc: int = 0) -> tuple[Path, list[dict], dict]:
+def run(
+    tmp_path: Path, scheduler: str, *extra: str, rc: int = 0, env: dict[str, str] | None = None
+) -> tuple[Path, list[dict], dict]:
     out = tmp_path / scheduler
     args = [f"scheduler={scheduler}", *WORKLOAD, *extra, f"output_dir={out}", f"hydra.run.dir={tmp_path / 'hydra'}"]
     proc = subprocess.run(
-        [sys.executable, "-m", "launch.run", *args], cwd=ROOT, capture_output=True, text=True, timeout=800
+        [sys.executable, "-m", "launch.run", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=800,
+        env={**os.environ, **(env or {})},
     )
     assert proc.returncode == rc, proc.stdout[-3000:] + proc.stderr[-5000:]
     if rc == DEAD_CELLS_EXIT_CODE:  # it finished without them, and says how to accept that
@@ -68,11 +75,14 @@ EVAL_EVERY_STEP = ["eval.every=1", "eval.max_tasks=2", "eval.samples=2"]
 
 @pytest.mark.parametrize("scheduler", ["async", "elastic"])
 def test_scheduler_runs_as_an_mpi_job_of_cells(tmp_path: Path, scheduler: str) -> None:
-    extra = ["logger=tensorboard", *EVAL_EVERY_STEP] if scheduler == "elastic" else []
-    wandb_dirs = set(Path(tempfile.gettempdir()).glob("tmp*wandb-*"))
-    out, rows, summary = run(tmp_path, scheduler, *extra)
-    # megatron imports wandb when installed; a rank that leaves with os._exit would leave its temporary directories
-    assert set(Path(tempfile.gettempdir()).glob("tmp*wandb-*")) == wandb_dirs
+    extra = ["logger=[tensorboard,wandb]", *EVAL_EVERY_STEP] if scheduler == "elastic" else []
+    tmp = tmp_path / "tmp"  # the job's own TMPDIR: what its ranks leave there is theirs alone
+    tmp.mkdir()
+    env = {"TMPDIR": str(tmp), "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": str(tmp_path)}
+    out, rows, summary = run(tmp_path, scheduler, *extra, env=env)
+    # megatron imports wandb where installed (the cells keep it out), the controller's tracker does: wandb's
+    # temporary directories, removed by its atexit hooks, would stay behind ranks that leave with os._exit
+    assert not list(tmp.glob("tmp*wandb-*"))
     check_common(out, rows, summary, max_lag=1)
     cells = json.loads((out / "cells.json").read_text())
     assert [c["cell"] for c in cells] == [0, 1, 2] and len({c["engine_url"] for c in cells}) == 3
@@ -91,7 +101,7 @@ def test_scheduler_runs_as_an_mpi_job_of_cells(tmp_path: Path, scheduler: str) -
         assert all(r["latency_s"] > 0 for r in to_train + to_rollout)
         assert summary["switch_median_s"]["rollout->train"] > 0
         check_decisions(rows)
-        check_tensorboard(out, rows)
+        check_trackers(out, rows)
         check_evals_never_held_up_training(out, rows)
     check_loop_never_stands_still(rows)
 
@@ -153,14 +163,18 @@ def check_evals_never_held_up_training(out: Path, rows: list[dict]) -> None:
     assert all(r["kind"] == "eval" for r in sessions if r.get("preempted"))
 
 
-def check_tensorboard(out: Path, rows: list[dict]) -> None:
-    """logger=tensorboard in a cell job: the controller's step rows, every switch event, both images."""
+def check_trackers(out: Path, rows: list[dict]) -> None:
+    """logger=[tensorboard,wandb] in a cell job: the controller's step rows in both, every switch event and
+    both images in TensorBoard."""
     (tb_dir,) = (out / "tensorboard").iterdir()
     tb = tensorboard_scalars(tb_dir)
+    (run_dir,) = (out / "wandb").glob("offline-run-*")
+    by_step = {h["step"]: h for h in wandb_run(run_dir)[1] if "reward_mean" in h}
     for r in (r for r in rows if r["event"] == "step"):
         for key, value in r.items():
             if key != "step" and isinstance(value, (int, float)):
                 assert tb[key][r["step"]] == pytest.approx(value, rel=1e-6, abs=1e-6), key
+                assert by_step[r["step"]][key] == pytest.approx(value, rel=1e-9, abs=1e-9), key
     latencies = [r["latency_s"] for r in rows if r["event"] == "switch"]
     assert [tb["events/switch/latency_s"][i] for i in range(len(latencies))] == pytest.approx(latencies, rel=1e-6)
     assert sorted(tensorboard_tags(tb_dir)["images"]) == ["learning_curve", "timeline"]

@@ -3,6 +3,8 @@ tracker's own reader (tests/tracking_readers.py)."""
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from gyre.metrics import MetricsWriter, plot_learning_curve, read_metrics
 from gyre.tracking import open_trackers
 
 pytestmark = pytest.mark.unit
+ROOT = Path(__file__).resolve().parents[1]
 
 ROWS = [
     {"step": 0, "reward_mean": 0.25, "success_rate": 0.0, "train/loss": 1.5, "n_rollouts": 4, "excluded_reasons": []},
@@ -77,3 +80,27 @@ def test_logger_takes_one_name_or_a_list_and_rejects_unknown_ones():
 def test_jsonl_alone_opens_no_tracker(tmp_path):
     assert open_trackers(compose([]), tmp_path) == []
     assert not list(Path(tmp_path).iterdir())
+
+
+LEAVE_LIKE_A_RANK = """
+import os, sys
+import wandb
+from gyre.tracking import remove_wandb_temporary_dirs
+if sys.argv[1] == "remove":
+    remove_wandb_temporary_dirs()
+os._exit(0)  # as gyre.sched.launch.job.leave does: no atexit hooks
+"""
+
+
+@pytest.mark.parametrize("remove", [False, True])
+def test_a_process_that_leaves_with_os_exit_removes_wandbs_temporary_dirs(tmp_path, remove):
+    """wandb makes tmp*wandb-media and tmp*wandb-artifacts in TMPDIR at import and removes them in atexit hooks,
+    which os._exit skips: left behind unless removed first (gyre.sched.launch.job.exit_now)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "WANDB_MODE": "offline", "WANDB_SILENT": "true",
+           "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"), "PYTHONPATH": str(ROOT)}  # fmt: skip
+    argv = [sys.executable, "-c", LEAVE_LIKE_A_RANK, "remove" if remove else "keep"]
+    subprocess.run(argv, check=True, env=env, timeout=120)
+    left = sorted(p.name[p.name.index("wandb-") :] for p in tmp.glob("tmp*wandb-*"))
+    assert left == ([] if remove else ["wandb-artifacts", "wandb-media"])

@@ -51,6 +51,7 @@ from gyre.sched.launch.slurm_env import (
     start_attempt,
 )
 from gyre.sched.runtime import RunStart, run_cell, run_controller
+from gyre.tracking import remove_wandb_temporary_dirs
 
 
 def run(out: Path) -> tuple[bool, dict[str, Any], int]:
@@ -156,6 +157,12 @@ def leave(finalize: bool, code: int = 0) -> NoReturn:
         MPI.Finalize()
     sys.stdout.flush()
     sys.stderr.flush()
+    exit_now(code)
+
+
+def exit_now(code: int) -> NoReturn:
+    """os._exit, after the one atexit work a rank must not skip: wandb's temporary directories."""
+    remove_wandb_temporary_dirs()
     os._exit(code)
 
 
@@ -210,7 +217,7 @@ def submitit_main(run_dir: str, abort_after_s: float = 30.0) -> dict[str, Any]:
     if code == DEAD_CELLS_EXIT_CODE:  # submitit's result is this error; the task exits non-zero
         raise DeadCellsError(dead_cells_message(report))
     # after submitit has written the result: skip the slow teardown; exit 75 when stopped (the script requeues)
-    atexit.register(os._exit, code)
+    atexit.register(exit_now, code)  # before the hooks registered earlier (wandb's): atexit runs the last first
     return report
 
 
