@@ -154,8 +154,9 @@ def cell_resources(cfg: RunConfig, cell: int) -> CellResources:
 def without_wandb() -> None:
     """Keep wandb out of this process: megatron.core's inference contexts import it when it is installed (for
     their own logging), which costs a rank 0.6 s of start-up, and wandb's temporary directories
-    (tmp*wandb-media, tmp*wandb-artifacts) would stay in TMPDIR after every rank, since ranks leave with
-    os._exit. Only for a rank that runs no tracker: `import wandb` fails here from now on."""
+    (tmp*wandb-media, tmp*wandb-artifacts) would stay in TMPDIR after a rank that MPI_Abort or a signal
+    ends. Only for a rank that runs no tracker (gyre.sched.launch.job.run: every rank but a controller with
+    logger=wandb): `import wandb` fails here from now on."""
     sys.modules.setdefault("wandb", None)  # None in sys.modules: the import system's "not importable"
 
 
@@ -165,8 +166,6 @@ def run_cell(start: RunStart, cp: ControlPlane) -> bool:
     with torch's threads as they are and the engine's own (engine.num_threads) rather than
     sched.threads_per_cell (and its engine as start_cell_engine says)."""
     cfg, out, in_process = start.cfg, start.out, start.in_process
-    if not in_process:  # a rank of its own: no tracker here (the controller's rank logs)
-        without_wandb()
     if cp.cell_comm.Get_size() > 1:  # the cell's trainer world over its ranks (gloo; NCCL on GPUs), for megatron
         from gyre.sched.cell.world import init_trainer_world
 

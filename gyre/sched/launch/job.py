@@ -50,7 +50,7 @@ from gyre.sched.launch.slurm_env import (
     record_exit_status,
     start_attempt,
 )
-from gyre.sched.runtime import RunStart, run_cell, run_controller
+from gyre.sched.runtime import RunStart, run_cell, run_controller, without_wandb
 from gyre.tracking import remove_wandb_temporary_dirs
 
 
@@ -68,6 +68,8 @@ def run(out: Path) -> tuple[bool, dict[str, Any], int]:
     rank = world.Get_rank()
     sizes = cell_ranks(cfg)
     layout = job_layout(world, cfg, os.environ)
+    if rank != layout.controller or "wandb" not in cfg.logger:
+        without_wandb()  # before preflight: only the controller's tracker may import it
     threads = cfg.sched.threads_per_cell
     if "SLURM_STEP_ID" in os.environ and not cfg.sched.cpu_sets:
         os.environ["OMP_NUM_THREADS"] = str(threads)  # keep the CPUs Slurm bound this task to
@@ -200,6 +202,7 @@ def fail_rank(out: Path, error: UserError) -> NoReturn:
     elif first:
         report(error)
     sys.stdout.flush()
+    remove_wandb_temporary_dirs()  # Abort ends this process as os._exit would: no atexit hooks
     MPI.COMM_WORLD.Abort(error.exit_code)
     os._exit(error.exit_code)  # not reached: Abort ends every rank
 
