@@ -125,6 +125,15 @@ WANDB_TEMPORARY_DIRS = (
 )
 
 
+def without_wandb() -> None:
+    """Keep wandb out of this process: megatron.core's inference contexts import it when it is installed (for
+    their own logging), which costs a rank 0.6 s of start-up, and wandb's temporary directories
+    (tmp*wandb-media, tmp*wandb-artifacts) would stay in TMPDIR after a rank that MPI_Abort or a signal
+    ends. Only for a rank that runs no tracker (gyre.sched.launch.job.run: every rank but a controller with
+    logger=wandb): `import wandb` fails here from now on."""
+    sys.modules.setdefault("wandb", None)  # None in sys.modules: the import system's "not importable"
+
+
 def remove_wandb_temporary_dirs() -> None:
     """Remove wandb's temporary directories, as its atexit hooks would: a rank that leaves with os._exit
     (gyre.sched.launch.job.leave) skips them, and each run on the node would leave its two behind. Only as the

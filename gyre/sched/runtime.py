@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -149,15 +148,6 @@ def cell_resources(cfg: RunConfig, cell: int) -> CellResources:
     if cell == 0 or not sats:
         return cfg.cluster.core
     return sats[min(cell, len(sats)) - 1]
-
-
-def without_wandb() -> None:
-    """Keep wandb out of this process: megatron.core's inference contexts import it when it is installed (for
-    their own logging), which costs a rank 0.6 s of start-up, and wandb's temporary directories
-    (tmp*wandb-media, tmp*wandb-artifacts) would stay in TMPDIR after a rank that MPI_Abort or a signal
-    ends. Only for a rank that runs no tracker (gyre.sched.launch.job.run: every rank but a controller with
-    logger=wandb): `import wandb` fails here from now on."""
-    sys.modules.setdefault("wandb", None)  # None in sys.modules: the import system's "not importable"
 
 
 def run_cell(start: RunStart, cp: ControlPlane) -> bool:

@@ -50,8 +50,8 @@ from gyre.sched.launch.slurm_env import (
     record_exit_status,
     start_attempt,
 )
-from gyre.sched.runtime import RunStart, run_cell, run_controller, without_wandb
-from gyre.tracking import remove_wandb_temporary_dirs
+from gyre.sched.runtime import RunStart, run_cell, run_controller
+from gyre.tracking import remove_wandb_temporary_dirs, without_wandb
 
 
 def run(out: Path) -> tuple[bool, dict[str, Any], int]:
