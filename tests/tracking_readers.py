@@ -70,3 +70,20 @@ def wandb_run(run_dir: Path) -> tuple[str, list[dict[str, Any]], dict[str, Any]]
         elif kind == "summary":
             summary |= {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.summary.update}
     return name, history, summary
+
+
+def check_step_rows_in_trackers(tb_dir: Path, wandb_dir: Path, rows: list[dict[str, Any]]) -> str:
+    """Every numeric value of every step row (`rows`: metrics.jsonl's step rows) as TensorBoard's scalars under
+    `tb_dir` and in the W&B offline run under `wandb_dir` hold it; returns the W&B run's name."""
+    import pytest
+
+    tb = tensorboard_scalars(tb_dir)
+    (run_dir,) = wandb_dir.glob("offline-run-*")
+    name, history, _ = wandb_run(run_dir)
+    by_step = {h["step"]: h for h in history if "reward_mean" in h}
+    for r in rows:
+        for key, value in r.items():
+            if key != "step" and isinstance(value, (int, float)):
+                assert tb[key][r["step"]] == pytest.approx(value, rel=1e-6, abs=1e-6), key
+                assert by_step[r["step"]][key] == pytest.approx(value, rel=1e-9, abs=1e-9), key
+    return name
