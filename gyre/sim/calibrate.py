@@ -12,6 +12,7 @@ tasks, the same per-rollout tool factor).
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -289,13 +290,20 @@ def fit_engine(calls: list[tuple[float, int, int, float]]) -> tuple[float, float
 
 def fit_engine_rows(rows: list[tuple[float, float, float, float]]) -> tuple[float, float, float]:
     """The same from rows of (slowdown, decode tokens, calls on its engine, seconds): a call's seconds =
-    slowdown x (fixed + decode tokens x (per token + per token x other calls)), each coefficient at least 0."""
+    slowdown x (fixed + decode tokens x (per token + per token x other calls)), each coefficient at least 0.
+
+    Least squares weighted by 1 / slowdown, so that the fitted seconds of the rows add up to their measured
+    seconds (the fixed term's normal equation is then the sum of the residuals). The slowdowns come from a
+    replay (gyre.sim.predict.fit_costs), whose contention at a call is not the one the call met: unweighted,
+    the most slowed rows decided the fit and a CPU-bound run's calls came out 30% short in total (elastic on
+    training ~ rollouts in bench38: 144-160 s measured, 109-111 s fitted)."""
     import numpy as np
 
     if len(rows) < 3:
         return 0.0, 0.0, 0.0
-    x = np.array([[s, s * dec, s * dec * max(0.0, n - 1)] for s, dec, n, _ in rows])
-    y = np.array([seconds for *_, seconds in rows])
+    weight = np.array([1.0 / math.sqrt(s) for s, *_ in rows])  # rows scaled by it: squares weighted 1 / slowdown
+    x = np.array([[s, s * dec, s * dec * max(0.0, n - 1)] for s, dec, n, _ in rows]) * weight[:, None]
+    y = np.array([seconds for *_, seconds in rows]) * weight
     coef, *_ = np.linalg.lstsq(x, y, rcond=None)
     a, b, c = (max(0.0, float(v)) for v in coef)
     return a, b, c
