@@ -1,10 +1,16 @@
-"""File helpers shared across gyre: durable writes (the shard writer, the checkpointer) and the lock that lets
-one process at a time build a cache entry (task images, warm starts)."""
+"""File helpers shared across gyre: durable writes (the shard writer, the checkpointer), the lock that lets
+one process at a time build a cache entry (task images, warm starts), and temporary directories that go
+with the process however it leaves."""
 
 from __future__ import annotations
 
+import atexit
 import fcntl
+import functools
 import os
+import shutil
+import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,3 +40,51 @@ def locked(path: Path, waiting: Callable[[], object] | None = None) -> Iterator[
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# Temporary directories of this process not removed yet: a rank leaves with os._exit
+# (gyre.sched.launch.job.exit_now), which skips the finally of every thread still inside one (a session's
+# proxy socket, a grading's copy of the workspace), and atexit hooks too.
+_TEMPORARY: set[Path] = set()
+_TEMPORARY_LOCK = threading.Lock()
+
+
+@contextmanager
+def scratch_dir(prefix: str) -> Iterator[Path]:
+    """A new directory in TMPDIR, removed when the block ends, or before the process leaves inside it
+    (`remove_temporary_dirs`)."""
+    path = _made(prefix)
+    try:
+        yield path
+    finally:
+        with _TEMPORARY_LOCK:
+            _TEMPORARY.discard(path)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def process_dir(prefix: str) -> Path:
+    """A new directory in TMPDIR for the rest of this process, removed as it leaves (`remove_temporary_dirs`)."""
+    return _made(prefix)
+
+
+def remove_temporary_dirs() -> None:
+    """Remove every directory `scratch_dir` and `process_dir` made and nothing removed yet: at the process's
+    exit (an atexit hook) and before an os._exit."""
+    with _TEMPORARY_LOCK:
+        paths = list(_TEMPORARY)
+        _TEMPORARY.clear()
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _made(prefix: str) -> Path:
+    _remove_at_exit()
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    with _TEMPORARY_LOCK:
+        _TEMPORARY.add(path)
+    return path
+
+
+@functools.cache
+def _remove_at_exit() -> None:
+    atexit.register(remove_temporary_dirs)

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,10 @@ from gyre.config.schema import HarnessConfig, TaskConfig
 from gyre.harness import runner
 from gyre.harness.builtin import CONTINUED_PREFIX, SUBAGENTS_PREFIX, SUMMARY_PROMPT
 from gyre.harness.demos import demonstration
+from gyre.harness.endpoint import ProxyEndpoint
 from gyre.harness.runner import live_group_members, run_rollout, run_rollouts
 from gyre.harness.tools import TOOL_SCHEMAS, execute_tool
+from gyre.proxy.keys import RolloutKeys
 from gyre.proxy.roles import chat_call_role
 from gyre.sandbox.base import WORKSPACE
 from gyre.tasks.families import FAMILIES, echo_files_task, fix_value_task, write_value_task
@@ -146,6 +149,39 @@ def _read(path: Path) -> bytes:
         return path.read_bytes()
     except OSError:
         return b""
+
+
+@pytest.mark.integration
+def test_a_rollout_cancelled_while_its_endpoint_starts_leaves_no_socket_directory_and_no_key(tmp_path, monkeypatch):
+    """A run stopped while sessions start (a requeue, a preemption, a failed cell) cancels them where they
+    are, here in starting the rollout's proxy endpoint: its socket directory is removed and its key revoked
+    all the same (they were left in TMPDIR and live before)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    start = ProxyEndpoint._start
+
+    async def slow_start(self: ProxyEndpoint) -> None:
+        await asyncio.sleep(30)
+        await start(self)
+
+    monkeypatch.setattr(ProxyEndpoint, "_start", slow_start)
+    keys = RolloutKeys()
+    task = write_value_task("a.txt", "x")
+
+    async def main() -> None:
+        rollout = asyncio.create_task(
+            run_rollout(task, "r", "http://127.0.0.1:9", tmp_path / "r", HARNESS, TaskConfig(), keys=keys)
+        )
+        while not list(tmp.glob("gyre-ep-*")):
+            await asyncio.sleep(0.01)
+        assert keys.live() == 1
+        rollout.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await rollout
+
+    run(main())
+    assert list(tmp.iterdir()) == [] and keys.live() == 0
 
 
 @pytest.mark.integration

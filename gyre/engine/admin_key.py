@@ -17,8 +17,9 @@ import functools
 import json
 import os
 import secrets
-import tempfile
 from pathlib import Path
+
+from gyre.fsutil import process_dir
 
 ADMIN_KEY_ENV = "GYRE_ENGINE_ADMIN_KEY"
 _key: str | None = None
@@ -62,7 +63,7 @@ def read_key_fd(fd: int) -> str:
 
 @functools.cache
 def _private_dir() -> Path:
-    return Path(tempfile.mkdtemp(prefix="gyre-keys-"))  # mode 0700
+    return process_dir("gyre-keys-")  # mode 0700, removed as the process leaves
 
 
 def sglang_key_config(directory: str | Path | None = None) -> Path:

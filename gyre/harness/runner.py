@@ -17,16 +17,16 @@ import asyncio
 import json
 import logging
 import os
-import shutil
 import signal
-import tempfile
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gyre.config.schema import HarnessConfig, SandboxConfig, TaskConfig
+from gyre.fsutil import scratch_dir
 from gyre.harness.attribution import harness_failure
 from gyre.harness.endpoint import DEFAULT_MAX_CONNECTIONS, ProxyEndpoint
 from gyre.harness.kinds import HarnessLaunch, HarnessSpec, harness_spec
@@ -221,22 +221,20 @@ async def run_rollout(
     task.materialize(r.workspace)
     r.harness_dir.mkdir()
     key = keys.issue(rollout_id) if keys is not None else "none"
-    sock_dir = Path(tempfile.mkdtemp(prefix="gyre-ep-")) if sandbox.isolated else None
-    endpoint = ProxyEndpoint(base_url, sock_dir / "proxy.sock" if sock_dir else None, max_connections)
-    await endpoint.start()
-    try:
-        job = _sandbox_job(r, endpoint, key)
-        try:
-            run, pid = await _run_harness(sandbox, job, r.log_path, agent_timeout(harness_cfg, task), kill_grace_s)
+    with scratch_dir("gyre-ep-") if sandbox.isolated else nullcontext(None) as sock_dir:
+        endpoint = ProxyEndpoint(base_url, sock_dir / "proxy.sock" if sock_dir else None, max_connections)
+        try:  # from here on a cancellation (a run stopped while sessions start) still closes and revokes
+            await endpoint.start()
+            job = _sandbox_job(r, endpoint, key)
+            try:
+                run, pid = await _run_harness(sandbox, job, r.log_path, agent_timeout(harness_cfg, task), kill_grace_s)
+            finally:
+                if job.overlay is not None:
+                    job.overlay.release()
         finally:
-            if job.overlay is not None:
-                job.overlay.release()
-    finally:
-        await endpoint.close()
-        if keys is not None:
-            keys.revoke(key)
-        if sock_dir is not None:
-            shutil.rmtree(sock_dir, ignore_errors=True)
+            await endpoint.close()
+            if keys is not None:
+                keys.revoke(key)
     if on_harness_end is not None:
         on_harness_end()
     return await _outcome(r, run, pid, endpoint)

@@ -41,12 +41,12 @@ import shutil
 import signal
 import stat
 import subprocess
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gyre.config.schema import SandboxConfig
+from gyre.fsutil import scratch_dir
 from gyre.lifetime import tied_to_this_thread
 from gyre.sandbox import Mount, Sandbox, SandboxJob, place
 from gyre.sandbox.backends import NoSandbox
@@ -359,39 +359,37 @@ def grade_workspace(
         return Grade.failed(f"task {task.task_id} ({task.source}): its tests use /tests and /logs, which need an "
                             "isolated sandbox (sandbox.backend=bwrap or apptainer)")  # fmt: skip
     check_timeout_s = task.check_timeout_s or check_timeout_s
-    scratch = Path(tempfile.mkdtemp(prefix="gyre-grade-"))
-    try:
-        copy = scratch / "workspace"
-        copy_workspace(workspace, copy)
-        source = task.checker_source if task.checker_source is not None else CHECKERS[task.checker].read_text()
-        mounts, where = _grading_mounts(task, sandbox, scratch, copy)
-        spec = {
-            "checks": task.checks,
-            "python_timeout_s": min(5.0, check_timeout_s / 3),
-            "python_budget_s": check_timeout_s * PYTHON_BUDGET_FRACTION,
-            "tests_timeout_s": check_timeout_s * TESTS_BUDGET_FRACTION,
-            "pid_namespace": sandbox.isolated,
-            **_checker_inputs(task),
-            **task.grading,
-            **where,
-        }
-        targets = [m.target for m in [*code_mounts(), *mounts]] + [REPORT_SOCKET]
-        overlay = grading_overlay(task, sandbox, workspace, scratch, targets)
+    with scratch_dir("gyre-grade-") as scratch:
         try:
-            code, err, report = _run_checker(
-                sandbox, source, spec, mounts, check_timeout_s, scratch, task.image, overlay
-            )
-        finally:
-            if overlay is not None:
-                overlay.release()
-    except WorkspaceTooLarge as e:
-        return Grade.agent_failed("workspace_limits", str(e))
-    except GuardUnavailable as e:
-        return Grade.failed(str(e))
-    except OSError as e:
-        return Grade.failed(f"grading failed: {type(e).__name__}: {e}")
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+            copy = scratch / "workspace"
+            copy_workspace(workspace, copy)
+            source = task.checker_source if task.checker_source is not None else CHECKERS[task.checker].read_text()
+            mounts, where = _grading_mounts(task, sandbox, scratch, copy)
+            spec = {
+                "checks": task.checks,
+                "python_timeout_s": min(5.0, check_timeout_s / 3),
+                "python_budget_s": check_timeout_s * PYTHON_BUDGET_FRACTION,
+                "tests_timeout_s": check_timeout_s * TESTS_BUDGET_FRACTION,
+                "pid_namespace": sandbox.isolated,
+                **_checker_inputs(task),
+                **task.grading,
+                **where,
+            }
+            targets = [m.target for m in [*code_mounts(), *mounts]] + [REPORT_SOCKET]
+            overlay = grading_overlay(task, sandbox, workspace, scratch, targets)
+            try:
+                code, err, report = _run_checker(
+                    sandbox, source, spec, mounts, check_timeout_s, scratch, task.image, overlay
+                )
+            finally:
+                if overlay is not None:
+                    overlay.release()
+        except WorkspaceTooLarge as e:
+            return Grade.agent_failed("workspace_limits", str(e))
+        except GuardUnavailable as e:
+            return Grade.failed(str(e))
+        except OSError as e:
+            return Grade.failed(f"grading failed: {type(e).__name__}: {e}")
     return _grade_from(code, err, report, timed_out, check_timeout_s)
 
 

@@ -29,6 +29,7 @@ from gyre.config.schema import RunConfig
 from gyre.config.validate import cell_ranks, check_cells
 from gyre.engine.admin_key import set_run_admin_key, take_run_admin_key
 from gyre.errors import UserError, report, wants_traceback
+from gyre.fsutil import remove_temporary_dirs
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted
 from gyre.sandbox.limits import raise_open_file_limit
 from gyre.sched.controller.faults import stalls_start
@@ -163,8 +164,10 @@ def leave(finalize: bool, code: int = 0) -> NoReturn:
 
 
 def exit_now(code: int) -> NoReturn:
-    """os._exit, after the one atexit work a rank must not skip: wandb's temporary directories."""
+    """os._exit, after the atexit work a rank must not skip: temporary directories (wandb's, and gyre's own that
+    threads still in a session or a grading hold)."""
     remove_wandb_temporary_dirs()
+    remove_temporary_dirs()
     os._exit(code)
 
 
@@ -203,6 +206,7 @@ def fail_rank(out: Path, error: UserError) -> NoReturn:
         report(error)
     sys.stdout.flush()
     remove_wandb_temporary_dirs()  # Abort ends this process as os._exit would: no atexit hooks
+    remove_temporary_dirs()
     MPI.COMM_WORLD.Abort(error.exit_code)
     os._exit(error.exit_code)  # not reached: Abort ends every rank
 
