@@ -42,10 +42,11 @@ def locked(path: Path, waiting: Callable[[], object] | None = None) -> Iterator[
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-# Temporary directories of this process not removed yet: a rank leaves with os._exit
-# (gyre.sched.launch.job.exit_now), which skips the finally of every thread still inside one (a session's
-# proxy socket, a grading's copy of the workspace), and atexit hooks too.
-_TEMPORARY: set[Path] = set()
+# Temporary directories of this process not removed yet, with the pid that made each: a rank leaves with
+# os._exit (gyre.sched.launch.job.exit_now), which skips the finally of every thread still inside one (a
+# session's proxy socket, a grading's copy of the workspace), and atexit hooks too. A forked child inherits
+# the table and the hook, and must not remove its parent's directories as it leaves.
+_TEMPORARY: dict[Path, int] = {}
 _TEMPORARY_LOCK = threading.Lock()
 
 
@@ -58,7 +59,7 @@ def scratch_dir(prefix: str) -> Iterator[Path]:
         yield path
     finally:
         with _TEMPORARY_LOCK:
-            _TEMPORARY.discard(path)
+            _TEMPORARY.pop(path, None)
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -68,12 +69,13 @@ def process_dir(prefix: str) -> Path:
 
 
 def remove_temporary_dirs() -> None:
-    """Remove every directory `scratch_dir` and `process_dir` made and nothing removed yet: at the process's
-    exit (an atexit hook) and before an os._exit."""
+    """Remove every directory this process made with `scratch_dir` and `process_dir` and has not removed yet:
+    at its exit (an atexit hook) and before an os._exit."""
     with _TEMPORARY_LOCK:
-        paths = list(_TEMPORARY)
-        _TEMPORARY.clear()
-    for path in paths:
+        mine = [path for path, pid in _TEMPORARY.items() if pid == os.getpid()]
+        for path in mine:
+            del _TEMPORARY[path]
+    for path in mine:
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -81,7 +83,7 @@ def _made(prefix: str) -> Path:
     _remove_at_exit()
     path = Path(tempfile.mkdtemp(prefix=prefix))
     with _TEMPORARY_LOCK:
-        _TEMPORARY.add(path)
+        _TEMPORARY[path] = os.getpid()
     return path
 
 

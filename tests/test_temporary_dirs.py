@@ -61,3 +61,15 @@ def test_a_scratch_dir_goes_when_its_block_ends_and_is_not_removed_twice(tmp_pat
     assert kept.is_dir()
     remove_temporary_dirs()
     assert not kept.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_a_forked_child_leaving_does_not_remove_its_parents_dirs(tmp_path, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    with scratch_dir("gyre-test-") as path:
+        pid = os.fork()
+        if pid == 0:  # the child leaves as a Python process does, its inherited hook and table and all
+            remove_temporary_dirs()
+            os._exit(0 if path.is_dir() else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0 and path.is_dir()
+    assert not path.exists()
