@@ -164,11 +164,16 @@ def leave(finalize: bool, code: int = 0) -> NoReturn:
 
 
 def exit_now(code: int) -> NoReturn:
-    """os._exit, after the atexit work a rank must not skip: temporary directories (wandb's, and gyre's own that
-    threads still in a session or a grading hold)."""
+    """os._exit, after the atexit work a rank must not skip (`remove_what_os_exit_skips`)."""
+    remove_what_os_exit_skips()
+    os._exit(code)
+
+
+def remove_what_os_exit_skips() -> None:
+    """The temporary directories atexit hooks would have removed: wandb's, and gyre's own that threads still in
+    a session or a grading hold."""
     remove_wandb_temporary_dirs()
     remove_temporary_dirs()
-    os._exit(code)
 
 
 def main(out: Path) -> None:
@@ -205,8 +210,7 @@ def fail_rank(out: Path, error: UserError) -> NoReturn:
     elif first:
         report(error)
     sys.stdout.flush()
-    remove_wandb_temporary_dirs()  # Abort ends this process as os._exit would: no atexit hooks
-    remove_temporary_dirs()
+    remove_what_os_exit_skips()  # Abort ends this process as os._exit would: no atexit hooks
     MPI.COMM_WORLD.Abort(error.exit_code)
     os._exit(error.exit_code)  # not reached: Abort ends every rank
 
