@@ -14,11 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from gyre.config.schema import MismatchConfig, ModelConfig, RunConfig, TrainConfig
+from gyre.config.schema import EvalConfig, MismatchConfig, ModelConfig, RunConfig, TrainConfig
 from gyre.harness.runner import RolloutOutcome
 from gyre.pipeline import FinishedRollout, tree_gspo_loss_fn, write_group_shard
 from gyre.proxy.synthetic import make_record
+from gyre.sched.controller.evaluation import EvalRunner
 from gyre.sched.controller.group_writer import GroupJob, GroupWriter
+from gyre.sched.controller.sessions import SessionDone
 from gyre.sched.policy.ledger import MicroBatchLedger
 from gyre.sched.replica import MicroBatchSource, core_step, flat_grads, plan_group
 from gyre.tasks.grading import Grade
@@ -196,5 +198,55 @@ def test_group_writer_writes_and_plans_off_the_callers_thread(tmp_path: Path) ->
         writer.submit(GroupJob(0, 2, [], {}, tmp_path / "none"))  # no members: write_group_shard fails
         with pytest.raises(RuntimeError, match="writing a group shard failed"):
             writer.drain(timeout=30)
+    finally:
+        writer.close()
+
+
+@pytest.mark.unit
+def test_eval_shards_are_written_by_the_writer_and_an_abandoned_evals_removed(tmp_path: Path) -> None:
+    """An eval task's samples, once all in, are a job for the group writer (the loop writes no shard): written
+    into shards_eval/ and never planned, their workspaces removed; the eval's row comes once its last shard is
+    back, listing them; a shard of an eval abandoned while it was being written is removed when it comes back."""
+    cfg = RunConfig(
+        model=MODEL, train=TrainConfig(micro_batch_tokens=70), eval=EvalConfig(every=1, samples=2, max_tasks=2)
+    )
+    evals = EvalRunner(cfg, tmp_path)
+    writer = GroupWriter(cfg, tmp_path / "shards")
+
+    def run_eval(version: int) -> list[GroupJob]:
+        jobs = []
+        for job in evals.open(version):
+            (tmp_path / "rollouts" / f"eval{version:04d}" / job.rollout_id).mkdir(parents=True)
+            done = rollout(job.rollout_id, job.group, 1.0, len(jobs))
+            outcome = dataclasses.replace(done.outcome, task=job.task)
+            if (shard_job := evals.finished(SessionDone(job, outcome, 0.0, 1.0), done.calls)) is not None:
+                jobs.append(shard_job)
+        return jobs
+
+    try:
+        jobs = run_eval(1)
+        assert [(j.kind, j.step, j.group) for j in jobs] == [("eval", 1, 0), ("eval", 1, 1)]
+        assert evals.in_flight and not any(evals.shard_dir.iterdir())  # nothing written by the caller
+        writer.submit(jobs[0])
+        (first,) = writer.drain(timeout=30)
+        assert first.kind == "eval" and (first.refs, first.trained, first.loss_rollouts) == ([], [], 0)
+        assert evals.written(first) is None and evals.in_flight  # one shard still out
+        writer.submit(jobs[1])
+        (second,) = writer.drain(timeout=30)
+        row = evals.written(second)
+        assert row is not None and not evals.in_flight
+        assert (
+            row["shards"]
+            == ["eval-v00001-task0000.h5", "eval-v00001-task0001.h5"]
+            == sorted(p.name for p in evals.shard_dir.iterdir())
+        )
+        assert not any((tmp_path / "rollouts" / "eval0001").iterdir()) and not (tmp_path / "shards").exists()
+
+        jobs = run_eval(2)
+        writer.submit(jobs[0])
+        evals.abandon(3)  # the next eval came due while that shard was being written
+        evals.open(3)
+        (late,) = writer.drain(timeout=30)
+        assert evals.written(late) is None and not late.shard.path.exists()
     finally:
         writer.close()

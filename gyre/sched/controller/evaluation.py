@@ -4,8 +4,9 @@ eval.samples times with the weights of one version, through the run's harness, p
 Eval sessions are rollout work of the lowest priority: gyre.sched.controller.sessions gives them only slots no
 training session wants and preempts them (to run again) when one does, so under the cell schedulers they
 never hold up a step; the controller abandons an eval still in flight when the next comes due. Their shards
-go to shards_eval/ (kind=eval, every rollout excluded from training) and never reach a group's advantage or
-the trainer. Each finished eval is one metrics row (`event: eval`).
+go to shards_eval/ (kind=eval, every rollout excluded from training), written off the controller's loop by
+the group writer (gyre.sched.controller.group_writer), and never reach a group's advantage or the trainer.
+Each finished eval is one metrics row (`event: eval`), once its last shard is written.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from gyre.config.schema import RunConfig
 from gyre.eval.metrics import Sample, summarize, summarize_by_family, task_table
 from gyre.eval.tasks import eval_task_set
 from gyre.harness.runner import RolloutOutcome
-from gyre.pipeline import FinishedRollout, write_group_shard
+from gyre.pipeline import FinishedRollout
 from gyre.proxy.call_log import CallRecord
+from gyre.sched.controller.group_writer import GroupJob, WrittenGroup
 from gyre.sched.controller.sessions import SessionDone, SessionJob
 from gyre.tasks.suite import TaskPool
 from gyre.tasks.task import Task
@@ -48,6 +50,7 @@ class EvalRunner:
         self.groups: dict[int, list[FinishedRollout]] = defaultdict(list)
         self.done: list[RolloutOutcome] = []
         self.shards: list[str] = []
+        self.writing = 0  # shards of this eval handed to the writer, not yet back
         self.versions_seen: set[str] = set()
 
     @property
@@ -61,7 +64,7 @@ class EvalRunner:
 
     def open(self, version: int) -> list[SessionJob]:
         self.version, self.done, self.shards, self.versions_seen = version, [], [], set()
-        self.groups = defaultdict(list)
+        self.groups, self.writing = defaultdict(list), 0
         n = self.cfg.eval.samples
         return [
             SessionJob(version, t, task, f"e{version}-t{t}-r{i}", kind="eval", harness=self.harness)
@@ -71,7 +74,8 @@ class EvalRunner:
 
     def abandon(self, newer: int) -> dict[str, Any]:
         """Give the eval in flight up for the eval of `newer` weights (its sessions are dropped by the caller);
-        returns the metrics row that says so. Its shards and workspaces are removed: no row refers to them."""
+        returns the metrics row that says so. Its shards and workspaces are removed (a shard still being written
+        once it is back: `written`): no row refers to them."""
         assert self.version is not None
         row = {"event": "eval_abandoned", "version": self.version, "replaced_by": newer}
         row |= {"samples_done": len(self.done), "samples": len(self.tasks) * self.cfg.eval.samples}
@@ -82,8 +86,9 @@ class EvalRunner:
         self.version = None
         return row
 
-    def finished(self, done: SessionDone, calls: list[CallRecord]) -> dict[str, Any] | None:
-        """Record one eval session; the eval's metrics row once its last session is in."""
+    def finished(self, done: SessionDone, calls: list[CallRecord]) -> GroupJob | None:
+        """Record one eval session; once its task's samples are all in, their shard's job for the group writer
+        (its written shard comes back through `written`)."""
         if done.job.step != self.version:
             return None  # it finished just before its eval was abandoned
         if done.error or done.outcome is None:
@@ -92,22 +97,28 @@ class EvalRunner:
         members = self.groups[done.job.group]
         members.append(FinishedRollout(done.job.group, done.outcome, calls))
         self.done.append(done.outcome)
-        if len(members) == self.cfg.eval.samples:
-            self.write_shard(done.job.group, members)
-        if len(self.done) < len(self.tasks) * self.cfg.eval.samples:
+        if len(members) < self.cfg.eval.samples:
+            return None
+        members.sort(key=lambda r: r.outcome.rollout_id)
+        self.writing += 1
+        workdirs = self.workdirs / f"eval{self.version:04d}"
+        return GroupJob(
+            self.version, done.job.group, list(members), {}, workdirs, kind="eval", shard_dir=self.shard_dir
+        )
+
+    def written(self, shard: WrittenGroup) -> dict[str, Any] | None:
+        """One of its shards is written; the eval's metrics row once its last session is in and every shard is
+        written. The shard of an eval abandoned meanwhile is removed."""
+        if shard.step != self.version:
+            shard.shard.path.unlink(missing_ok=True)
+            return None
+        self.writing -= 1
+        self.shards.append(shard.shard.path.name)
+        if self.writing or len(self.done) < len(self.tasks) * self.cfg.eval.samples:
             return None
         row = self.row()
         self.version = None
         return row
-
-    def write_shard(self, task_index: int, members: list[FinishedRollout]) -> None:
-        members.sort(key=lambda r: r.outcome.rollout_id)
-        assert self.version is not None
-        shard = write_group_shard(self.cfg, self.shard_dir, self.version, task_index, members, kind="eval")
-        self.shards.append(shard.path.name)
-        if not self.cfg.harness.keep_workspaces:
-            for m in members:
-                shutil.rmtree(self.workdirs / f"eval{self.version:04d}" / m.outcome.rollout_id, ignore_errors=True)
 
     def row(self) -> dict[str, Any]:
         samples = [sample_of(o) for o in self.done]

@@ -4,7 +4,8 @@ A completed group's shard takes 0.6-0.9 s to score, write and plan on a busy mac
 decision the policy would take meanwhile (a release, a return, a micro-batch handed out) waits behind it.
 One thread owns every group-shard write (h5py serialises its calls under one lock anyway, so one writer
 loses nothing), in the order the groups completed; the loop hands a group over and takes the written
-shards and their micro-batches when it next looks.
+shards and their micro-batches when it next looks. An eval task's samples (gyre.sched.controller.evaluation)
+are written the same way, into the eval's shard directory, and never planned.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class GroupJob:
     skipped: Mapping[str, str]
     workdirs: Path
     handed_over: float = field(default_factory=time.monotonic)
+    kind: str = "train"  # "eval": one eval task's samples after weight version `step`, written to `shard_dir`
+    shard_dir: Path | None = None  # where its shard goes; None: the writer's (the training shards)
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class WrittenGroup:
     loss_rollouts: int  # |R| this group adds to the step's loss (rl.loss_norm)
     write_s: float  # scoring, writing and planning, on the writer's thread
     waited_s: float  # from the hand-over to the start of the write (groups ahead of it)
+    kind: str = "train"  # the job's: an eval shard has no micro-batches
 
 
 class GroupWriter:
@@ -102,10 +106,13 @@ class GroupWriter:
     def _write(self, job: GroupJob) -> WrittenGroup:
         start = time.monotonic()
         members = sorted(job.members, key=lambda r: r.outcome.rollout_id)
-        shard = write_group_shard(self.cfg, self.shard_dir, job.step, job.group, members, job.skipped)
+        shard_dir = job.shard_dir or self.shard_dir
+        shard = write_group_shard(self.cfg, shard_dir, job.step, job.group, members, job.skipped, kind=job.kind)
         if not self.cfg.harness.keep_workspaces:
             for m in members:
                 shutil.rmtree(job.workdirs / m.outcome.rollout_id, ignore_errors=True)
-        refs, trained, n_loss = plan_group(shard.path, self.cfg)
+        refs, trained, n_loss = plan_group(shard.path, self.cfg) if job.kind == "train" else ([], [], 0)
         seconds = time.monotonic() - start
-        return WrittenGroup(job.step, job.group, shard, refs, trained, n_loss, seconds, start - job.handed_over)
+        return WrittenGroup(
+            job.step, job.group, shard, refs, trained, n_loss, seconds, start - job.handed_over, job.kind
+        )

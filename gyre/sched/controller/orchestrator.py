@@ -40,7 +40,7 @@ from gyre.sched.controller.cell_table import Cell, CellDied, CellTable, Outbox, 
 from gyre.sched.controller.context import ControllerContext
 from gyre.sched.controller.evaluation import EvalRunner
 from gyre.sched.controller.faults import FaultInjector
-from gyre.sched.controller.group_writer import GroupWriter
+from gyre.sched.controller.group_writer import GroupWriter, WrittenGroup
 from gyre.sched.controller.loop_watch import LoopWatch
 from gyre.sched.controller.report import progress, step_rows
 from gyre.sched.controller.report import summary as summary_line
@@ -308,8 +308,12 @@ class Controller:
                 self.writer.submit(group)
 
     def collect_groups(self) -> None:
-        """Groups the writer has written and planned: their micro-batches join the ledger."""
+        """Groups the writer has written and planned: their micro-batches join the ledger (an eval's shards go to
+        its runner)."""
         for w in self.writer.done():
+            if w.kind == "eval":
+                self.eval_written(w)
+                continue
             refs = self.book.add_written(w)
             self.train.ledger.add(w.step, refs)
             row = {"event": "group", "step": w.step, "group": w.group, "micro_batches": len(refs)}
@@ -332,7 +336,12 @@ class Controller:
 
     def eval_finished(self, done: SessionDone, calls: list[CallRecord]) -> None:
         assert self.evals is not None
-        if (row := self.evals.finished(done, calls)) is not None:
+        if (job := self.evals.finished(done, calls)) is not None:
+            self.writer.submit(job)
+
+    def eval_written(self, shard: WrittenGroup) -> None:
+        assert self.evals is not None
+        if (row := self.evals.written(shard)) is not None:
             self.log(row)
             self.eval_rows.append(row)
 
