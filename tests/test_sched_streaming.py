@@ -23,6 +23,7 @@ from gyre.sched.controller.group_writer import GroupJob, GroupWriter
 from gyre.sched.controller.sessions import SessionDone
 from gyre.sched.policy.ledger import MicroBatchLedger
 from gyre.sched.replica import MicroBatchSource, core_step, flat_grads, plan_group
+from gyre.store.reader import read_shard
 from gyre.tasks.grading import Grade
 from gyre.tasks.task import Task
 from gyre.train.megatron_trainer import MegatronTrainer
@@ -179,8 +180,9 @@ def test_cells_train_trees_over_the_budget_in_segments_exactly(shards: tuple[Run
 @pytest.mark.unit
 def test_group_writer_writes_and_plans_off_the_callers_thread(tmp_path: Path) -> None:
     """The controller hands a completed group over and goes on: the shard is written and planned on the
-    writer's thread (the same micro-batches as planning it inline), its workspaces removed; a failed write
-    is raised to the caller when it next looks, not lost on the thread."""
+    writer's thread (the same micro-batches as planning it inline), its rollouts stored by id whatever order
+    they finished in, its workspaces removed; a failed write is raised to the caller when it next looks, not
+    lost on the thread."""
     cfg = RunConfig(model=MODEL, train=TrainConfig(micro_batch_tokens=70))
     members = [rollout(f"s0-g0-r{i}", 0, s, i) for i, s in enumerate([1.0, 0.0, 0.5, 0.25])]
     workdirs = tmp_path / "rollouts"
@@ -188,9 +190,11 @@ def test_group_writer_writes_and_plans_off_the_callers_thread(tmp_path: Path) ->
         (workdirs / m.outcome.rollout_id).mkdir(parents=True)
     writer = GroupWriter(cfg, tmp_path)
     try:
-        writer.submit(GroupJob(0, 0, members, {}, workdirs))
+        writer.submit(GroupJob(0, 0, members[::-1], {}, workdirs))  # the last to start finished first
         (written,) = writer.drain(timeout=30)
         assert (written.step, written.group, written.shard.path.name) == (0, 0, "step00000-group0000.h5")
+        shard = read_shard(written.shard.path)
+        assert [r.rollout_id for r in shard] == [f"s0-g0-r{i}" for i in range(4)]
         refs, trained, n_loss = plan_group(written.shard.path, cfg)
         assert (written.refs, written.trained, written.loss_rollouts) == (refs, trained, n_loss) and refs
         assert written.write_s > 0 and not any(workdirs.iterdir())

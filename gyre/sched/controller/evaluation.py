@@ -99,21 +99,20 @@ class EvalRunner:
         self.done.append(done.outcome)
         if len(members) < self.cfg.eval.samples:
             return None
-        members.sort(key=lambda r: r.outcome.rollout_id)
         self.writing += 1
         workdirs = self.workdirs / f"eval{self.version:04d}"
         return GroupJob(
             self.version, done.job.group, list(members), {}, workdirs, kind="eval", shard_dir=self.shard_dir
         )
 
-    def written(self, shard: WrittenGroup) -> dict[str, Any] | None:
-        """One of its shards is written; the eval's metrics row once its last session is in and every shard is
-        written. The shard of an eval abandoned meanwhile is removed."""
-        if shard.step != self.version:
-            shard.shard.path.unlink(missing_ok=True)
+    def written(self, group: WrittenGroup) -> dict[str, Any] | None:
+        """One of its tasks' shards is written; the eval's metrics row once its last session is in and every
+        shard is written. The shard of an eval abandoned meanwhile is removed."""
+        if group.step != self.version:
+            group.shard.path.unlink(missing_ok=True)
             return None
         self.writing -= 1
-        self.shards.append(shard.shard.path.name)
+        self.shards.append(group.shard.path.name)
         if self.writing or len(self.done) < len(self.tasks) * self.cfg.eval.samples:
             return None
         row = self.row()

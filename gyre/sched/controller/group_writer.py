@@ -26,8 +26,8 @@ from gyre.sched.replica import plan_group
 
 @dataclass(frozen=True)
 class GroupJob:
-    """A completed group, ready to be scored and written; `workdirs`: its sessions' workspaces, removed
-    after the write unless `harness.keep_workspaces`."""
+    """A completed group, ready to be scored and written (its members in any order: the shard holds them by
+    rollout id); `workdirs`: its sessions' workspaces, removed after the write unless `harness.keep_workspaces`."""
 
     step: int
     group: int

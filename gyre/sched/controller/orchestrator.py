@@ -339,9 +339,9 @@ class Controller:
         if (job := self.evals.finished(done, calls)) is not None:
             self.writer.submit(job)
 
-    def eval_written(self, shard: WrittenGroup) -> None:
+    def eval_written(self, group: WrittenGroup) -> None:
         assert self.evals is not None
-        if (row := self.evals.written(shard)) is not None:
+        if (row := self.evals.written(group)) is not None:
             self.log(row)
             self.eval_rows.append(row)
 

@@ -86,7 +86,7 @@ class StepBook:
 
     def finished(self, done: SessionDone, calls: list[CallRecord], workdirs: Path) -> GroupJob | None:
         """Record a finished session; when it completes its group, the group to write
-        (gyre.sched.controller.group_writer), its members sorted by rollout id."""
+        (gyre.sched.controller.group_writer, which orders its members by rollout id)."""
         if done.error or done.outcome is None:
             raise RuntimeError(f"rollout {done.job.rollout_id} could not run: {done.error}")
         rec = self.steps[done.job.step]
@@ -96,7 +96,6 @@ class StepBook:
             rec.rollouts_done_at = time.monotonic()
         if len(members) < rec.group_size:
             return None
-        members.sort(key=lambda r: r.outcome.rollout_id)
         return GroupJob(rec.step, done.job.group, list(members), self.pool.skipped_causes(), workdirs)
 
     def add_written(self, written: WrittenGroup) -> list[MicroBatchRef]:
