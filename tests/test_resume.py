@@ -6,9 +6,11 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -377,6 +379,15 @@ def _kill_job(proc: subprocess.Popen, out: Path, scheduler: str) -> None:
     assert not left, f"processes of the killed run still running after {ORPHAN_GRACE_S:g} s: {described}"
 
 
+@pytest.fixture
+def own_tmpdir():
+    """A TMPDIR for a run the test SIGKILLs (short, for its Unix sockets): what the kill keeps the run from
+    removing (its sessions' socket and grading directories, wandb's) goes with it, not left in /tmp."""
+    path = Path(tempfile.mkdtemp(prefix="gyre-kill-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def _describe(pid: int) -> str:
     try:
         return f"{pid} {Path(f'/proc/{pid}/cmdline').read_bytes().replace(bytes(1), b' ')[:120].decode()}"
@@ -387,7 +398,7 @@ def _describe(pid: int) -> str:
 @pytest.mark.integration
 @pytest.mark.timeout(1200)  # a warm start of minutes on a busy machine, then two starts of the job
 @pytest.mark.parametrize("scheduler", ["colocate", "colocate_cells"])
-def test_a_run_killed_mid_step_keeps_the_steps_completed_groups(tmp_path, scheduler):
+def test_a_run_killed_mid_step_keeps_the_steps_completed_groups(tmp_path, scheduler, own_tmpdir):
     """SIGKILL in the middle of step k >= 2, one group's shard written and another group's rollouts running: the
     same command resumes at step k from the every-step checkpoint, keeps the written group (its shard untouched,
     none of its rollouts run again), runs only the others, and every step is trained once."""
@@ -399,7 +410,7 @@ def test_a_run_killed_mid_step_keeps_the_steps_completed_groups(tmp_path, schedu
     )
     args = tiny_args(out, tmp_path / "hydra", *one_group_at_a_time)
     cmd = [sys.executable, "-m", "launch.run", *args]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(own_tmpdir)}
     log1 = tmp_path / "first.log"
     with log1.open("w") as f:
         first = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=f, env=env, start_new_session=True)
