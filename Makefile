@@ -4,7 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.gyre-installed
 ARGS ?=
-# `make run` asks for a held-out eval every 6 steps (docs/evaluation.md: under elastic the mid-run ones may be abandoned); EVAL= turns it off
+# `make run` asks for a held-out eval every 6 steps (docs/evaluation.md; under elastic mid-run ones may be
+# abandoned); EVAL= turns it off
 EVAL ?= eval.every=6
 PYTEST_ARGS ?=
 # processes the unit tier runs over (pytest-xdist); each imports the whole suite: 0.55 GiB before its first test

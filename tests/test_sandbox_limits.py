@@ -221,10 +221,11 @@ def test_sparse_files_are_copied_sparse_or_refused(tmp_path):
 
 
 FLOOD_TRAINER = """
-import asyncio, json, os, resource, shutil, subprocess, sys, tempfile
+import asyncio, json, os, resource, subprocess, sys
 from pathlib import Path
 from aiohttp import web
 from gyre.config.schema import SandboxConfig
+from gyre.fsutil import process_dir, remove_temporary_dirs
 from gyre.harness.endpoint import ProxyEndpoint
 from gyre.sandbox import Mount, SandboxJob, make_sandbox, place
 from gyre.sandbox.base import RELAY_PORT, SOCKET_PATH, code_mounts, host_env
@@ -246,10 +247,9 @@ async def main():
     upstream = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
     sandbox = make_sandbox(SandboxConfig(backend=backend, relay_connections=64))
     cap = connections_per_rollout(64, 2) if cap_on else 100_000
-    procs, endpoints, sock_dirs = {}, {}, []
+    procs, endpoints = {}, {}
     for name in ("flood", "honest"):
-        sock_dir = Path(tempfile.mkdtemp(prefix="gyre-test-ep-")) if sandbox.isolated else None
-        sock_dirs += [sock_dir] if sock_dir else []
+        sock_dir = process_dir("gyre-test-ep-") if sandbox.isolated else None
         ep = ProxyEndpoint(upstream, sock_dir / "proxy.sock" if sock_dir else None, cap)
         await ep.start()
         endpoints[name] = ep
@@ -277,8 +277,7 @@ async def main():
               "errors": honest_out[1].decode()[-800:], "refused_by_trainer": endpoints["flood"].refused_connections,
               "cap": cap, "trainer_can_open": can_open}
     print(json.dumps(report), flush=True)  # os._exit does not flush a piped stdout
-    for sock_dir in sock_dirs:  # nor run clean-up
-        shutil.rmtree(sock_dir, ignore_errors=True)
+    remove_temporary_dirs()  # nor run the atexit hook that would
     os._exit(0)
 
 asyncio.run(main())
