@@ -27,6 +27,7 @@ from resume_job import (
     adam_steps,
     assert_each_rollout_once,
     calls_by_rollout,
+    hydra_topology_files,
     mid_step_with_a_group_done,
     process_tree,
     shard_ids_by_step,
@@ -362,8 +363,10 @@ def test_main_job_sbatch_matches_golden():
 def _kill_job(proc: subprocess.Popen, out: Path, scheduler: str) -> None:
     """SIGKILL the run's main process (the loop; under cells the controller, rank 0, which holds the step book), then
     the launcher's process group (launch.run, mpirun): a crash, no clean-up. Within seconds nothing the run started
-    may be left: not its engines (each in a session of its own), MPI ranks, harnesses or checkers."""
+    may be left: not its engines (each in a session of its own), MPI ranks, harnesses or checkers. The topology
+    file MPICH's process manager keeps in /tmp, which only its own exit removes, the test removes."""
     run = process_tree(proc.pid)
+    topology = hydra_topology_files(run)
     if scheduler != "colocate":
         os.kill(int((out / "controller.pid").read_text()), signal.SIGKILL)
         time.sleep(0.5)
@@ -373,6 +376,8 @@ def _kill_job(proc: subprocess.Popen, out: Path, scheduler: str) -> None:
     while (left := still_running(run)) and time.monotonic() < deadline:
         time.sleep(0.1)
     described = [_describe(pid) for pid in left]
+    for path in topology:
+        path.unlink(missing_ok=True)
     for pid in left:  # the run's own processes only: none of them may outlive the test
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
