@@ -10,6 +10,7 @@ SIGUSR1 ignored and mpiexec's auto-cleanup off, so that a killed cell rank leave
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -88,6 +89,31 @@ def run_forwarding_stops(argv: list[str], env: dict[str, str], controller_pid: P
             signal.signal(sig, handler)
 
 
+def remove_orphaned_topology_files(since: float, tmp: Path = Path("/tmp")) -> list[Path]:
+    """MPICH's process manager (hydra_pmi_proxy) writes the machine's topology for its ranks to
+    /tmp/hydra_hwloc_xmlfile_* (a fixed directory, TMPDIR aside) and removes it when it exits, but not when the
+    job ends in MPI_Abort (a rank's expected failure, an exception under `-m mpi4py`) or is killed. Remove
+    those of this user made since `since` that no process holds open any more (a live job's proxy holds its
+    own); returns them."""
+    held: set[str] = set()
+    for fds in Path("/proc").glob("[0-9]*/fd"):
+        with contextlib.suppress(OSError):  # another user's process, or gone meanwhile
+            for fd in fds.iterdir():
+                with contextlib.suppress(OSError):  # closed meanwhile
+                    if "hydra_hwloc_xmlfile_" in (target := os.readlink(fd)):
+                        held.add(target)
+    removed = []
+    for path in tmp.glob("hydra_hwloc_xmlfile_*"):
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            continue
+        if st.st_uid == os.getuid() and st.st_mtime >= since - 1 and str(path) not in held:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
 def check_supported(cfg: RunConfig) -> None:
     """Fail before any work for settings no configuration can run yet, rather than silently ignoring them."""
     supported = {"scheduler": tuple(Scheduler), "train.backend": ("megatron",), "rl.algorithm": ("gspo",)}
@@ -154,7 +180,10 @@ def run_mpi_job(cfg: RunConfig, out: Path) -> None:
     (out / POLICY_FILE).unlink(missing_ok=True)
     (out / RANK_ERROR_FILE).unlink(missing_ok=True)
     (out / CONTROLLER_PID_FILE).unlink(missing_ok=True)
+    started = time.time()
     rc = run_forwarding_stops(mpirun_command(cfg, out), env, out / CONTROLLER_PID_FILE)
+    if rc != 0:
+        remove_orphaned_topology_files(started)
     if rc == PREEMPTED_EXIT_CODE:  # stopped by a signal and checkpointed: the same command resumes
         raise Preempted("a stop signal")
     summary = out / "summary.json"
