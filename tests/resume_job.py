@@ -9,9 +9,7 @@ tests/test_images.py's images are.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -167,19 +165,6 @@ def process_tree(root: int) -> dict[int, int]:
         tree.update(children)
         frontier += children
     return {pid: stats[pid][1] for pid in tree if pid in stats}
-
-
-def hydra_topology_files(procs: dict[int, int]) -> set[Path]:
-    """The hwloc topology files MPICH's process manager (hydra_pmi_proxy) of `procs` holds open: it writes one to
-    /tmp (a fixed path, TMPDIR aside) for its ranks and removes it when it exits, not when it is SIGKILLed."""
-    held = set()
-    for pid in procs:
-        with contextlib.suppress(OSError):
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
-                with contextlib.suppress(OSError):
-                    if (target := Path(os.readlink(fd))).name.startswith("hydra_hwloc_xmlfile_"):
-                        held.add(target)
-    return held
 
 
 def still_running(procs: dict[int, int]) -> list[int]:

@@ -27,7 +27,6 @@ from resume_job import (
     adam_steps,
     assert_each_rollout_once,
     calls_by_rollout,
-    hydra_topology_files,
     mid_step_with_a_group_done,
     process_tree,
     shard_ids_by_step,
@@ -49,6 +48,7 @@ from gyre.resume.kept_groups import restore_groups
 from gyre.resume.preemption import Preempted, PreemptionGuard
 from gyre.resume.recovery import ResumeError, prepare_resume
 from gyre.resume.state import RunState, find_checkpoint, write_state
+from gyre.sched.launch.local import remove_orphaned_topology_files
 from gyre.tasks.grading import Grade
 from gyre.tasks.task import Task
 from gyre.train.megatron_trainer import MegatronTrainer
@@ -360,13 +360,13 @@ def test_main_job_sbatch_matches_golden():
     assert text == path.read_text(), "main_job.sbatch changed; if intended, regenerate with GYRE_UPDATE_GOLDEN=1"
 
 
-def _kill_job(proc: subprocess.Popen, out: Path, scheduler: str) -> None:
+def _kill_job(proc: subprocess.Popen, out: Path, scheduler: str, started: float) -> None:
     """SIGKILL the run's main process (the loop; under cells the controller, rank 0, which holds the step book), then
     the launcher's process group (launch.run, mpirun): a crash, no clean-up. Within seconds nothing the run started
     may be left: not its engines (each in a session of its own), MPI ranks, harnesses or checkers. The topology
-    file MPICH's process manager keeps in /tmp, which only its own exit removes, the test removes."""
+    file MPICH's process manager keeps in /tmp, which the launcher killed with it would have removed, the test
+    removes."""
     run = process_tree(proc.pid)
-    topology = hydra_topology_files(run)
     if scheduler != "colocate":
         os.kill(int((out / "controller.pid").read_text()), signal.SIGKILL)
         time.sleep(0.5)
@@ -376,8 +376,7 @@ def _kill_job(proc: subprocess.Popen, out: Path, scheduler: str) -> None:
     while (left := still_running(run)) and time.monotonic() < deadline:
         time.sleep(0.1)
     described = [_describe(pid) for pid in left]
-    for path in topology:
-        path.unlink(missing_ok=True)
+    remove_orphaned_topology_files(started)
     for pid in left:  # the run's own processes only: none of them may outlive the test
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -417,12 +416,13 @@ def test_a_run_killed_mid_step_keeps_the_steps_completed_groups(tmp_path, schedu
     cmd = [sys.executable, "-m", "launch.run", *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(own_tmpdir)}
     log1 = tmp_path / "first.log"
+    started = time.time()
     with log1.open("w") as f:
         first = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=f, env=env, start_new_session=True)
     try:
         found = wait_for("a group of step >= 2 written while another runs", lambda: mid_step_with_a_group_done(out),
                          600, lambda: first.poll() is None)  # fmt: skip
-        _kill_job(first, out, scheduler)
+        _kill_job(first, out, scheduler, started)
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
