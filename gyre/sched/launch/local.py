@@ -28,7 +28,7 @@ from gyre.config.validate import cell_ranks, check_cells
 from gyre.errors import UserError
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted
 from gyre.sched.launch.launcher import Launcher, LaunchPlan
-from gyre.sched.launch.mpich_leftovers import remove_leftovers, wait_until_gone
+from gyre.sched.launch.mpich_leftovers import remove_leftovers
 from gyre.sched.runtime import POLICY_FILE
 
 CONTROLLER_PID_FILE = "controller.pid"  # rank 0's pid, for passing stop signals on
@@ -158,7 +158,6 @@ def run_mpi_job(cfg: RunConfig, out: Path) -> None:
     started = time.time()
     rc = run_forwarding_stops(mpirun_command(cfg, out), env, out / CONTROLLER_PID_FILE)
     if rc != 0:
-        wait_until_gone(b"gyre.sched.launch.job\0" + str(out).encode() + b"\0")  # this job's ranks
         remove_leftovers(started)  # what MPICH leaves after MPI_Abort or a kill
     if rc == PREEMPTED_EXIT_CODE:  # stopped by a signal and checkpointed: the same command resumes
         raise Preempted("a stop signal")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from pathlib import Path
 
 LEFTOVERS = ((Path("/tmp"), "hydra_hwloc_xmlfile_"), (Path("/dev/shm"), "mpich_shm_"))
@@ -47,19 +46,3 @@ def remove_leftovers(since: float, places: tuple[tuple[Path, str], ...] = LEFTOV
                 path.unlink(missing_ok=True)
                 removed.append(path)
     return removed
-
-
-def wait_until_gone(cmdline_part: bytes, timeout_s: float = 30.0) -> None:
-    """Wait (at most `timeout_s`) until no process's command line contains `cmdline_part` (its arguments joined
-    by NUL): after MPI_Abort, mpirun can return while ranks are still exiting, holding their segment."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        running = False
-        for proc in Path("/proc").iterdir():
-            with contextlib.suppress(OSError):
-                if proc.name.isdigit() and cmdline_part in (proc / "cmdline").read_bytes():
-                    running = True
-                    break
-        if not running:
-            return
-        time.sleep(0.1)
