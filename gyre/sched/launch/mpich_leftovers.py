@@ -18,16 +18,12 @@ LEFTOVERS = ((Path("/tmp"), "hydra_hwloc_xmlfile_"), (Path("/dev/shm"), "mpich_s
 
 
 def held_open(prefixes: tuple[str, ...]) -> set[str]:
-    """Paths whose name starts with one of `prefixes` that a live process this user can inspect has open or
-    mapped. A process that is exiting (its memory already released: an empty command line) closes its files
-    next and does not count: a rank ending after mpirun has returned is one."""
+    """Paths whose name starts with one of `prefixes` that a process this user can inspect has open or mapped."""
     held: set[str] = set()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         with contextlib.suppress(OSError):  # another user's process, or gone meanwhile
-            if not (proc / "cmdline").read_bytes():
-                continue
             for fd in (proc / "fd").iterdir():
                 with contextlib.suppress(OSError):  # closed meanwhile
                     held.add(os.readlink(fd))
