@@ -79,10 +79,10 @@ def test_sglang_missing_in_a_cell_job_reaches_the_user_once(tmp_path):
     """Every cell rank finds SGLang's runtime missing (this machine has no CUDA build of it); the first
     one's message is printed once by launch.run, not once per rank inside tracebacks. The ranks MPI_Abort
     ends leave nothing in TMPDIR (wandb, which megatron imports where installed, is kept out of them), nor
-    MPICH's process manager its topology file in /tmp."""
+    MPICH its topology file in /tmp and its shared memory in /dev/shm (gyre.sched.launch.mpich_leftovers)."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    topology_before = set(Path("/tmp").glob("hydra_hwloc_xmlfile_*"))
+    mpich_before = _mpich_files()
     args = run_args(
         tmp_path, "engine=sglang", "scheduler=elastic", "sched.kv_migration=false", "steps=1",
         "warm_start.enabled=false", "tokenizer.corpus_tasks=60", "tokenizer.vocab_size=512",
@@ -93,7 +93,11 @@ def test_sglang_missing_in_a_cell_job_reaches_the_user_once(tmp_path):
     assert "MPI_Abort" not in proc.stderr
     assert "engine.python" in proc.stderr  # what to do about it
     assert not list(tmp.glob("tmp*wandb-*"))
-    assert not set(Path("/tmp").glob("hydra_hwloc_xmlfile_*")) - topology_before
+    assert not _mpich_files() - mpich_before
+
+
+def _mpich_files() -> set[Path]:
+    return {*Path("/tmp").glob("hydra_hwloc_xmlfile_*"), *Path("/dev/shm").glob("mpich_shm_*")}
 
 
 def test_a_missing_mpirun_is_one_message(tmp_path):

@@ -48,7 +48,7 @@ from gyre.resume.kept_groups import restore_groups
 from gyre.resume.preemption import Preempted, PreemptionGuard
 from gyre.resume.recovery import ResumeError, prepare_resume
 from gyre.resume.state import RunState, find_checkpoint, write_state
-from gyre.sched.launch.local import remove_orphaned_topology_files
+from gyre.sched.launch.mpich_leftovers import remove_leftovers
 from gyre.tasks.grading import Grade
 from gyre.tasks.task import Task
 from gyre.train.megatron_trainer import MegatronTrainer
@@ -363,8 +363,8 @@ def test_main_job_sbatch_matches_golden():
 def _kill_job(proc: subprocess.Popen, out: Path, scheduler: str, started: float) -> None:
     """SIGKILL the run's main process (the loop; under cells the controller, rank 0, which holds the step book), then
     the launcher's process group (launch.run, mpirun): a crash, no clean-up. Within seconds nothing the run started
-    may be left: not its engines (each in a session of its own), MPI ranks, harnesses or checkers. The topology
-    file MPICH's process manager keeps in /tmp, which the launcher killed with it would have removed, the test
+    may be left: not its engines (each in a session of its own), MPI ranks, harnesses or checkers. What MPICH
+    leaves (gyre.sched.launch.mpich_leftovers), which the launcher killed with it would have removed, the test
     removes."""
     run = process_tree(proc.pid)
     if scheduler != "colocate":
@@ -376,7 +376,7 @@ def _kill_job(proc: subprocess.Popen, out: Path, scheduler: str, started: float)
     while (left := still_running(run)) and time.monotonic() < deadline:
         time.sleep(0.1)
     described = [_describe(pid) for pid in left]
-    remove_orphaned_topology_files(started)
+    remove_leftovers(started)
     for pid in left:  # the run's own processes only: none of them may outlive the test
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

@@ -10,7 +10,6 @@ SIGUSR1 ignored and mpiexec's auto-cleanup off, so that a killed cell rank leave
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shlex
@@ -29,6 +28,7 @@ from gyre.config.validate import cell_ranks, check_cells
 from gyre.errors import UserError
 from gyre.resume.preemption import PREEMPTED_EXIT_CODE, Preempted
 from gyre.sched.launch.launcher import Launcher, LaunchPlan
+from gyre.sched.launch.mpich_leftovers import remove_leftovers, wait_until_gone
 from gyre.sched.runtime import POLICY_FILE
 
 CONTROLLER_PID_FILE = "controller.pid"  # rank 0's pid, for passing stop signals on
@@ -87,31 +87,6 @@ def run_forwarding_stops(argv: list[str], env: dict[str, str], controller_pid: P
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def remove_orphaned_topology_files(since: float, tmp: Path = Path("/tmp")) -> list[Path]:
-    """MPICH's process manager (hydra_pmi_proxy) writes the machine's topology for its ranks to
-    /tmp/hydra_hwloc_xmlfile_* (a fixed directory, TMPDIR aside) and removes it when it exits, but not when the
-    job ends in MPI_Abort (a rank's expected failure, an exception under `-m mpi4py`) or is killed. Remove
-    those of this user made since `since` that no process holds open any more (a live job's proxy holds its
-    own); returns them."""
-    held: set[str] = set()
-    for fds in Path("/proc").glob("[0-9]*/fd"):
-        with contextlib.suppress(OSError):  # another user's process, or gone meanwhile
-            for fd in fds.iterdir():
-                with contextlib.suppress(OSError):  # closed meanwhile
-                    if "hydra_hwloc_xmlfile_" in (target := os.readlink(fd)):
-                        held.add(target)
-    removed = []
-    for path in tmp.glob("hydra_hwloc_xmlfile_*"):
-        try:
-            st = path.lstat()
-        except FileNotFoundError:
-            continue
-        if st.st_uid == os.getuid() and st.st_mtime >= since - 1 and str(path) not in held:
-            path.unlink(missing_ok=True)
-            removed.append(path)
-    return removed
 
 
 def check_supported(cfg: RunConfig) -> None:
@@ -183,7 +158,8 @@ def run_mpi_job(cfg: RunConfig, out: Path) -> None:
     started = time.time()
     rc = run_forwarding_stops(mpirun_command(cfg, out), env, out / CONTROLLER_PID_FILE)
     if rc != 0:
-        remove_orphaned_topology_files(started)
+        wait_until_gone(b"gyre.sched.launch.job\0" + str(out).encode() + b"\0")  # this job's ranks
+        remove_leftovers(started)  # what MPICH leaves after MPI_Abort or a kill
     if rc == PREEMPTED_EXIT_CODE:  # stopped by a signal and checkpointed: the same command resumes
         raise Preempted("a stop signal")
     summary = out / "summary.json"
