@@ -38,7 +38,8 @@ def held_open(prefixes: tuple[str, ...]) -> set[str]:
 
 
 def remove_leftovers(since: float, places: tuple[tuple[Path, str], ...] = LEFTOVERS) -> list[Path]:
-    """Remove MPICH's files of this user made since `since` (the job's start) that no process holds; returns them."""
+    """Remove MPICH's files of this user made since `since` (the job's start) that no live process holds
+    (`held_open`); returns them."""
     held = held_open(tuple(prefix for _, prefix in places))
     removed = []
     for folder, prefix in places:
