@@ -3,6 +3,7 @@ tests/test_slurm_cell_job.py)."""
 
 import subprocess
 import time
+from pathlib import Path
 
 from launch.slurm.preflight import parse_records
 
@@ -47,3 +48,9 @@ def wait_for_end(job: str, timeout_s: float) -> str:
             return "TIMEOUT"
         time.sleep(0.2)
     return job_record(job).get("JobState", "UNKNOWN")
+
+
+def mpich_segments() -> set[Path]:
+    """MPICH's shared memory on the nodes (all on this machine): a world that ends without MPI_Finalize leaves
+    its segments unless the job's script removes them (launch/slurm/sbatch.py: remove_mpich_leftovers)."""
+    return set(Path("/dev/shm").glob("mpich_shm_*"))

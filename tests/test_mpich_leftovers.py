@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gyre.sched.launch.mpich_leftovers import remove_leftovers
+from gyre.sched.launch.mpich_leftovers import main, remove_leftovers
 
 pytestmark = pytest.mark.unit
 
@@ -56,3 +56,25 @@ def test_only_this_users_new_files_no_process_holds_are_removed(tmp_path):
 
 def _open_files(pid: int) -> set[str]:
     return {os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()}
+
+
+def test_the_command_a_slurm_node_runs_removes_its_orphans_since_the_time_given(capsys):
+    """`python -m gyre.sched.launch.mpich_leftovers SINCE`, run on every node after a failed start
+    (launch/slurm/sbatch.py): this node's real /dev/shm."""
+    since = time.time()
+    orphan, held = (
+        Path(f"/dev/shm/mpich_shm_gyretest{os.getpid()}_0"),
+        Path(f"/dev/shm/mpich_shm_gyretest{os.getpid()}_1"),
+    )
+    for path in (orphan, held):
+        path.write_bytes(b"x" * 4096)
+    with held.open("rb"):
+        try:
+            assert main([str(since)]) == 0
+            assert not orphan.exists() and held.exists()
+            assert orphan.name in capsys.readouterr().out
+        finally:
+            orphan.unlink(missing_ok=True)
+            held.unlink(missing_ok=True)
+    assert main(["yesterday"]) == 2 and main([]) == 2
+    assert "usage: python -m gyre.sched.launch.mpich_leftovers SINCE" in capsys.readouterr().err

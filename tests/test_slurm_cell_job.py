@@ -22,7 +22,7 @@ import h5py
 import pytest
 from conftest import CELL_WORKLOAD, EVERY_STEP_TRAINS, slurm_host_modes
 from resume_job import adam_steps, shard_ids_by_step, wait_until
-from slurm_jobs import job_active, job_record, wait_for_end
+from slurm_jobs import job_active, job_record, mpich_segments, wait_for_end
 
 from launch.slurm.het_executor import ACTIVE, HetSlurmJob, het_job_state
 from launch.submit import main as submit_main
@@ -93,8 +93,9 @@ def test_embedded_rl_run_as_a_het_job_across_three_nodes(tmp_path: Path, via: st
 def test_a_start_that_never_brings_the_mpi_world_up_is_ended_and_run_again(tmp_path: Path, capsys) -> None:
     """A rank stuck before the world is up (as in a hung MPI_Init; here an injected stall of satellite 1
     on the first start): the script's start-up guard ends that start after cluster.mpi_start_timeout_s
-    and starts the step again, and the run completes on the second start."""
-    out = tmp_path / "run"
+    and starts the step again, and the run completes on the second start. The ended start's ranks leave no
+    shared memory behind (the script removes what MPICH left on every node after a failed start)."""
+    out, segments_before = tmp_path / "run", mpich_segments()
     args = ["--via", "sbatch", "--out", str(out), "cluster=slurm_cpu", f"cluster.python={sys.executable}"]
     args += [f"cluster.workdir={ROOT}", *CELL_WORKLOAD, "steps=1", "cluster.mpi_start_timeout_s=20"]
     submit_main([*args, "sched.faults=['stall_start:1:attempts:1']"])
@@ -106,6 +107,7 @@ def test_a_start_that_never_brings_the_mpi_world_up_is_ended_and_run_again(tmp_p
     assert "start 2 of 3" not in batch_log
     assert json.loads((out / "summary.json").read_text())["steps"] == 1
     assert not list((out / "slurm").glob("*.world_up"))  # the marker of the start that came up is removed
+    assert not mpich_segments() - segments_before, batch_log
 
 
 @pytest.mark.parametrize("slurm_hosts", slurm_host_modes("netns"), indirect=True)
@@ -156,8 +158,9 @@ def test_a_satellite_killed_holding_a_micro_batch_is_seen_at_once_and_the_job_ex
     120 s: the controller sees the rank gone within seconds because its liveness connection closed, and the
     micro-batch is trained elsewhere, so the step does not stall. srun's status is its worst task's (the
     killed one: 137); the job's is the controller's: COMPLETED with sched.allow_dead_cells=true (without it,
-    FAILED with exit code 3: tests/test_slurm_multihost.py)."""
-    out = tmp_path / "run"
+    FAILED with exit code 3: tests/test_slurm_multihost.py). The world ended without MPI_Finalize, and the
+    script removed the shared memory it left on each node."""
+    out, segments_before = tmp_path / "run", mpich_segments()
     args = ["--via", "sbatch", "--out", str(out), "cluster=slurm_cpu", f"cluster.python={sys.executable}"]
     args += [f"cluster.workdir={ROOT}", *CELL_WORKLOAD, "steps=1", "scheduler=colocate_cells"]
     args += ["train.micro_batch_tokens=512", "sched.faults=[kill_cell:2:after_micro_batches:1]"]
@@ -168,6 +171,7 @@ def test_a_satellite_killed_holding_a_micro_batch_is_seen_at_once_and_the_job_ex
     assert state == "COMPLETED", f"{state}\n{logs}"
     assert job_record(job).get("ExitCode") == "0:0", f"{job_record(job)}\n{logs}"
     assert "gyre: exit 0, the controller's (srun: 137, its worst task)" in logs, logs
+    assert not mpich_segments() - segments_before, logs
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 1 and summary["dead_cells"] == [2]

@@ -2,7 +2,6 @@
 
 import copy
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -76,11 +75,12 @@ def test_the_cell_job_is_one_mpi_world_over_every_component(gpu_cfg):
     assert "--gres=gpu:8" in step.components[1].srun_args and "--ntasks-per-node=8" in step.components[1].srun_args
     assert "--nodes=2" in step.components[0].srun_args and "--cpus-per-task=10" in step.components[0].srun_args
     script = plain_script(gpu_cfg, "/runs/r1/config.yaml", "/runs/r1/slurm")
-    assert (
-        len(re.findall(r"^\s*srun ", script, re.M)) == 1
-        and script.count(" : --het-group=") == 1
-        and "GYRE_HET_TASKS=17,16" in script
-    )
+    cell_step = [line.split()[:2] for line in script.splitlines() if "--mpi=pmix" in line]
+    assert cell_step == [["srun", "--het-group=0"], [":", "--het-group=1"]] and "GYRE_HET_TASKS=17,16" in script
+    # after a failed start, a task on each of the job's nodes removes what MPICH left there
+    cleanup = [line.split()[:4] for line in script.splitlines() if "--mpi=none" in line]
+    assert cleanup == [["timeout", "60", "srun", "--het-group=0"], [":", "--het-group=1", "--overlap", "--mpi=none"]]
+    assert "--het-group=0 --overlap --mpi=none --nodes=2 --ntasks=2 --ntasks-per-node=1" in script
 
 
 def test_cells_of_several_ranks_lay_out_their_tasks_on_their_nodes():

@@ -33,6 +33,7 @@ CELL_JOB_ENV = (
     ("MC_LOG_LEVEL", "ERROR"),
 )  # step -> (stdout, stderr or None to merge), task-shell syntax
 PMI_RELAY_MODULE = "gyre.sched.launch.pmi_relay"
+LEFTOVERS_MODULE = "gyre.sched.launch.mpich_leftovers"
 
 
 def default_log_names(step: Step) -> tuple[str, str | None]:
@@ -192,6 +193,7 @@ def render_sbatch(cfg: RunConfig, step: Step, layout: ScriptLayout) -> str:
         "# the core cell's ranks on component 0, satellite i's on component i; each cell's first rank starts its",
         "# engine, and all its ranks hold its Megatron replica (tensor/pipeline shards when it has several).",
         *_engine_lines(cfg),
+        *_leftover_lines(cfg, step),
         "set +e",
     ]
     lines += (
@@ -199,8 +201,34 @@ def render_sbatch(cfg: RunConfig, step: Step, layout: ScriptLayout) -> str:
         if layout.start_guard
         else [f'rm -f "${EXIT_STATUS_VAR}"', *_srun_lines(step, layout), "job=$!"]
     )
-    lines += [*_wait_lines("$job"), *_controller_status_lines(), *_requeue_lines(cluster), 'exit "$status"', ""]
+    lines += [*_wait_lines("$job"), *_controller_status_lines(), '[ "$srun_status" -eq 0 ] || remove_mpich_leftovers']
+    lines += [*_requeue_lines(cluster), 'exit "$status"', ""]
     return "\n".join(lines)
+
+
+def _leftover_lines(cfg: RunConfig, step: Step) -> list[str]:
+    """`remove_mpich_leftovers`: one task on each node of the job runs gyre.sched.launch.mpich_leftovers, which
+    removes what MPICH left there since the job's first start and no process holds. Run after a start that failed:
+    a world that ends without MPI_Finalize leaves its shared memory on every node until the node restarts, and
+    Slurm kills a failed step's tasks (all of them on MPI_Abort), so nothing inside the step can clean up."""
+    all_cells = cells(cfg)
+    lines = [
+        "# MPICH leaves its ranks' shared memory (/dev/shm/mpich_shm_*) on each node when a world ends without",
+        "# MPI_Finalize (an abort, a kill): after a start that failed, remove what no process holds on every node",
+        "mpich_since=$(date +%s)",
+        "remove_mpich_leftovers() {",
+    ]
+    for i, comp in enumerate(step.components):
+        nodes = all_cells[comp.group].nodes
+        srun = ["timeout", "60", "srun"] if i == 0 else [":"]
+        srun += [f"--het-group={comp.group}", "--overlap", "--mpi=none", f"--nodes={nodes}", f"--ntasks={nodes}"]
+        srun += ["--ntasks-per-node=1", "--cpus-per-task=1"]
+        lines.append(("    " if i == 0 else "        ") + f"{shlex.join(srun)} \\")
+        last = i + 1 == len(step.components)
+        command = f'{shlex.join([step.argv[0], "-m", LEFTOVERS_MODULE])} "$mpich_since"'
+        lines.append(f"        {command}" + (" \\" if not last else ""))
+    lines[-1] += ' \\\n        || echo "gyre: what MPICH left on the nodes was not removed (exit $?)" >&2'
+    return [*lines, "}"]
 
 
 def _engine_lines(cfg: RunConfig) -> list[str]:
@@ -245,6 +273,7 @@ def _guarded_start_lines(step: Step, layout: ScriptLayout, cluster: ClusterConfi
         'kill -TERM "$job" 2>/dev/null',
         'for _ in $(seq 10); do kill -0 "$job" 2>/dev/null || break; sleep 1; done',
         'kill -KILL "$job" 2>/dev/null; wait "$job"',
+        "remove_mpich_leftovers",
         f'if [ "$attempt" -ge {attempts} ]; then',
         f'    echo "gyre: no MPI world after {attempts} starts; see the ranks\' logs in $GYRE_LOG_DIR" >&2',
         "    exit 1",

@@ -6,12 +6,18 @@ MPICH's process manager (hydra_pmi_proxy) writes the machine's topology for its 
 failure, an exception under `-m mpi4py`) or is killed: a file in /tmp each time, and the segment's memory
 (1-4 MiB here) until the machine restarts. A live job holds both open (the proxy its file, the ranks their
 segment, open and mapped), so a file of this user that no process holds is left over.
+
+The local launcher removes them after a job that ended non-zero (gyre.sched.launch.local); a Slurm job's script,
+after a start that failed, runs `python -m gyre.sched.launch.mpich_leftovers SINCE` on every node of the job
+(launch/slurm/sbatch.py), since a step's ranks are killed together with anything that would clean up after them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import socket
+import sys
 import time
 from pathlib import Path
 
@@ -68,3 +74,20 @@ def wait_until_gone(cmdline_part: bytes, timeout_s: float = 30.0) -> None:
         if not running:
             return
         time.sleep(0.1)
+
+
+def main(argv: list[str]) -> int:
+    """Remove this node's leftovers made since argv[0] (seconds since the epoch, the Slurm job's first start)."""
+    try:
+        (since,) = map(float, argv)
+    except ValueError:
+        print("usage: python -m gyre.sched.launch.mpich_leftovers SINCE (seconds since the epoch)", file=sys.stderr)
+        return 2
+    if removed := remove_leftovers(since):
+        names = " ".join(sorted(path.name for path in removed))
+        print(f"gyre: removed what MPICH left on {socket.gethostname()}: {names}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
