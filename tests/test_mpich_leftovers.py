@@ -76,5 +76,8 @@ def test_the_command_a_slurm_node_runs_removes_its_orphans_since_the_time_given(
         finally:
             orphan.unlink(missing_ok=True)
             held.unlink(missing_ok=True)
-    assert main(["yesterday"]) == 2 and main([]) == 2
-    assert "usage: python -m gyre.sched.launch.mpich_leftovers SINCE" in capsys.readouterr().err
+    for wrong in (["yesterday"], []):
+        with pytest.raises(SystemExit) as refused:
+            main(wrong)
+        assert refused.value.code == 2
+    assert "usage: python -m gyre.sched.launch.mpich_leftovers [-h] SINCE" in capsys.readouterr().err

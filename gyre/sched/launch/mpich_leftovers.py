@@ -14,6 +14,7 @@ after a start that failed, runs `python -m gyre.sched.launch.mpich_leftovers SIN
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import socket
@@ -77,12 +78,14 @@ def wait_until_gone(cmdline_part: bytes, timeout_s: float = 30.0) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """Remove this node's leftovers made since argv[0] (seconds since the epoch, the Slurm job's first start)."""
-    try:
-        (since,) = map(float, argv)
-    except ValueError:
-        print("usage: python -m gyre.sched.launch.mpich_leftovers SINCE (seconds since the epoch)", file=sys.stderr)
-        return 2
+    parser = argparse.ArgumentParser(
+        prog="python -m gyre.sched.launch.mpich_leftovers",
+        description="Remove what MPICH left on this node (the Slurm script runs it on every node after a start "
+        "that failed): this user's /dev/shm/mpich_shm_* and /tmp/hydra_hwloc_xmlfile_* made since SINCE that no "
+        "process has open or mapped.",
+    )
+    parser.add_argument("since", metavar="SINCE", type=float, help="seconds since the epoch (the job's start)")
+    since = parser.parse_args(argv).since
     if removed := remove_leftovers(since):
         names = " ".join(sorted(path.name for path in removed))
         print(f"gyre: removed what MPICH left on {socket.gethostname()}: {names}", flush=True)
