@@ -335,6 +335,32 @@ def test_the_tests_cannot_rewrite_the_script_they_run(tmp_path, bwrap):
     assert (grade.status, grade.score) == ("ok", 0.0), grade
 
 
+# `python3 -m RUNNER` from the working directory puts it first on the import path: a losing agent's module there
+# in place of the runner, or of a standard module the runner imports (unittest.main imports argparse), leaves
+# with status 0 before a test runs (1.0 before runner_hooks/runner_imports.py, measured)
+MODULE_SCRIPT = (
+    "if python3 -m unittest discover -s /tests -p 'test_*.py'; then echo 1 > /logs/verifier/reward.txt\n"
+    "else echo 0 > /logs/verifier/reward.txt; fi\n"
+)
+SHADOWS = {"runner": "unittest.py", "stdlib": "argparse.py", "runner_package": "unittest/__init__.py"}
+
+
+@pytest.mark.parametrize("shadow", sorted(SHADOWS))
+def test_the_agents_modules_do_not_shadow_the_runner_of_tests_run_as_a_module(shadow, tmp_path, bwrap):
+    task = harbor_task(MODULE_SCRIPT)
+    ws = task.materialize(tmp_path / "ws")
+    (ws / SHADOWS[shadow]).parent.mkdir(parents=True, exist_ok=True)
+    (ws / SHADOWS[shadow]).write_text("raise SystemExit(0)\n")
+    grade = grade_workspace(task, ws, sandbox=bwrap)
+    assert (grade.status, grade.score) == ("ok", 0.0), grade
+    fixed = task.materialize(tmp_path / "fixed")  # the honest control: the agent's own modules still import
+    assert solve(task, fixed, bwrap)[0] == ""
+    (fixed / "helpers.py").write_text("import json\nVALUE = json.loads('2.5')\n")
+    (fixed / "stats" / "__init__.py").write_text("from helpers import VALUE\nfrom stats.core import mean, median\n")
+    honest = grade_workspace(task, fixed, sandbox=bwrap)
+    assert (honest.status, honest.score) == ("ok", 1.0), honest
+
+
 # ---------------------------------------------------------------- SWE-bench
 
 

@@ -609,3 +609,70 @@ def test_an_agent_rearranging_the_root_cannot_forge_its_grade(bases, tmp_path):
     assert problem == "" and (upper / "logs").is_symlink() and (upper / "bin" / "bash").is_file(), out  # it took place
     grade = grade_workspace(built, ws, sandbox=sandbox)
     assert (grade.status, grade.score) == ("ok", 0.0), grade
+
+
+# What pytest reads of its own accord above /tests/test_outputs.py, put there by a do-nothing agent: at `/`, its
+# configuration (every test collected, none run: exit 0) or, with a setup.py making `/` the rootdir, a conftest.py
+# that passes every test. Each scored 1.0 before the agent's runner configuration was dropped (measured).
+ROOT_RUNNER_CONFIG = {
+    "pytest_ini": "printf '[pytest]\\naddopts = --collect-only -q\\n' > /pytest.ini\n",
+    "pyproject": "printf '[tool.pytest.ini_options]\\naddopts = \"--collect-only -q\"\\n' > /pyproject.toml\n",
+    "conftest": "touch /setup.py\nprintf 'import pytest\\n@pytest.hookimpl(hookwrapper=True)\\n"
+    'def pytest_runtest_makereport(item, call):\\n    (yield).get_result().outcome = "passed"\\n\' > /conftest.py\n',
+}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("attack", sorted(ROOT_RUNNER_CONFIG))
+def test_runner_configuration_the_agent_puts_above_the_tests_never_reaches_grading(attack, bases, tmp_path):
+    task_dir = tmp_path / "task"
+    shutil.copytree(IMAGE_TASKS / "word-count-uvx", task_dir)
+    (task_dir / "solution" / "solve.sh").write_text(ROOT_RUNNER_CONFIG[attack])
+    built = build_task_environment(load_harbor_task(task_dir, build_images=True), ImageBuilder())
+    sandbox = make_sandbox(SandboxConfig())
+    ws = built.materialize(tmp_path / "ws")
+    problem, out = solve(built, ws, sandbox)
+    assert problem == "" and len(list((root_changes(ws) / "upper").glob("*"))) >= 1, out  # it took place
+    grade = grade_workspace(built, ws, sandbox=sandbox, check_timeout_s=120)
+    assert (grade.status, grade.score) == ("ok", 0.0), grade
+
+
+# `python3 -m pytest` from the working directory puts it first on the import path and among the places installed
+# distributions are found: a do-nothing agent's pytest there, or a dist-info whose pytest11 entry point pytest
+# loads as a plugin that passes every test. Each scored 1.0 before runner_hooks/runner_imports.py (measured).
+MODULE_RUN_TESTS = (
+    "pip install --quiet --no-cache-dir pytest==8.2.2\n"
+    "python3 -m pytest /tests/test_outputs.py -rA && echo 1 > /logs/verifier/reward.txt || "
+    "echo 0 > /logs/verifier/reward.txt\n"
+)
+PASS_EVERY_TEST = (
+    "import pytest\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
+    "    (yield).get_result().outcome = 'passed'\n"
+)
+WORKDIR_RUNNER_ATTACKS = {
+    "pytest_shadow": {"pytest.py": "raise SystemExit(0)\n"},
+    "plugin_entry_point": {
+        "evil-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: evil\nVersion: 1.0\n",
+        "evil-1.0.dist-info/entry_points.txt": "[pytest11]\nevil = evilplug\n",
+        "evilplug.py": PASS_EVERY_TEST,
+    },
+    "honest": {},
+}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("attack", sorted(WORKDIR_RUNNER_ATTACKS))
+def test_tests_run_as_a_module_load_no_runner_or_plugin_of_the_agents(attack, bases, tmp_path):
+    task_dir = tmp_path / "task"
+    shutil.copytree(IMAGE_TASKS / "word-count-uvx", task_dir)
+    (task_dir / "tests" / "test.sh").write_text(MODULE_RUN_TESTS)
+    built = build_task_environment(load_harbor_task(task_dir, build_images=True), ImageBuilder())
+    sandbox = make_sandbox(SandboxConfig())
+    ws = built.materialize(tmp_path / "ws")
+    if attack == "honest":  # the control: the task's solution, graded by the same script
+        assert solve(built, ws, sandbox)[0] == ""
+    for rel, text in WORKDIR_RUNNER_ATTACKS[attack].items():
+        (ws / rel).parent.mkdir(parents=True, exist_ok=True)
+        (ws / rel).write_text(text)
+    grade = grade_workspace(built, ws, sandbox=sandbox, check_timeout_s=120)
+    assert (grade.status, grade.score) == ("ok", 1.0 if attack == "honest" else 0.0), grade

@@ -6,7 +6,8 @@ on the import path; the workspace (GYRE_TEST_WORKSPACE) goes after the standard 
 the installed packages, so that nothing in it shadows the standard library. With GYRE_TEST_REPORT_DIR set,
 unittest's runner records its results (gyre_test_report), importing unittest now, from the standard
 library, before any code of the workspace could put another in its place. With GYRE_AGENT_CODE_DIRS and
-GYRE_EXIT_REPORT_FD set (Harbor), a process that loads the agent's code reports an os._exit of its own.
+GYRE_EXIT_REPORT_FD set (Harbor), a process that loads the agent's code reports an os._exit of its own, and
+the standard library and the test runner are never imported from the agent's directories (runner_imports).
 """
 
 import os
@@ -28,6 +29,9 @@ if os.environ.get("GYRE_TEST_REPORT_DIR"):
     gyre_test_report.hook_unittest()
 if os.environ.get("GYRE_AGENT_CODE_DIRS") and os.environ.get("GYRE_EXIT_REPORT_FD"):
     import gyre_test_report
+    import runner_imports
+
+    runner_imports.install(os.environ["GYRE_AGENT_CODE_DIRS"].split(":"))
 
     gyre_test_report.watch_agent_code(
         os.environ["GYRE_AGENT_CODE_DIRS"].split(":"), int(os.environ["GYRE_EXIT_REPORT_FD"])
