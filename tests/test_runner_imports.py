@@ -78,3 +78,43 @@ def test_the_interpreters_own_trees_are_never_the_agents(tmp_path: Path) -> None
     finder = runner_imports.OutsideAgentCode([str(tmp_path / "opt")])
     finder.interpreter = runner_imports._dirs([str(tmp_path / "opt" / "conda")])
     assert not finder.is_agents(str(stdlib)) and finder.is_agents(str(tmp_path / "opt"))
+
+
+@pytest.mark.parametrize(
+    ("argv", "agents"),
+    [
+        (["python3", "{app}/main.py"], True),
+        (["python3", "-u", "-X", "dev", "-Wignore", "{app}/main.py", "-m", "x"], True),
+        (["python3", "-m", "pytest", "/tests/test_outputs.py"], False),
+        (["python3", "-Bm", "pytest"], False),  # with a file named pytest in the working directory
+        (["python3", "-c", "import main", "{app}/main.py"], False),
+        (["python3", "/tests/test_outputs.py"], False),
+        (["/usr/bin/pytest", "/tests/test_outputs.py"], False),
+        (["python3", "-W", "{app}/main.py", "/tests/test_outputs.py"], False),  # -W's value, then the script
+    ],
+)
+def test_only_a_script_of_the_agents_runs_unprotected(argv: list[str], agents: bool, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    sys.path.insert(0, str(RUNNER_HOOKS))
+    try:
+        import runner_imports
+    finally:
+        sys.path.remove(str(RUNNER_HOOKS))
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "main.py").write_text("import queue\n")
+    (app / "pytest").write_text("")
+    monkeypatch.chdir(app)
+    finder = runner_imports.OutsideAgentCode([str(app)])
+    assert runner_imports.runs_agents_script(finder, [a.format(app=app) for a in argv]) is agents
+
+
+def test_the_agents_own_program_imports_its_own_modules(tmp_path: Path) -> None:
+    """python3 /app/main.py beside its queue.py gets its queue.py, as plain Python gives it."""
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "queue.py").write_text("MINE = True\n")
+    (app / "main.py").write_text("import queue\nprint(getattr(queue, 'MINE', False))\n")
+    env = {**os.environ, "PYTHONPATH": str(RUNNER_HOOKS), "GYRE_AGENT_CODE_DIRS": str(app), "GYRE_EXIT_REPORT_FD": "2"}
+    out = subprocess.run([sys.executable, str(app / "main.py")], env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "True", out.stderr

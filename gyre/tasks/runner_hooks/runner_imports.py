@@ -8,7 +8,8 @@ agent's modules from there, so the directory stays on the path; but a top-level 
 or of the test runner (`RUNNER`, `pytest_*` plugins) is found only outside the agent's directories (an
 environment's site-packages in them counts as outside: the venv a test script makes in its working
 directory), and is missing where nothing else has it, never the agent's. So are the installed distributions
-whose entry points pytest loads as plugins.
+whose entry points pytest loads as plugins. A script of the agent's the tests run (`python3 /app/main.py`) is
+the agent's own program: its imports stay as Python makes them.
 """
 
 from __future__ import annotations
@@ -68,9 +69,32 @@ def _dirs(paths: list[str]) -> tuple[str, ...]:
     return tuple(r.rstrip("/") + "/" for r in real if r != "/")
 
 
+def runs_agents_script(finder: OutsideAgentCode, argv: list[str]) -> bool:
+    """`python3 [options] SCRIPT` with SCRIPT a file of the agent's directories: the agent's own program, whose
+    imports stay as Python makes them (its `queue.py` beside it is its queue). A module (-m), code (-c) or a
+    script elsewhere (a runner's console script, /tests/...) is not."""
+    args = iter(argv[1:])
+    for arg in args:
+        if arg == "-" or not arg.startswith("-"):
+            return os.path.isfile(arg) and finder.is_agents(os.path.dirname(os.path.abspath(arg)))
+        if arg.startswith("--"):
+            if arg == "--check-hash-based-pycs":
+                next(args, None)
+            continue
+        for i, flag in enumerate(arg[1:], 1):
+            if flag in "cm":
+                return False
+            if flag in "WX":
+                if i == len(arg) - 1:
+                    next(args, None)
+                break
+    return False
+
+
 def install(dirs: list[str]) -> None:
     finder = OutsideAgentCode(dirs)
-    if finder.prefixes:
+    argv = getattr(sys, "orig_argv", None)  # 3.10+; before, nothing tells the script yet: protected
+    if finder.prefixes and not (argv and runs_agents_script(finder, argv)):
         at = next((i for i, f in enumerate(sys.meta_path) if f is PathFinder), len(sys.meta_path))
         sys.meta_path.insert(at, finder)
         _distributions_outside(finder)
