@@ -12,7 +12,8 @@ score is the fraction of FAIL_TO_PASS tests passed when every PASS_TO_PASS test 
 What the code under test cannot steer:
 - files the runner or the interpreter loads on their own are the original ones: conftest.py and the
   runner's configuration files are restored (`runner_files`) or removed when the agent added them, and so
-  are sitecustomize/usercustomize and *.pth files; compiled files (*.pyc, __pycache__) are removed, and
+  are sitecustomize/usercustomize and *.pth files, and distributions' metadata (*.dist-info, *.egg-info,
+  entry_points.txt: pytest loads each pytest11 entry point as a plugin); compiled files (*.pyc, __pycache__) are removed, and
   so are modules the agent added that shadow the standard library or the test runner (`original_files`
   says what the tree held);
 - the tests run with PYTHONSAFEPATH (the workspace after the standard library: runner_hooks/sitecustomize.py);
@@ -43,7 +44,10 @@ from gyre.tasks.agent_code import evaluation_broken, run_tests
 RUNNER_HOOKS = Path(agent_code.__file__).with_name("runner_hooks")  # sitecustomize.py, gyre_test_report.py
 # Files a test runner reads on its own, wherever they are: the original's content, or gone
 RUNNER_CONFIG = frozenset({"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml",
-                           "sitecustomize.py", "usercustomize.py"})  # fmt: skip
+                           "sitecustomize.py", "usercustomize.py", "entry_points.txt"})  # fmt: skip
+# Installed distributions' metadata, which importlib.metadata finds in each directory on the import path (the
+# workspace's too): pytest loads every pytest11 entry point of them as a plugin
+METADATA_SUFFIXES = (".dist-info", ".egg-info")
 RUNNER_MODULES = frozenset({"pytest", "_pytest", "pluggy", "py", "iniconfig", "unittest", "gyre_test_report"})
 MODULE_SUFFIXES = (".py", ".pyc", ".pyw", ".so", ".pyd")
 
@@ -118,7 +122,8 @@ def refuse_loaded_files(workspace: Path, original: set[str], restore: dict[str, 
             compiled = name == "__pycache__" or name.endswith((".pyc", ".pyo"))
             added = rel not in original and rel not in original_dirs
             shadow = str(rel_root) in test_dirs and _shadows(name)
-            if compiled or (is_runner_file(rel) and rel not in restore) or (added and shadow):
+            metadata = added and name.endswith(METADATA_SUFFIXES)
+            if compiled or metadata or (is_runner_file(rel) and rel not in restore) or (added and shadow):
                 _remove(here / name)
                 removed.append(rel)
         dirs[:] = [d for d in dirs if (here / d).is_dir() and not (here / d).is_symlink()]
