@@ -17,7 +17,7 @@ from gyre.tasks.checker_report import CheckerReport
 from gyre.tasks.families import FAMILIES, echo_files_task, fix_value_task, write_value_task
 from gyre.tasks.grading import _grade_from, grade_workspace
 from gyre.tasks.suite import TaskPool, sample_tasks
-from gyre.tasks.swebench_checker import read_records
+from gyre.tasks.swebench_checker import read_records, refuse_loaded_files, runner_files
 from gyre.tasks.task import Task
 
 pytestmark = pytest.mark.unit
@@ -275,3 +275,23 @@ def test_task_pool_holds_every_family_in_equal_shares_whatever_the_seed():
     for seed in range(5):
         pool = TaskPool(["write_value", "echo_files"], size=8, seed=seed)
         assert Counter(t.family for t in pool.tasks) == {"write_value": 4, "echo_files": 4}
+
+
+def test_swebench_grading_keeps_the_original_trees_metadata_and_runner_modules(tmp_path):
+    """What pytest loads of its own accord from the workspace: distributions' metadata the agent added (a pytest11
+    entry point is a plugin) goes, the original's entry_points.txt comes back as it was; a top-level module the
+    runner imports (packaging) the agent added goes; the original tree's own files stay."""
+    original = {"pkg/__init__.py": "", "pkg.egg-info/entry_points.txt": "[console_scripts]\npkg = pkg:main\n"}
+    for rel, text in original.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    (tmp_path / "pkg.egg-info" / "entry_points.txt").write_text("[pytest11]\nevil = evilplug\n")
+    for rel in ("evil-1.0.dist-info/entry_points.txt", "other.egg-info/PKG-INFO", "packaging/__init__.py",
+                "evilplug.py"):  # fmt: skip
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x\n")
+    removed = refuse_loaded_files(tmp_path, set(original), runner_files(original), {"."})
+    assert {"evil-1.0.dist-info", "other.egg-info", "packaging"} <= set(removed)
+    assert (tmp_path / "pkg.egg-info" / "entry_points.txt").read_text() == original["pkg.egg-info/entry_points.txt"]
+    assert (tmp_path / "pkg" / "__init__.py").is_file() and (tmp_path / "evilplug.py").is_file()  # the agent's own
+    assert not (tmp_path / "evil-1.0.dist-info").exists() and not (tmp_path / "packaging").exists()

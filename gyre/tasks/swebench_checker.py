@@ -48,7 +48,9 @@ RUNNER_CONFIG = frozenset({"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini"
 # Installed distributions' metadata, which importlib.metadata finds in each directory on the import path (the
 # workspace's too): pytest loads every pytest11 entry point of them as a plugin
 METADATA_SUFFIXES = (".dist-info", ".egg-info")
-RUNNER_MODULES = frozenset({"pytest", "_pytest", "pluggy", "py", "iniconfig", "unittest", "gyre_test_report"})
+# pytest and what it imports of its own accord (as runner_hooks/runner_imports.RUNNER), unittest, our hooks
+RUNNER_MODULES = frozenset({"pytest", "_pytest", "pluggy", "py", "iniconfig", "packaging", "tomli", "exceptiongroup",
+                            "colorama", "pygments", "unittest", "gyre_test_report"})  # fmt: skip
 MODULE_SUFFIXES = (".py", ".pyc", ".pyw", ".so", ".pyd")
 
 PASSING, MAINTAINED = {"PASSED", "XFAIL"}, {"PASSED", "XFAIL", "SKIPPED"}
