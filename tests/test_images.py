@@ -676,3 +676,23 @@ def test_tests_run_as_a_module_load_no_runner_or_plugin_of_the_agents(attack, ba
         (ws / rel).write_text(text)
     grade = grade_workspace(built, ws, sandbox=sandbox, check_timeout_s=120)
     assert (grade.status, grade.score) == ("ok", 1.0 if attack == "honest" else 0.0), grade
+
+
+@pytest.mark.integration
+def test_the_images_empty_directories_are_in_the_workspace(bases, tmp_path):
+    """`RUN mkdir -p out/deep` in the image's WORKDIR: a solution that writes out/deep/answer.txt without making
+    it scores 1, as in the task's container (the workspace held only the image's files before: solve.sh failed)."""
+    d = tmp_path / "empty-dirs"
+    files = {"task.toml": "[verifier]\ntimeout_sec = 60.0\n[agent]\ntimeout_sec = 60.0\n", "instruction.md": "Write 42.",
+             "environment/Dockerfile": "FROM debian:bookworm\nWORKDIR /app\nRUN mkdir -p out/deep empty data && "
+                                       "echo 1 > data/x\n",
+             "tests/test.sh": '[ "$(cat /app/out/deep/answer.txt)" = 42 ] && r=1 || r=0\necho $r > /logs/verifier/reward.txt\n',
+             "solution/solve.sh": "set -e\necho 42 > out/deep/answer.txt\n"}  # fmt: skip
+    for rel, text in files.items():
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_text(text)
+    built = build_task_environment(load_harbor_task(d, build_images=True), ImageBuilder())
+    assert built.directories == ["empty", "out/deep"] and set(built.files) == {"data/x"}
+    assert (built.materialize(tmp_path / "ws") / "out" / "deep").is_dir()
+    report = check_task(built, make_sandbox(SandboxConfig()), check_timeout_s=60)
+    assert (report.oracle.score, report.nop.score, report.problem) == (1.0, 0.0, ""), report.line()

@@ -289,10 +289,10 @@ def build_task_environment(task: Task, builder: ImageBuilder) -> Task:
     assert root is not None
     workdir = task.workdir or (root.workdir if root.workdir != "/" else "")
     files, executables = workspace_from_rootfs(root.rootfs, workdir) if workdir else ({}, [])
+    directories = empty_directories(root.rootfs, workdir) if workdir else []
     grading = offline_grading(task, image, root)
-    return dataclasses.replace(
-        task, image=image, workdir=workdir, files=files, executables=executables, grading=grading
-    )
+    return dataclasses.replace(task, image=image, workdir=workdir, files=files, executables=executables,
+                               directories=directories, grading=grading)  # fmt: skip
 
 
 def offline_grading(task: Task, image: str, root: ImageRoot) -> dict[str, Any]:
@@ -313,6 +313,17 @@ def offline_grading(task: Task, image: str, root: ImageRoot) -> dict[str, Any]:
     if (python := offline_tests.fallback_python(root)) is not None:
         env["UV_PYTHON"] = python[1]
     return {**task.grading, "env": env, "offline_tests": prepared, "offline_pythons": pythons}
+
+
+def empty_directories(rootfs: Path, workdir: str) -> list[str]:
+    """The directories under the image's working directory that hold no file (a `RUN mkdir -p /app/out` the task
+    writes its output to): the workspace has them too, as the container would."""
+    top = rootfs / workdir.lstrip("/")
+    if not top.is_dir() or top.is_symlink():
+        return []
+    dirs = [p for p in top.rglob("*") if p.is_dir() and not p.is_symlink()]
+    held = lambda d: any(not c.is_symlink() and (c.is_dir() or c.is_file()) for c in d.iterdir())  # noqa: E731
+    return sorted(d.relative_to(top).as_posix() for d in dirs if not held(d))
 
 
 def workspace_from_rootfs(rootfs: Path, workdir: str) -> tuple[dict[str, WorkspaceFile], list[str]]:

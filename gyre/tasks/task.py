@@ -87,6 +87,7 @@ class Task:
     check_timeout_s: float | None = None
     init_git: bool = False
     executables: list[str] = field(default_factory=list)  # files of `files` with the executable bit
+    directories: list[str] = field(default_factory=list)  # directories the workspace starts with that hold no file
     source: str = "builtin"
     source_path: str = ""
     build_context: str = ""
@@ -121,6 +122,8 @@ class Task:
                 path.write_text(content)
         for rel in self.executables:
             (root / rel).chmod(0o755)
+        for rel in self.directories:
+            (root / rel).mkdir(parents=True, exist_ok=True)
         if self.init_git:
             commit_tree(root)
         return root
