@@ -56,7 +56,7 @@ from gyre.tasks.images import (
     workspace_from_rootfs,
 )
 from gyre.tasks.offline_tests import PIP_DIR, offline_env, pip_requirements, uv_version, uvx_commands
-from gyre.tasks.oracle import check_task, solve
+from gyre.tasks.oracle import FORGEABLE, check_task, solve
 from gyre.tasks.source import load_instances
 from tools.make_base_images import make_base
 from tools.record_claude_code import CONTEXT_TOKENS, english_corpus
@@ -696,3 +696,20 @@ def test_the_images_empty_directories_are_in_the_workspace(bases, tmp_path):
     assert (built.materialize(tmp_path / "ws") / "out" / "deep").is_dir()
     report = check_task(built, make_sandbox(SandboxConfig()), check_timeout_s=60)
     assert (report.oracle.score, report.nop.score, report.problem) == (1.0, 0.0, ""), report.line()
+
+
+@pytest.mark.integration
+def test_a_task_whose_tests_run_in_the_agents_directory_is_named_forgeable(bases, tmp_path):
+    """tests/test.sh copies its tests into /app and runs pytest there (a pattern of tasks written by hand): a
+    conftest.py the agent leaves in /app decides every outcome. The oracle 1, the do-nothing agent 0, and a
+    planted conftest.py 1: check_task names the task forgeable (broken), where the same tests run from /tests
+    are sound (test_a_terminal_bench_style_test_that_fetches_uv_and_pytest_runs_offline)."""
+    task_dir = tmp_path / "word-count-in-app"
+    shutil.copytree(IMAGE_TASKS / "word-count-uvx", task_dir)
+    script = (task_dir / "tests" / "test.sh").read_text().replace(" /tests/test_outputs.py", " /app/test_outputs.py")
+    script = script.replace("uvx \\\n", "cp /tests/test_outputs.py /app/test_outputs.py\nuvx \\\n")
+    (task_dir / "tests" / "test.sh").write_text(script)
+    built = build_task_environment(load_harbor_task(task_dir, build_images=True), ImageBuilder())
+    report = check_task(built, make_sandbox(SandboxConfig()), check_timeout_s=120)
+    assert (report.oracle.score, report.nop.score, report.verdict) == (1.0, 0.0, "broken"), report.line()
+    assert report.causes == [FORGEABLE], report.line()

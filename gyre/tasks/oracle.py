@@ -300,6 +300,24 @@ def _causes(oracle: Grade, nop: Grade, solve_problem: str, tests_log: str) -> li
     return causes
 
 
+# A losing agent's conftest.py in every directory of its workspace: where a task's tests run pytest on files there
+# (copied in beside the agent's work, or collected from it), pytest loads it, and it passes every test
+PLANTED_CONFTEST = (
+    "import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
+    "    (yield).get_result().outcome = 'passed'\n"
+)
+FORGEABLE = ("forgeable: a conftest.py the agent leaves in its working directory gets the full reward (the tests run "
+             "pytest on files there, where the agent's code decides their outcome)")  # fmt: skip
+
+
+def plant_conftest(workspace: Path) -> Path:
+    """`workspace` with PLANTED_CONFTEST in it and in each of its directories (but .git)."""
+    dirs = [d for d in workspace.rglob("*") if d.is_dir() and not d.is_symlink() and ".git" not in d.parts]
+    for d in [workspace, *dirs]:
+        (d / "conftest.py").write_text(PLANTED_CONFTEST)
+    return workspace
+
+
 def check_task(
     task: Task, sandbox: Sandbox, check_timeout_s: float = 60.0, build: EnvironmentBuilder = no_build
 ) -> OracleReport:
@@ -321,9 +339,15 @@ def check_task(
         oracle = grade_workspace(task, workspace, check_timeout_s=check_timeout_s, sandbox=sandbox)
         sound = not why and oracle.score == 1.0 and nop.score is not None and nop.score < 1.0
         tests_log = "" if sound else test_output(task, workspace, sandbox, task.check_timeout_s or check_timeout_s)
+        forged = None
+        if sound and task.checker == "harbor":  # SWE-bench's checker puts the original conftest.py files back
+            planted = plant_conftest(task.materialize(root / "planted"))
+            forged = grade_workspace(task, planted, check_timeout_s=check_timeout_s, sandbox=sandbox)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     causes = _causes(oracle, nop, why, tests_log)
+    if forged is not None and forged.score is not None and forged.score >= 1.0:
+        causes.append(FORGEABLE)
     return OracleReport(
         task.task_id, oracle, nop, problem="; ".join(causes), verdict="broken" if causes else "sound",
         built=built.built, test_output=tail_lines(tests_log) if causes else "",
