@@ -13,9 +13,9 @@ What the code under test cannot steer:
 - files the runner or the interpreter loads on their own are the original ones: conftest.py and the
   runner's configuration files are restored (`runner_files`) or removed when the agent added them, and so
   are sitecustomize/usercustomize and *.pth files, and distributions' metadata (*.dist-info, *.egg-info,
-  entry_points.txt: pytest loads each pytest11 entry point as a plugin); compiled files (*.pyc, __pycache__) are removed, and
-  so are modules the agent added that shadow the standard library or the test runner (`original_files`
-  says what the tree held);
+  entry_points.txt: pytest loads each pytest11 entry point as a plugin); compiled files (*.pyc,
+  __pycache__) are removed, and so are modules the agent added that shadow the standard library or the
+  test runner (`original_files` says what the tree held);
 - the tests run with PYTHONSAFEPATH (the workspace after the standard library: runner_hooks/sitecustomize.py);
 - the statuses come from the runners' own records (runner_hooks/gyre_test_report.py), never from lines
   the code can print; a run without a complete record (os._exit, a crash) scores 0 as the agent's failure,

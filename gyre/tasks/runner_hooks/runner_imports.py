@@ -33,6 +33,7 @@ def stdlib_names() -> frozenset[str]:
         for directory in (stdlib, os.path.join(stdlib, "lib-dynload")):
             entries = os.listdir(directory) if os.path.isdir(directory) else []
             names.update(e.split(".")[0] for e in entries if e.split(".")[0].isidentifier())
+        names -= {"test", "tests"}  # the interpreter's own test suite, where an image keeps it: not a module to guard
     return frozenset(names)
 
 
