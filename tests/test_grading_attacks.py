@@ -32,7 +32,7 @@ from gyre.sandbox import make_sandbox
 from gyre.tasks import grading, reward_guard
 from gyre.tasks.grading import Grade, grade_workspace
 from gyre.tasks.harbor import load_harbor_task
-from gyre.tasks.oracle import apply_patch, reference_patch, solve
+from gyre.tasks.oracle import PLANTED_CONFTEST, apply_patch, reference_patch, solve
 from gyre.tasks.swebench import load_swebench_tasks
 from gyre.tasks.task import Task
 
@@ -406,8 +406,7 @@ def swebench_attacks(task: Task) -> dict[str, dict[str, str]]:
         "plugin_entry_point": {
             "evil-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: evil\nVersion: 1.0\n",
             "evil-1.0.dist-info/entry_points.txt": "[pytest11]\nevil = evilplug\n",
-            "evilplug.py": "import pytest\n@pytest.hookimpl(hookwrapper=True)\n"
-            "def pytest_runtest_makereport(item, call):\n    (yield).get_result().outcome = 'passed'\n",
+            "evilplug.py": PLANTED_CONFTEST,
         },
     }
 

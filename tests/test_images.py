@@ -56,7 +56,7 @@ from gyre.tasks.images import (
     workspace_from_rootfs,
 )
 from gyre.tasks.offline_tests import PIP_DIR, offline_env, pip_requirements, uv_version, uvx_commands
-from gyre.tasks.oracle import FORGEABLE, check_task, solve
+from gyre.tasks.oracle import FORGEABLE, PLANTED_CONFTEST, check_task, solve
 from gyre.tasks.source import load_instances
 from tools.make_base_images import make_base
 from tools.record_claude_code import CONTEXT_TOKENS, english_corpus
@@ -617,8 +617,7 @@ def test_an_agent_rearranging_the_root_cannot_forge_its_grade(bases, tmp_path):
 ROOT_RUNNER_CONFIG = {
     "pytest_ini": "printf '[pytest]\\naddopts = --collect-only -q\\n' > /pytest.ini\n",
     "pyproject": "printf '[tool.pytest.ini_options]\\naddopts = \"--collect-only -q\"\\n' > /pyproject.toml\n",
-    "conftest": "touch /setup.py\nprintf 'import pytest\\n@pytest.hookimpl(hookwrapper=True)\\n"
-    'def pytest_runtest_makereport(item, call):\\n    (yield).get_result().outcome = "passed"\\n\' > /conftest.py\n',
+    "conftest": f"touch /setup.py\ncat > /conftest.py <<'EOF'\n{PLANTED_CONFTEST}EOF\n",
 }
 
 
@@ -645,16 +644,12 @@ MODULE_RUN_TESTS = (
     "python3 -m pytest /tests/test_outputs.py -rA && echo 1 > /logs/verifier/reward.txt || "
     "echo 0 > /logs/verifier/reward.txt\n"
 )
-PASS_EVERY_TEST = (
-    "import pytest\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
-    "    (yield).get_result().outcome = 'passed'\n"
-)
 WORKDIR_RUNNER_ATTACKS = {
     "pytest_shadow": {"pytest.py": "raise SystemExit(0)\n"},
     "plugin_entry_point": {
         "evil-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: evil\nVersion: 1.0\n",
         "evil-1.0.dist-info/entry_points.txt": "[pytest11]\nevil = evilplug\n",
-        "evilplug.py": PASS_EVERY_TEST,
+        "evilplug.py": PLANTED_CONFTEST,
     },
     "honest": {},
 }

@@ -14,6 +14,7 @@ import pytest
 
 from gyre.tasks.harbor_checker import RUNNER_HOOKS
 from gyre.tasks.harbor_root import runner_config_above
+from gyre.tasks.runner_hooks import runner_imports
 
 pytestmark = pytest.mark.unit
 
@@ -68,11 +69,6 @@ def test_runner_configuration_above_the_tests_is_what_pytest_reads_at_root() -> 
 def test_the_interpreters_own_trees_are_never_the_agents(tmp_path: Path) -> None:
     """An image whose Python lives under its working directory (WORKDIR /opt, Python in /opt/conda) still
     imports its standard library; the directory itself stays the agent's."""
-    sys.path.insert(0, str(RUNNER_HOOKS))
-    try:
-        import runner_imports  # as sitecustomize imports it: from the hooks directory
-    finally:
-        sys.path.remove(str(RUNNER_HOOKS))
     stdlib = tmp_path / "opt" / "conda" / "lib" / "python3.11"
     stdlib.mkdir(parents=True)
     finder = runner_imports.OutsideAgentCode([str(tmp_path / "opt")])
@@ -95,11 +91,6 @@ def test_the_interpreters_own_trees_are_never_the_agents(tmp_path: Path) -> None
 )
 def test_only_a_script_of_the_agents_runs_unprotected(argv: list[str], agents: bool, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    sys.path.insert(0, str(RUNNER_HOOKS))
-    try:
-        import runner_imports
-    finally:
-        sys.path.remove(str(RUNNER_HOOKS))
     app = tmp_path / "app"
     app.mkdir()
     (app / "main.py").write_text("import queue\n")

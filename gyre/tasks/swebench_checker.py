@@ -40,6 +40,7 @@ from typing import Any
 
 from gyre.tasks import agent_code
 from gyre.tasks.agent_code import evaluation_broken, run_tests
+from gyre.tasks.runner_hooks.runner_imports import RUNNER
 
 RUNNER_HOOKS = Path(agent_code.__file__).with_name("runner_hooks")  # sitecustomize.py, gyre_test_report.py
 # Files a test runner reads on its own, wherever they are: the original's content, or gone
@@ -48,9 +49,7 @@ RUNNER_CONFIG = frozenset({"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini"
 # Installed distributions' metadata, which importlib.metadata finds in each directory on the import path (the
 # workspace's too): pytest loads every pytest11 entry point of them as a plugin
 METADATA_SUFFIXES = (".dist-info", ".egg-info")
-# pytest and what it imports of its own accord (as runner_hooks/runner_imports.RUNNER), unittest, our hooks
-RUNNER_MODULES = frozenset({"pytest", "_pytest", "pluggy", "py", "iniconfig", "packaging", "tomli", "exceptiongroup",
-                            "colorama", "pygments", "unittest", "gyre_test_report"})  # fmt: skip
+RUNNER_MODULES = RUNNER | {"unittest"}  # pytest and what it imports of its own accord, unittest, our hooks
 MODULE_SUFFIXES = (".py", ".pyc", ".pyw", ".so", ".pyd")
 
 PASSING, MAINTAINED = {"PASSED", "XFAIL"}, {"PASSED", "XFAIL", "SKIPPED"}

@@ -19,7 +19,7 @@ import sys
 from importlib.machinery import PathFinder
 from typing import Any
 
-# pytest, its plugins' prefix aside, and what it imports of its own accord
+# pytest, its plugins' prefix aside, and what it imports of its own accord (the SWE-bench checker removes them too)
 RUNNER = frozenset({"pytest", "_pytest", "pluggy", "iniconfig", "py", "packaging", "tomli", "exceptiongroup",
                     "colorama", "pygments", "gyre_test_report", "sitecustomize", "usercustomize"})  # fmt: skip
 
